@@ -1,0 +1,5 @@
+import sys
+
+from rtpcore.cli import main
+
+sys.exit(main())

@@ -1,0 +1,72 @@
+"""The ``rtpcore`` command: a thin shell over the library.
+
+This package is the only place that prints or chooses exit codes:
+0 success, 2 bad usage (argparse, allowlist validation), 1 any other error,
+printed as one line ``rtpcore: error: ...`` (a traceback only with ``--debug``).
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)``;
+the module is imported when the parser is built, and must not import torch at
+module level (``--help``, ``--version`` and ``plugins list`` never import torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from rtpcore.errors import AllowlistError, RtpcoreError
+
+__all__ = ["main"]
+
+_COMMANDS = ("rtpcore.cli._plugins", "rtpcore.cli._kv_spec", "rtpcore.cli._generate")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rtpcore")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rtpcore",
+        description="Load external model packages into an LLM inference engine.",
+    )
+    parser.add_argument("--version", action="version", version=f"rtpcore {_version()}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _COMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a real import error inside the command module
+                raise
+            continue  # command not built yet
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except AllowlistError as exc:
+        parser.exit(2, f"rtpcore: error: {exc}\n")
+    except (RtpcoreError, OSError, ValueError) as exc:
+        if args.debug:
+            raise
+        print(f"rtpcore: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Every error rtpcore raises, in one place.
+
+Each error carries the fields a caller needs to act on it (``.plugin``,
+``.distribution``, ``.missing`` ...) besides a message that names the input and
+the rule it broke. All derive from :class:`RtpcoreError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "AllowlistError",
+    "CheckpointError",
+    "KVCacheSpecError",
+    "MissingTensorsError",
+    "PluginConflictError",
+    "PluginError",
+    "PluginLoadError",
+    "PluginNotFoundError",
+    "PluginVersionError",
+    "RtpcoreError",
+    "UnknownArchitectureError",
+]
+
+
+class RtpcoreError(Exception):
+    """Base class of every error rtpcore raises on purpose."""
+
+
+class AllowlistError(RtpcoreError, ValueError):
+    """An item of ``--plugins`` / ``--external-model-packages`` breaks a parse rule.
+
+    ``.item`` is the offending text, ``.rule`` the rule it broke.
+    """
+
+    def __init__(self, message: str, *, item: str | None = None, rule: str | None = None):
+        super().__init__(message)
+        self.item = item
+        self.rule = rule
+
+
+class PluginError(RtpcoreError):
+    """Base class of the errors tied to one requested plugin.
+
+    ``.plugin`` is the requested item (or entry-point name), ``.distribution``
+    and ``.version`` the distribution that provides it when known,
+    ``.entry_point`` its ``module[:object]`` value when known, and ``.state``
+    the outcome string shown by ``rtpcore plugins list``.
+    """
+
+    state: str = "error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        plugin: str | None = None,
+        distribution: str | None = None,
+        version: str | None = None,
+        entry_point: str | None = None,
+        state: str | None = None,
+    ):
+        super().__init__(message)
+        self.plugin = plugin
+        self.distribution = distribution
+        self.version = version
+        self.entry_point = entry_point
+        if state is not None:
+            self.state = state
+
+
+class PluginNotFoundError(PluginError):
+    """The requested distribution or entry point is not installed."""
+
+    state = "not-installed"
+
+
+class PluginVersionError(PluginError):
+    """The installed version does not satisfy the requested specifier,
+    or differs from the version a parent process resolved."""
+
+    state = "version-mismatch"
+
+
+class PluginConflictError(PluginError):
+    """Two providers claim the same thing (a distribution name on the path, a
+    ``model_type``, an architecture or a KV layout name).
+
+    ``.providers`` describes both sides, each a human-readable string naming
+    distribution, version and module.
+    """
+
+    state = "conflict"
+
+    def __init__(self, message: str, *, providers: Sequence[str] = (), **kwargs: object):
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.providers = tuple(providers)
+
+
+class PluginLoadError(PluginError):
+    """The plugin could not be imported (``import-failed``, cause chained) or
+    its hooks or ModelPlugin classes failed validation (``invalid``)."""
+
+    state = "import-failed"
+
+
+class UnknownArchitectureError(RtpcoreError, LookupError):
+    """No registered model serves the checkpoint's architectures.
+
+    ``.architectures`` are the ones asked for, ``.known`` the registered ones,
+    ``.hints`` maps an architecture to installed-but-not-allowed plugins that
+    declare it (``rtpcore.architectures`` entry points).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        architectures: Sequence[str] = (),
+        known: Sequence[str] = (),
+        hints: dict[str, list[str]] | None = None,
+    ):
+        super().__init__(message)
+        self.architectures = tuple(architectures)
+        self.known = tuple(known)
+        self.hints = dict(hints or {})
+
+
+class CheckpointError(RtpcoreError):
+    """A checkpoint file or directory is unusable. ``.path`` names the file."""
+
+    def __init__(self, message: str, *, path: object = None):
+        super().__init__(message)
+        self.path = path
+
+
+class MissingTensorsError(CheckpointError):
+    """Tensors the model requires are in no checkpoint file. ``.missing`` lists all of them."""
+
+    def __init__(self, message: str, *, missing: Sequence[str] = (), path: object = None):
+        super().__init__(message, path=path)
+        self.missing = tuple(missing)
+
+
+class KVCacheSpecError(RtpcoreError, ValueError):
+    """A KV-cache descriptor or layout is invalid. ``.tag`` names the layer."""
+
+    def __init__(self, message: str, *, tag: str | None = None):
+        super().__init__(message)
+        self.tag = tag

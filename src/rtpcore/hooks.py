@@ -1,0 +1,29 @@
+"""The pluggy hook specifications and the ``hookimpl`` marker plugin authors use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT = "rtpcore"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+__all__ = ["PROJECT", "hookimpl", "hookspec"]
+
+
+@hookspec
+def rtpcore_register_models(registry: Any) -> None:
+    """Register the plugin's models with ``registry.register(...)``.
+
+    ``registry`` is a recording view of the ModelRegistry: registrations made
+    here take effect only if the whole hook returns without raising.
+    """
+
+
+@hookspec
+def rtpcore_kv_cache_layouts() -> list[Any]:  # type: ignore[empty-body]
+    """Return extra fp8 KV-cache layout policies (``rtpcore_native.Fp8LayoutPolicy``
+    instances), selectable by their ``name``."""

@@ -1,0 +1,99 @@
+"""``ModelPlugin``: the class plugin authors subclass.
+
+A ModelPlugin is a bundle of classmethods; it is never instantiated. Its class
+attributes are plain data so the registry can validate and index a plugin
+without importing torch.
+
+The engine calls, in order::
+
+    config  = Plugin.config_from_hf(hf_config)              # parsed config.json -> your config
+    names   = Plugin.weight_patterns(config)                # tensors to read ("{layer}" = index)
+    ranges  = Plugin.placeholder_ranges(config)             # which indices are required
+    descs   = Plugin.kv_cache_descs(config, kv_cache_dtype=..., kv_layout=..., tokens_per_block=...)
+    model   = Plugin.build_model(config, weights, dtype=..., device=...)
+
+Forward contract (the same for every model; see ``rtpcore.batch``)::
+
+    logits = model(batch, kv_caches)
+    # batch:     rtpcore.batch.ForwardBatch, the new tokens of every running sequence
+    #            concatenated (T tokens in all) with their positions and cache slots
+    # kv_caches: list[rtpcore.paged_cache.LayerKVCache], one per KVCacheSpecDesc, in order
+    # logits:    (B, vocab) float tensor, one row per sequence: the logits after its last new token
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+__all__ = ["ModelPlugin"]
+
+
+class ModelPlugin:
+    """Base class of every model served by rtpcore, built-in or external.
+
+    Subclasses set ``model_type`` (the unique registry key) and
+    ``architectures`` (the Hugging Face ``config.json`` "architectures" values
+    they serve). ``replaces`` lists built-in architectures this plugin takes
+    over on purpose; without it, an external plugin that claims a built-in
+    architecture is a conflict (built-ins only fill empty slots).
+    """
+
+    model_type: ClassVar[str]
+    architectures: ClassVar[tuple[str, ...]]
+    replaces: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def config_from_hf(cls, hf_config: Mapping[str, Any]) -> Any:
+        """Turn a parsed ``config.json`` into this model's config object."""
+        raise NotImplementedError(f"{cls.__qualname__}.config_from_hf is not implemented")
+
+    @classmethod
+    def weight_patterns(cls, config: Any) -> Sequence[str]:
+        """Names of the tensors this model reads from the checkpoint.
+
+        ``{name}`` stands for one decimal index (``model.layers.{layer}.mlp.up_proj.weight``);
+        everything else is literal and the whole name must match.
+        """
+        raise NotImplementedError(f"{cls.__qualname__}.weight_patterns is not implemented")
+
+    @classmethod
+    def placeholder_ranges(cls, config: Any) -> Mapping[str, Sequence[int]]:
+        """The indices each placeholder must cover; each pattern is expanded over
+        them into the exact set of required tensor names.
+
+        The default requires ``{layer}`` for every layer when the config has a
+        ``num_hidden_layers`` attribute. A placeholder with no range matches any
+        index and requires none (optional tensors).
+        """
+        n = getattr(config, "num_hidden_layers", None)
+        return {"layer": range(n)} if isinstance(n, int) else {}
+
+    @classmethod
+    def kv_cache_descs(cls, config: Any, **options: Any) -> Sequence[Any]:
+        """One ``rtpcore_native.KVCacheSpecDesc`` per attention layer, in layer order.
+
+        Options the engine passes: ``kv_cache_dtype`` (``"fp32"``, ``"fp16"``,
+        ``"bf16"`` or ``"fp8_e4m3"``, already resolved from ``"auto"``),
+        ``kv_layout`` (an fp8 layout name or None: the plugin's choice) and
+        ``tokens_per_block``.
+        """
+        raise NotImplementedError(f"{cls.__qualname__}.kv_cache_descs is not implemented")
+
+    @classmethod
+    def build_model(cls, config: Any, weights: Mapping[str, Any], **options: Any) -> Any:
+        """Build the ``torch.nn.Module`` from loaded weights (engine dtype already).
+
+        Options the engine passes: ``dtype`` (a ``torch.dtype``) and ``device``.
+        """
+        raise NotImplementedError(f"{cls.__qualname__}.build_model is not implemented")
+
+    @classmethod
+    def weight_shapes(cls, config: Any) -> Mapping[str, tuple[int, ...]]:
+        """Optional: expected shapes by pattern, checked when the checkpoint loads."""
+        return {}
+
+    @classmethod
+    def demo_config(cls) -> Mapping[str, Any] | None:
+        """Optional: a small Hugging Face style config.json dict for ``--demo``."""
+        return None
