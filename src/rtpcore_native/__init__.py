@@ -1,5 +1,27 @@
-"""rtpcore_native: the KV-cache spec builder, a pybind11 extension."""
+"""rtpcore_native: the KV-cache spec builder, a pybind11 extension.
 
-from rtpcore_native._core import __version__
+``build_kv_cache_spec(KVCacheSpecDesc(...))`` returns a ``KVCacheSpec``: the byte
+map of one token's cache row (``regions``), its k/v/scale partition and the block
+size; ``plan_kv_cache_blocks`` says how many blocks fit in a memory budget.
+Invalid input raises ``ValueError`` naming the field and the value.
+"""
 
-__all__ = ["__version__"]
+from rtpcore_native._core import (
+    BUILTIN_LAYOUTS,
+    Fp8LayoutPolicy,
+    KVCacheSpec,
+    KVCacheSpecDesc,
+    __version__,
+    build_kv_cache_spec,
+    plan_kv_cache_blocks,
+)
+
+__all__ = [
+    "BUILTIN_LAYOUTS",
+    "Fp8LayoutPolicy",
+    "KVCacheSpec",
+    "KVCacheSpecDesc",
+    "__version__",
+    "build_kv_cache_spec",
+    "plan_kv_cache_blocks",
+]
