@@ -1,0 +1,447 @@
+"""Load the tensors a model needs from a safetensors checkpoint, and nothing else.
+
+::
+
+    weights = load_checkpoint(path, Plugin.weight_patterns(cfg), Plugin.placeholder_ranges(cfg),
+                              dtype=torch.bfloat16, expected_shapes=Plugin.weight_shapes(cfg))
+    weights.stats.files_opened      # only the shards holding a wanted tensor
+
+Patterns: ``{name}`` stands for one decimal index, everything else is literal, and the
+whole tensor name must match. A placeholder with a range (``{"layer": range(n)}``) is
+expanded over it into required names and matches only indices in it; a placeholder
+without a range matches any index and requires nothing (optional tensors). A pattern
+without placeholders is required.
+
+The index (``checkpoint_index``) tells which file holds each wanted tensor; only those
+files are opened, memory-mapped through ``safetensors.safe_open``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import itertools
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from attrs import frozen
+
+from rtpcore.checkpoint_index import (
+    CheckpointIndex,
+    FileHeader,
+    TensorInfo,
+    build_index,
+)
+from rtpcore.errors import CheckpointError, MissingTensorsError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "LoadStats",
+    "LoadedWeights",
+    "WeightSelection",
+    "load_checkpoint",
+    "read_hf_config",
+]
+
+logger = logging.getLogger(__name__)
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_DECIMAL = r"(?:0|[1-9][0-9]*)"
+_MISSING_SHOWN = 20
+
+
+def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed ``config.json`` of a checkpoint directory (or the file itself)."""
+    p = Path(path)
+    cfg = p if p.is_file() else p / "config.json"
+    try:
+        raw = cfg.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"config.json not found: {str(cfg)!r} does not exist", path=cfg
+        ) from None
+    except OSError as e:
+        raise CheckpointError(
+            f"config.json {str(cfg)!r} cannot be read ({e.strerror})", path=cfg
+        ) from None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(
+            f"config.json {str(cfg)!r} is not valid JSON ({str(e)[:120]})", path=cfg
+        ) from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(
+            f"config.json {str(cfg)!r} must hold a JSON object, got {type(doc).__name__}", path=cfg
+        )
+    return doc
+
+
+class _Pattern:
+    """One compiled weight pattern; ``ranges`` restricts the placeholders that have one."""
+
+    def __init__(self, pattern: str, ranges: Mapping[str, frozenset[int]]):
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"weight pattern must be a non-empty string, got {pattern!r}")
+        literals = _PLACEHOLDER.split(pattern)[::2]
+        if any("{" in lit or "}" in lit for lit in literals):
+            raise ValueError(
+                f"weight pattern {pattern!r}: braces may only enclose a placeholder name like {{layer}}"
+            )
+        self.text = pattern
+        self.names = tuple(dict.fromkeys(_PLACEHOLDER.findall(pattern)))
+        self.ranges = {n: ranges[n] for n in self.names if n in ranges}
+        self.required = len(self.ranges) == len(self.names)
+        seen: set[str] = set()
+
+        def group(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name in seen:
+                return f"(?P={name})"
+            seen.add(name)
+            return f"(?P<{name}>{_DECIMAL})"
+
+        pieces, pos = [], 0
+        for m in _PLACEHOLDER.finditer(pattern):
+            pieces += [re.escape(pattern[pos : m.start()]), group(m)]
+            pos = m.end()
+        pieces.append(re.escape(pattern[pos:]))
+        regex = "".join(pieces)
+        self.regex = re.compile(regex)
+
+    def matches(self, name: str) -> bool:
+        m = self.regex.fullmatch(name)
+        return m is not None and all(int(m.group(n)) in r for n, r in self.ranges.items())
+
+    def expand(self) -> Iterable[str]:
+        """The required names (only meaningful when every placeholder has a range)."""
+        values = [sorted(self.ranges[n]) for n in self.names]
+        for combo in itertools.product(*values):
+            # Literal text holds no braces (checked above), so str.format is exact.
+            yield self.text.format_map(dict(zip(self.names, combo, strict=True)))
+
+
+@frozen
+class WeightSelection:
+    """Which tensor names a model wants: an exact required set plus optional patterns."""
+
+    required: frozenset[str]
+    optional: tuple[_Pattern, ...]
+
+    @classmethod
+    def from_patterns(
+        cls, patterns: Iterable[str], ranges: Mapping[str, Iterable[int]] | None = None
+    ) -> WeightSelection:
+        if isinstance(patterns, str):
+            raise ValueError(
+                f"weight patterns must be a sequence of strings, got the string {patterns!r}"
+            )
+        sets = {}
+        for name, values in (ranges or {}).items():
+            vals = list(values)
+            if not all(type(v) is int and v >= 0 for v in vals):
+                raise ValueError(
+                    f"placeholder range {name!r} must hold non-negative integers, got {vals[:5]!r}"
+                )
+            sets[name] = frozenset(vals)
+        compiled = [_Pattern(p, sets) for p in patterns]
+        required = frozenset(n for p in compiled if p.required for n in p.expand())
+        return cls(required=required, optional=tuple(p for p in compiled if not p.required))
+
+    def wants(self, name: str) -> bool:
+        return name in self.required or any(p.matches(name) for p in self.optional)
+
+
+class _Lookup:
+    """Pattern -> value (expected shapes, slices), placeholders matching any index."""
+
+    def __init__(self, table: Mapping[str, Any] | None):
+        self.exact: dict[str, Any] = {}
+        self.patterns: list[tuple[_Pattern, Any]] = []
+        for key, value in (table or {}).items():
+            if _PLACEHOLDER.search(key):
+                self.patterns.append((_Pattern(key, {}), value))
+            else:
+                self.exact[key] = value
+
+    def get(self, name: str) -> Any:
+        if name in self.exact:
+            return self.exact[name]
+        return next((v for p, v in self.patterns if p.matches(name)), None)
+
+
+@frozen
+class LoadStats:
+    """What a load cost: proof that unrelated shards were never opened.
+
+    ``files_opened``: shards opened to read tensor data; ``headers_read``: shards
+    whose header (only) was read; ``shards_total``: shards the checkpoint has.
+    ``tensor_bytes_read`` counts the stored bytes of the tensors (or slices) read.
+    """
+
+    shards_total: int
+    files_opened: tuple[str, ...]
+    headers_read: tuple[str, ...]
+    tensors_loaded: int
+    header_bytes_read: int
+    tensor_bytes_read: int
+
+    @property
+    def bytes_read(self) -> int:
+        return self.header_bytes_read + self.tensor_bytes_read
+
+
+class LoadedWeights(dict[str, "torch.Tensor"]):
+    """The loaded tensors by name, with ``.stats`` (a :class:`LoadStats`)."""
+
+    stats: LoadStats
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _resolve_dtype(dtype: Any) -> torch.dtype | None:
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype name (e.g. 'float32', 'bfloat16')")
+    return value
+
+
+def _slice_key(info: TensorInfo, spec: Any, file: Path) -> tuple[slice, ...]:
+    try:
+        dim, start, stop = spec
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"slice for tensor {info.name!r} must be (dim, start, stop), got {spec!r}"
+        ) from None
+    if not (0 <= dim < len(info.shape) and 0 <= start <= stop <= info.shape[dim]):
+        raise CheckpointError(
+            f"checkpoint file {str(file)!r}: slice (dim={dim}, {start}:{stop}) does not fit "
+            f"tensor {info.name!r} of shape {list(info.shape)}",
+            path=file,
+        )
+    return (slice(None),) * dim + (slice(start, stop),)
+
+
+_Plan = dict[Path, tuple[FileHeader, list[TensorInfo]]]
+
+
+def _check_shapes(plan: _Plan, shapes: _Lookup) -> None:
+    bad, where = [], None
+    for file, (_, infos) in plan.items():
+        for info in infos:
+            want = shapes.get(info.name)
+            if want is not None and tuple(want) != info.shape:
+                where = where or file
+                bad.append(
+                    f"{info.name!r} expected {list(want)}, got {list(info.shape)} in {file.name!r}"
+                )
+    if bad:
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise CheckpointError(f"tensor shape mismatch: {'; '.join(bad[:5])}{more}", path=where)
+
+
+def _missing_error(index: CheckpointIndex, missing: Sequence[str]) -> MissingTensorsError:
+    shown = ", ".join(map(repr, missing[:_MISSING_SHOWN]))
+    more = f" (and {len(missing) - _MISSING_SHOWN} more)" if len(missing) > _MISSING_SHOWN else ""
+    where = index.index_path or index.root
+    return MissingTensorsError(
+        f"{len(missing)} required tensor(s) are in no file of checkpoint {str(where)!r}: {shown}{more}",
+        missing=missing,
+        path=where,
+    )
+
+
+def _plan(index: CheckpointIndex, selection: WeightSelection) -> tuple[_Plan, list[FileHeader]]:
+    """Needed file -> (its header, the wanted tensors in it), and the headers read to
+    learn it (only the needed files' when there is an index)."""
+    wanted: dict[Path, list[str]] = {}
+    for name, file in index.weight_map.items():
+        if selection.wants(name):
+            wanted.setdefault(file, []).append(name)
+    missing = sorted(selection.required.difference(index.weight_map), key=_natural_key)
+    if missing:
+        raise _missing_error(index, missing)
+    absent = [f for f in index.files if f not in wanted and not f.exists()]
+    if absent:
+        logger.warning(
+            "%s names %d file(s) that do not exist (%s); none holds a tensor this model needs",
+            index.index_path,
+            len(absent),
+            ", ".join(f.name for f in absent[:3]),
+        )
+    plan: _Plan = {}
+    headers = list(index.headers.values())
+    for file in index.files:
+        if file not in wanted:
+            continue
+        if not file.exists():
+            raise CheckpointError(
+                f"checkpoint index {str(index.index_path)!r} names {file.name!r}, which does not "
+                f"exist; it holds needed tensors such as {wanted[file][0]!r}",
+                path=file,
+            )
+        head = index.header(file)
+        if index.source == "index":
+            headers.append(head)
+        plan[file] = (head, [head.tensors[n] for n in wanted[file]])
+    return plan, headers
+
+
+def _read_exact(f: io.FileIO, file: Path, head: FileHeader, info: TensorInfo) -> torch.Tensor:
+    """Read one whole tensor with plain reads into memory it owns (no mapping)."""
+    import torch
+
+    n = info.nbytes
+    buf = torch.empty(n, dtype=torch.uint8)
+    if n:
+        view = memoryview((ctypes.c_uint8 * n).from_address(buf.data_ptr())).cast("B")
+        f.seek(head.header_bytes + info.begin)
+        got = 0
+        while got < n:  # a single read may return less (2 GiB per call on Linux)
+            k = f.readinto(view[got:])
+            if not k:
+                raise CheckpointError(
+                    f"checkpoint file {str(file)!r}: ended after {got} of {n} bytes of tensor "
+                    f"{info.name!r} (changed while loading?)",
+                    path=file,
+                )
+            got += k
+    return buf.view(getattr(torch, info.torch_dtype_name)).reshape(info.shape)
+
+
+def _read_file(
+    file: Path,
+    plan: tuple[FileHeader, list[TensorInfo]],
+    slices: _Lookup,
+    dtype: torch.dtype | None,
+    device: Any,
+    lazy: bool,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """The wanted tensors of one file, converted, and the stored bytes read.
+
+    Whole tensors are read with plain reads into owned memory; slices (and every
+    tensor when ``lazy``) go through ``safe_open``'s memory map.
+    """
+    head, infos = plan
+    keys = {i.name: _slice_key(i, s, file) for i in infos if (s := slices.get(i.name)) is not None}
+    mapped = [i for i in infos if lazy or i.name in keys]
+    raw: dict[str, torch.Tensor] = {}
+    try:
+        if mapped:
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt", device="cpu") as sf:
+                for info in mapped:
+                    if info.name in keys:
+                        raw[info.name] = sf.get_slice(info.name)[keys[info.name]]
+                    else:
+                        raw[info.name] = sf.get_tensor(info.name)
+        if len(mapped) < len(infos):
+            with open(file, "rb", buffering=0) as f:
+                for info in infos:
+                    if info.name not in raw:
+                        raw[info.name] = _read_exact(f, file, head, info)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint file {str(file)!r}: cannot be read ({e.strerror})", path=file
+        ) from e
+    except Exception as e:  # safetensors raises SafetensorError or RuntimeError
+        raise CheckpointError(
+            f"checkpoint file {str(file)!r}: safetensors failed to read it ({e})", path=file
+        ) from e
+    out: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    views = {i.name for i in mapped}
+    for info in infos:
+        t = raw[info.name]
+        nbytes += t.numel() * t.element_size()
+        storage = t.untyped_storage().data_ptr()
+        if dtype is not None and t.is_floating_point() and t.element_size() > 1:
+            t = t.to(dtype)  # fp8 payloads stay as stored: scaling is the model's business
+        if str(device) != "cpu":
+            t = t.to(device)
+        elif not lazy and info.name in views and t.untyped_storage().data_ptr() == storage:
+            # A slice still viewing the file mapping: copy, so that the tensor owns its
+            # memory and a file rewritten later cannot SIGBUS the process.
+            t = t.clone()
+        out[info.name] = t
+    return out, nbytes
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    patterns: Iterable[str],
+    ranges: Mapping[str, Iterable[int]] | None = None,
+    *,
+    dtype: Any = None,
+    expected_shapes: Mapping[str, Sequence[int]] | None = None,
+    device: Any = "cpu",
+    slices: Mapping[str, tuple[int, int, int]] | None = None,
+    lazy: bool = False,
+) -> LoadedWeights:
+    """Load the tensors matching ``patterns`` from the checkpoint at ``path``.
+
+    ``dtype`` (a ``torch.dtype`` or its name) converts floating-point tensors wider
+    than 8 bits; integer and fp8 tensors stay as stored. ``expected_shapes`` maps a
+    pattern (or exact name) to the shape stored in the file, checked from the
+    headers before any tensor data is read. ``slices`` maps a pattern to
+    ``(dim, start, stop)``: only that part of the tensor is read (tensor parallel).
+
+    Tensors own their memory: whole tensors are read with plain positioned reads
+    (headers are validated first), slices through ``safe_open``'s ``get_slice``;
+    the bytes are read before this returns. With ``lazy=True`` every tensor comes
+    from ``safe_open``'s memory map and CPU tensors that need no conversion stay
+    views of it (no copy, pages read on first touch, shared between processes);
+    the files must then not be modified or truncated while the tensors live (the
+    process would get SIGBUS).
+
+    Raises :class:`MissingTensorsError` when a required tensor is in no file and
+    :class:`CheckpointError` for any unusable file, naming it.
+    """
+    selection = WeightSelection.from_patterns(patterns, ranges)
+    torch_dtype = _resolve_dtype(dtype)
+    index = build_index(path)
+    plan, headers = _plan(index, selection)
+    _check_shapes(plan, _Lookup(expected_shapes))
+    slice_lookup = _Lookup(slices)
+
+    from tqdm import tqdm
+
+    weights = LoadedWeights()
+    tensor_bytes = 0
+    for file in tqdm(plan, desc="loading shards", unit="shard", disable=not sys.stderr.isatty()):
+        tensors, nbytes = _read_file(file, plan[file], slice_lookup, torch_dtype, device, lazy)
+        weights.update(tensors)
+        tensor_bytes += nbytes
+    weights.stats = LoadStats(
+        shards_total=len(index.files),
+        files_opened=tuple(f.name for f in plan),
+        headers_read=tuple(h.path.name for h in headers),
+        tensors_loaded=len(weights),
+        header_bytes_read=sum(h.header_bytes for h in headers),
+        tensor_bytes_read=tensor_bytes,
+    )
+    logger.info(
+        "loaded %d tensors (%.1f MB) from %d of %d shards",
+        len(weights),
+        tensor_bytes / 1e6,
+        len(plan),
+        len(index.files),
+    )
+    return weights
