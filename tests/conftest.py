@@ -1,3 +1,30 @@
 """Shared fixtures."""
 
 from __future__ import annotations
+
+# --- plugin framework: real dist-info folders on a temporary sys.path -----------------------
+import importlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def plugin_env(tmp_path: Path) -> Iterator[object]:
+    """A :class:`plugin_env.PluginEnv` whose site folder is first on ``sys.path``; afterwards
+    ``sys.path``, the modules imported from it and the import caches are restored."""
+    from plugin_env import PluginEnv
+
+    saved_path = list(sys.path)
+    env = PluginEnv(tmp_path)
+    try:
+        yield env
+    finally:
+        sys.path[:] = saved_path
+        root = str(tmp_path)
+        for name, module in list(sys.modules.items()):
+            if (getattr(module, "__file__", None) or "").startswith(root):
+                del sys.modules[name]
+        importlib.invalidate_caches()

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 __all__ = [
     "AllowlistError",
     "CheckpointError",
+    "KVCacheCapacityError",
     "KVCacheSpecError",
     "MissingTensorsError",
     "PluginConflictError",
@@ -20,7 +21,10 @@ __all__ = [
     "PluginNotFoundError",
     "PluginVersionError",
     "RtpcoreError",
+    "ShardingError",
     "UnknownArchitectureError",
+    "UnknownModelTypeError",
+    "WorkerError",
 ]
 
 
@@ -127,6 +131,10 @@ class UnknownArchitectureError(RtpcoreError, LookupError):
         self.hints = dict(hints or {})
 
 
+class UnknownModelTypeError(UnknownArchitectureError):
+    """No registered model has the requested ``model_type``. ``.known`` lists the registered ones."""
+
+
 class CheckpointError(RtpcoreError):
     """A checkpoint file or directory is unusable. ``.path`` names the file."""
 
@@ -149,3 +157,63 @@ class KVCacheSpecError(RtpcoreError, ValueError):
     def __init__(self, message: str, *, tag: str | None = None):
         super().__init__(message)
         self.tag = tag
+
+
+class KVCacheCapacityError(RtpcoreError):
+    """A request cannot fit in the engine's KV cache even when it is empty.
+
+    ``.prompt_index`` names the request, ``.tokens_needed`` and ``.blocks_needed``
+    what it would occupy, ``.blocks_available`` the cache's size in blocks.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        prompt_index: int | None = None,
+        tokens_needed: int = 0,
+        blocks_needed: int = 0,
+        blocks_available: int = 0,
+    ):
+        super().__init__(message)
+        self.prompt_index = prompt_index
+        self.tokens_needed = tokens_needed
+        self.blocks_needed = blocks_needed
+        self.blocks_available = blocks_available
+
+
+class ShardingError(RtpcoreError, ValueError):
+    """A size cannot be split evenly across tensor-parallel ranks.
+
+    ``.name`` names what was split (``"num_attention_heads"``, a tensor name),
+    ``.size`` its size and ``.world_size`` the number of ranks.
+    """
+
+    def __init__(self, message: str, *, name: str, size: int, world_size: int):
+        super().__init__(message)
+        self.name = name
+        self.size = size
+        self.world_size = world_size
+
+
+class WorkerError(RtpcoreError):
+    """A tensor-parallel worker failed: it raised, died or stopped answering.
+
+    ``.rank`` is the failing rank (None when it cannot be told), ``.exitcode``
+    the process exit status when known (negative: killed by that signal) and
+    ``.cause_type`` the name of the exception class the worker raised, if any.
+    The worker's own exception, when it could be sent back, is ``__cause__``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        exitcode: int | None = None,
+        cause_type: str | None = None,
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.cause_type = cause_type

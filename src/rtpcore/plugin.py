@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-__all__ = ["ModelPlugin"]
+__all__ = ["ModelPlugin", "model_plugin_problems"]
 
 
 class ModelPlugin:
@@ -97,3 +97,74 @@ class ModelPlugin:
     def demo_config(cls) -> Mapping[str, Any] | None:
         """Optional: a small Hugging Face style config.json dict for ``--demo``."""
         return None
+
+
+_REQUIRED_CLASSMETHODS = ("config_from_hf", "weight_patterns", "kv_cache_descs", "build_model")
+_OPTIONAL_CLASSMETHODS = ("placeholder_ranges", "weight_shapes", "demo_config")
+
+
+def _is_name(value: object) -> bool:
+    return isinstance(value, str) and value != "" and not any(ch.isspace() for ch in value)
+
+
+def _names_problem(attr: str, value: object) -> str | None:
+    if isinstance(value, str):
+        return f"{attr} must be a tuple of strings, got the string {value!r} (a missing trailing comma?)"
+    if not isinstance(value, tuple | list):
+        return f"{attr} must be a tuple of strings, got {type(value).__name__}"
+    bad = [v for v in value if not _is_name(v)]
+    if bad:
+        return f"{attr} holds {bad[0]!r}: each must be a non-empty string without whitespace"
+    dups = sorted({v for v in value if list(value).count(v) > 1})
+    if dups:
+        return f"{attr} lists {dups[0]!r} more than once"
+    return None
+
+
+def model_plugin_problems(cls: object) -> list[str]:
+    """What makes ``cls`` unusable as a ModelPlugin, one sentence each (empty when valid).
+
+    Checks only class attributes, so it never imports torch: ``model_type`` a non-empty
+    string, ``architectures`` a non-empty tuple of strings, ``replaces`` a subset of
+    ``architectures``, and the four required methods overridden as classmethods (or
+    staticmethods).
+    """
+    import inspect
+
+    if not isinstance(cls, type):
+        return [f"{cls!r} is not a class"]
+    if not issubclass(cls, ModelPlugin):
+        return [f"{cls.__qualname__} does not subclass rtpcore.ModelPlugin"]
+    if cls is ModelPlugin:
+        return ["rtpcore.ModelPlugin itself cannot be registered; subclass it"]
+    problems: list[str] = []
+    model_type = getattr(cls, "model_type", None)
+    if model_type is None:
+        problems.append("model_type is not set")
+    elif not _is_name(model_type):
+        problems.append(
+            f"model_type must be a non-empty string without whitespace, got {model_type!r}"
+        )
+    architectures = getattr(cls, "architectures", None)
+    if architectures is None:
+        problems.append("architectures is not set")
+    elif (problem := _names_problem("architectures", architectures)) is not None:
+        problems.append(problem)
+    elif not architectures:
+        problems.append(
+            "architectures is empty: list the config.json architectures this model serves"
+        )
+    replaces = getattr(cls, "replaces", ())
+    if (problem := _names_problem("replaces", replaces)) is not None:
+        problems.append(problem)
+    elif isinstance(architectures, tuple | list):
+        extra = [r for r in replaces if r not in architectures]
+        if extra:
+            problems.append(f"replaces lists {extra[0]!r}, which is not in architectures")
+    for name in _REQUIRED_CLASSMETHODS + _OPTIONAL_CLASSMETHODS:
+        static = inspect.getattr_static(cls, name, None)
+        if not isinstance(static, classmethod | staticmethod):
+            problems.append(f"{name} must be a classmethod, got {type(static).__name__}")
+        elif name in _REQUIRED_CLASSMETHODS and static is ModelPlugin.__dict__[name]:
+            problems.append(f"{name} is not implemented")
+    return problems

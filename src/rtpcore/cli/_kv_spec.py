@@ -1,0 +1,203 @@
+"""``rtpcore kv-spec CHECKPOINT``: the KV-cache byte layout a checkpoint would get.
+
+Reads ``config.json`` (no weights), loads the allowed plugins, asks the serving
+plugin for its KV-cache descriptors and prints one row per layer (tag, kind,
+dtype, layout, bytes per token, k/v/scale bytes per block) and, with
+``--memory``, how many blocks fit. ``--json`` prints the same as one object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import warnings
+from typing import Any
+
+from rtpcore.allowlist import Allowlist, add_allowlist_arguments
+
+__all__ = ["add_parser", "parse_bytes"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}  # fmt: skip
+_BYTES_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_bytes(text: str) -> int:
+    """argparse ``type=`` for ``--memory``: ``1073741824``, ``8GiB``, ``512MB``, ``1.5G``."""
+    match = _BYTES_RE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid byte count {text!r}: use an integer with an optional unit "
+            "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    number = match.group(1)
+    value = int(number) * _UNITS[unit] if "." not in number else int(float(number) * _UNITS[unit])
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "kv-spec",
+        help="show the KV-cache layout of a checkpoint",
+        description="Print the per-layer KV-cache layout (bytes per token, k/v/scale bytes per "
+        "block) a checkpoint gets, and how many blocks fit in --memory. Reads config.json only.",
+    )
+    parser.add_argument(
+        "checkpoint", metavar="CHECKPOINT", help="checkpoint directory (or its config.json)"
+    )
+    add_allowlist_arguments(parser)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp32", "fp16", "bf16", "fp8"),
+        help="KV-cache dtype; auto follows --dtype (default: auto)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="model dtype that --kv-cache-dtype auto follows (default: float32, as the engine)",
+    )
+    parser.add_argument(
+        "--kv-layout", metavar="NAME", help="fp8 MLA layout: padded, compact or a plugin's"
+    )
+    parser.add_argument("--model-type", metavar="TYPE", help="skip architecture inference")
+    parser.add_argument(
+        "--tokens-per-block", type=_positive_int, default=16, metavar="N", help="default: 16"
+    )
+    parser.add_argument(
+        "--memory", type=parse_bytes, metavar="BYTES", help="KV memory budget, e.g. 8GiB"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rtpcore.checkpoint import read_hf_config
+    from rtpcore.kv_cache import kv_cache_specs, plan_blocks, resolve_kv_cache_dtype
+    from rtpcore.loading import load_plugins
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        allowlist = Allowlist.from_args(args)
+    for warning in caught:
+        print(f"rtpcore: warning: {warning.message}", file=sys.stderr)
+    registry = load_plugins(allowlist.resolve())
+    hf_config = read_hf_config(args.checkpoint)
+    model_type = args.model_type or registry.infer_model_type(hf_config)
+    plugin = registry.get(model_type)
+    config = plugin.config_from_hf(hf_config)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype)
+    specs = kv_cache_specs(
+        plugin,
+        config,
+        kv_cache_dtype=kv_dtype,
+        kv_layout=args.kv_layout,
+        tokens_per_block=args.tokens_per_block,
+        registry=registry,
+        model_type=model_type,
+    )
+    blocks = plan_blocks(specs, args.memory) if args.memory is not None else None
+    report = _report(model_type, kv_dtype, args.tokens_per_block, specs, args.memory, blocks)
+    print(json.dumps(report, indent=2) if args.json else _table(report))
+    return 0
+
+
+def _report(
+    model_type: str,
+    kv_dtype: str,
+    tpb: int,
+    specs: list[Any],
+    memory: int | None,
+    blocks: int | None,
+) -> dict[str, Any]:
+    layers = [
+        {
+            "tag": s.tag,
+            "kind": s.kind,
+            "dtype": s.dtype,
+            "layout": s.layout or None,
+            "bytes_per_token": s.bytes_per_token,
+            "block_bytes": s.block_bytes,
+            "k_block_bytes": s.k_block_bytes,
+            "v_block_bytes": s.v_block_bytes,
+            "scale_block_bytes": s.scale_block_bytes,
+            "regions": [
+                {"name": n, "offset": o, "nbytes": b, "dtype": d} for n, o, b, d in s.regions
+            ],
+        }
+        for s in specs
+    ]
+    return {
+        "model_type": model_type,
+        "kv_cache_dtype": kv_dtype,
+        "tokens_per_block": tpb,
+        "layers": layers,
+        "bytes_per_token": sum(s.bytes_per_token for s in specs),
+        "bytes_per_block": sum(s.block_bytes for s in specs),
+        "memory": memory,
+        "num_blocks": blocks,
+        "num_tokens": None if blocks is None else blocks * tpb,
+    }
+
+
+def _table(report: dict[str, Any]) -> str:
+    head = (
+        "layer",
+        "kind",
+        "dtype",
+        "layout",
+        "B/token",
+        "k B/block",
+        "v B/block",
+        "scale B/block",
+    )
+    rows = [
+        (
+            layer["tag"],
+            layer["kind"],
+            layer["dtype"],
+            layer["layout"] or "-",
+            str(layer["bytes_per_token"]),
+            str(layer["k_block_bytes"]),
+            str(layer["v_block_bytes"]),
+            str(layer["scale_block_bytes"]),
+        )
+        for layer in report["layers"]
+    ]
+    widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
+    lines = [
+        f"{report['model_type']}: {len(rows)} layers, KV {report['kv_cache_dtype']}, "
+        f"{report['tokens_per_block']} tokens per block",
+    ]
+    for r in (head, *rows):
+        cells = [
+            c.ljust(w) if i < 4 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    lines.append(
+        f"all layers: {report['bytes_per_token']} bytes per token, {report['bytes_per_block']} bytes per block"
+    )
+    if report["num_blocks"] is not None:
+        lines.append(
+            f"memory {report['memory']} bytes: {report['num_blocks']} blocks "
+            f"({report['num_tokens']} tokens) per layer"
+        )
+    return "\n".join(lines)

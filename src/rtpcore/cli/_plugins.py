@@ -1,0 +1,249 @@
+"""``rtpcore plugins list`` and ``rtpcore plugins check``.
+
+``list`` shows every installed ``rtpcore.plugins`` entry point (read from metadata, never
+imported unless requested), the built-in models, and each requested item with its outcome.
+``check`` loads the given items in a fresh interpreter, so a plugin that crashes or mutates
+global state cannot affect the caller, and reports the same outcomes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+from rtpcore.allowlist import (
+    Allowlist,
+    add_allowlist_arguments,
+    external_model_packages_arg,
+    plugins_arg,
+)
+
+__all__ = ["add_parser"]
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("plugins", help="list and check rtpcore plugins")
+    actions = parser.add_subparsers(dest="plugins_command", metavar="ACTION", required=True)
+
+    lister = actions.add_parser(
+        "list",
+        help="list installed plugins and the outcome of requested ones",
+        description="List every installed rtpcore plugin without importing it, the built-in "
+        "models, and the outcome of each requested item (exit status 1 if any is not loaded).",
+    )
+    add_allowlist_arguments(lister)
+    lister.add_argument("--json", action="store_true", help="print a JSON array of objects")
+    lister.add_argument(
+        "--requested-only", action="store_true", help="show only the requested items"
+    )
+    lister.set_defaults(func=_list)
+
+    checker = actions.add_parser(
+        "check",
+        help="load plugins in a fresh subprocess and report",
+        description="Load each ITEM (a --plugins item) in a fresh Python process and report its outcome.",
+    )
+    checker.add_argument(
+        "items", nargs="+", type=plugins_arg, metavar="ITEM", help="DIST[:ENTRY_POINT][SPECIFIER]"
+    )
+    checker.add_argument(
+        "--external-model-packages",
+        action="extend",
+        type=external_model_packages_arg,
+        default=[],
+        metavar="MOD[,MOD...]",
+        help="also load these modules",
+    )
+    checker.add_argument("--json", action="store_true", help="print a JSON array of objects")
+    checker.set_defaults(func=_check)
+
+
+def _allowlist(plugins: list[str], modules: list[str]) -> Allowlist:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        allowlist = Allowlist.from_cli(plugins=plugins, external_model_packages=modules)
+    for warning in caught:
+        print(f"rtpcore: warning: {warning.message}", file=sys.stderr)
+    return allowlist
+
+
+def _list(args: argparse.Namespace) -> int:
+    allowlist = _allowlist(args.plugins, args.external_model_packages)
+    rows = report_rows(allowlist, requested_only=args.requested_only)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        _print_table(rows)
+    return 1 if any(r["requested"] and r["state"] != "loaded" for r in rows) else 0
+
+
+def report_rows(allowlist: Allowlist, *, requested_only: bool = False) -> list[dict[str, Any]]:
+    """The rows of ``plugins list``: the built-in plugin, each request's outcome, then every
+    other installed plugin (state ``not-requested``, or ``shadowed``), never imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from rtpcore.discovery import installed_plugins
+    from rtpcore.loading import BUILTIN_PLUGIN, load_report
+
+    report = load_report(allowlist.resolve(strict=False))
+    installed = installed_plugins()
+    declared = {(os.path.realpath(p.metadata_path), p.name): p for p in installed}
+    try:
+        own_version: str | None = version("rtpcore")
+    except PackageNotFoundError:
+        own_version = None
+    rows: list[dict[str, Any]] = []
+    if not requested_only:
+        rows.append(
+            _row(
+                report.builtin,
+                name=BUILTIN_PLUGIN,
+                distribution="rtpcore",
+                version=own_version,
+                value=BUILTIN_PLUGIN,
+                builtin=True,
+            )
+        )
+    taken = set()
+    for outcome in report.outcomes:
+        entry, error = outcome.entry, outcome.error
+        if entry is not None:
+            key = (os.path.realpath(entry.metadata_path or ""), entry.name)
+            taken.add(key)
+            hint = declared.get(key)
+            rows.append(
+                _row(
+                    outcome,
+                    name=entry.name,
+                    distribution=entry.distribution,
+                    version=entry.version,
+                    value=entry.value,
+                    requested=True,
+                    declared=hint.declared_architectures if hint else (),
+                )
+            )
+        else:
+            rows.append(
+                _row(
+                    outcome,
+                    name=outcome.request,
+                    distribution=getattr(error, "distribution", None),
+                    version=getattr(error, "version", None),
+                    value=getattr(error, "entry_point", None),
+                    requested=True,
+                )
+            )
+    if not requested_only:
+        for plugin in installed:
+            if (os.path.realpath(plugin.metadata_path), plugin.name) in taken:
+                continue
+            rows.append(
+                {
+                    "name": plugin.name,
+                    "distribution": plugin.distribution,
+                    "version": plugin.version,
+                    "value": plugin.value,
+                    "state": "shadowed" if plugin.shadowed else "not-requested",
+                    "requested": False,
+                    "request": None,
+                    "builtin": False,
+                    "models": [],
+                    "architectures": [],
+                    "layouts": [],
+                    "declared_architectures": list(plugin.declared_architectures),
+                    "error": None,
+                }
+            )
+    return rows
+
+
+def _row(
+    outcome: Any,
+    *,
+    name: str,
+    distribution: str | None,
+    version: str | None,
+    value: str | None,
+    requested: bool = False,
+    builtin: bool = False,
+    declared: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "distribution": distribution,
+        "version": version,
+        "value": value,
+        "state": outcome.state,
+        "requested": requested,
+        "request": outcome.request if requested else None,
+        "builtin": builtin,
+        "models": list(outcome.models),
+        "architectures": list(outcome.architectures),
+        "layouts": list(outcome.layouts),
+        "declared_architectures": list(declared),
+        "error": str(outcome.error) if outcome.error is not None else None,
+    }
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    header = ("STATE", "PLUGIN", "DISTRIBUTION", "VALUE", "MODELS")
+    table = [header]
+    for row in rows:
+        dist = " ".join(x for x in (row["distribution"], row["version"]) if x) or "-"
+        models = ", ".join(row["models"])
+        if row["architectures"]:
+            models += f" ({', '.join(row['architectures'])})"
+        elif row["declared_architectures"]:
+            models = f"declares {', '.join(row['declared_architectures'])}"
+        name = row["name"] + (" (built-in)" if row["builtin"] else "")
+        table.append((row["state"], name, dist, row["value"] or "-", models or "-"))
+    widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
+    errors = {id(table[i + 1]): row.get("error") for i, row in enumerate(rows)}
+    for line in table:
+        print(
+            "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False))
+            + "  "
+            + line[-1]
+        )
+        if errors.get(id(line)):
+            print(f"    error: {errors[id(line)]}")
+
+
+def _check(args: argparse.Namespace) -> int:
+    items = [item for group in args.items for item in group]
+    _allowlist(items, args.external_model_packages)  # parse-time validation, exit 2 on a bad item
+    command = [sys.executable, "-m", "rtpcore", "plugins", "list", "--json", "--requested-only"]
+    for item in items:
+        command += ["--plugins", item]
+    for module in args.external_model_packages:
+        command += ["--external-model-packages", module]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    try:
+        rows = json.loads(proc.stdout)
+    except ValueError:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        print(
+            f"rtpcore: error: the check process exited with status {proc.returncode}: {tail}",
+            file=sys.stderr,
+        )
+        return 1
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for row in rows:
+            where = f"{row['distribution']} {row['version']}, " if row["distribution"] else ""
+            if row["state"] == "loaded":
+                models = ", ".join(row["models"]) or "no models"
+                archs = f" ({', '.join(row['architectures'])})" if row["architectures"] else ""
+                print(
+                    f"ok    {row['request']}: {row['name']} ({where}{row['value']}): {models}{archs}"
+                )
+            else:
+                print(f"FAIL  {row['request']}: {row['state']}: {row['error']}")
+    return 0 if proc.returncode == 0 else 1

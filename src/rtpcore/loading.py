@@ -1,0 +1,286 @@
+"""Loading: import exactly the entries of a :class:`~rtpcore.resolution.Plan` and run their hooks.
+
+One pluggy ``PluginManager("rtpcore")`` per plan; the built-in models are registered first,
+as the plugin ``rtpcore.models``, through the same path as every external plugin. Each
+plugin is registered under its entry-point name, checked with ``check_pending()`` and its
+hooks run against a recording view, so it lands in the registry completely or not at all.
+
+:func:`load_plugins` runs once per process and plan (thread-safe) and raises the first
+failure; :func:`load_report` loads as much as it can and reports every outcome.
+No discovery scan happens here: a worker process given a parent's plan reads one metadata
+folder per entry to check that the version is still the one resolved.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from typing import Any
+
+import pluggy
+from attrs import evolve, field, frozen
+
+from rtpcore import hooks, lookup
+from rtpcore.errors import (
+    PluginConflictError,
+    PluginError,
+    PluginLoadError,
+    PluginNotFoundError,
+    PluginVersionError,
+)
+from rtpcore.recording import Provider, first_line
+from rtpcore.registry import ModelRegistry
+from rtpcore.resolution import Plan, PlanEntry
+
+__all__ = ["BUILTIN_PLUGIN", "LoadOutcome", "LoadReport", "load_plugins", "load_report"]
+
+log = logging.getLogger(__name__)
+
+#: The plugin name (and module) of rtpcore's built-in models.
+BUILTIN_PLUGIN = "rtpcore.models"
+
+_lock = threading.Lock()
+_loaded: dict[Plan, ModelRegistry | PluginError] = {}
+
+
+@frozen
+class LoadOutcome:
+    """The outcome of one requested item: ``state`` is ``loaded`` or a failure state of
+    DESIGN §3; ``models``, ``architectures`` and ``layouts`` are what it registered."""
+
+    request: str
+    state: str
+    entry: PlanEntry | None = None
+    error: PluginError | None = field(default=None, eq=False)
+    models: tuple[str, ...] = ()
+    architectures: tuple[str, ...] = ()
+    layouts: tuple[str, ...] = ()
+
+
+@frozen
+class LoadReport:
+    """A registry built from a plan, with the outcome of the built-in plugin first and then
+    every request in order."""
+
+    registry: ModelRegistry = field(eq=False)
+    builtin: LoadOutcome
+    outcomes: tuple[LoadOutcome, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(o.state == "loaded" for o in self.outcomes)
+
+
+def load_plugins(plan: Plan | None = None) -> ModelRegistry:
+    """Import the plan's plugins, run their hooks and return the ModelRegistry.
+
+    Once per process and plan: later calls (from any thread) return the same registry,
+    or raise the same error. The first failure raises its error (PluginNotFoundError,
+    PluginVersionError, PluginConflictError, PluginLoadError); nothing after it is imported.
+    """
+    plan = Plan() if plan is None else plan
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"load_plugins takes a Plan (Allowlist.resolve()), got {type(plan).__name__}"
+        )
+    with _lock:
+        done = _loaded.get(plan)
+        if done is None:
+            try:
+                done = _load(plan, fail_fast=True).registry
+            except PluginError as exc:
+                done = exc
+            _loaded[plan] = done
+    if isinstance(done, PluginError):
+        raise done
+    return done
+
+
+def load_report(plan: Plan) -> LoadReport:
+    """Load every entry of ``plan`` that can be loaded and report each request's outcome;
+    raises nothing for plugin failures (the ``rtpcore plugins`` commands use this)."""
+    with _lock:
+        return _load(plan, fail_fast=False)
+
+
+def _load(plan: Plan, *, fail_fast: bool) -> LoadReport:
+    if fail_fast:
+        plan.raise_for_failures()  # resolution failures come before any import
+    pm = pluggy.PluginManager(hooks.PROJECT)
+    pm.add_hookspecs(hooks)
+    registry = ModelRegistry()
+    builtin = Provider(
+        plugin=BUILTIN_PLUGIN, module=BUILTIN_PLUGIN, distribution="rtpcore", builtin=True
+    )
+    _install(pm, registry, importlib.import_module(BUILTIN_PLUGIN), BUILTIN_PLUGIN, builtin)
+    outcomes = [
+        LoadOutcome(request=f.request, state=f.state, error=f.error()) for f in plan.failures
+    ]
+    for entry in plan.entries:
+        provider = Provider(
+            plugin=entry.name,
+            module=entry.value,
+            distribution=entry.distribution,
+            version=entry.version,
+        )
+        try:
+            _verify_version(entry)
+            _install(pm, registry, _import_entry(entry), entry.name, provider)
+        except PluginError as exc:
+            if fail_fast:
+                raise
+            log.debug("%s: %s", entry.describe(), exc)
+            outcomes.append(
+                LoadOutcome(request=entry.request, state=exc.state, entry=entry, error=exc)
+            )
+            continue
+        outcomes.append(_loaded_outcome(registry, entry.request, entry.name, entry))
+    by_request = {o.request: o for o in outcomes}
+    for request, earlier in plan.duplicates:
+        if earlier in by_request:
+            outcomes.append(evolve(by_request[earlier], request=request))
+    order = {request: i for i, request in enumerate(plan.requests)}
+    outcomes.sort(key=lambda o: order.get(o.request, len(order)))
+    log.debug("loaded %d plugin(s); model types %s", len(plan.entries), registry.model_types())
+    return LoadReport(
+        registry=registry,
+        builtin=_loaded_outcome(registry, BUILTIN_PLUGIN, BUILTIN_PLUGIN, None),
+        outcomes=tuple(outcomes),
+    )
+
+
+def _loaded_outcome(
+    registry: ModelRegistry, request: str, plugin: str, entry: PlanEntry | None
+) -> LoadOutcome:
+    models, archs, layouts = registry.by_provider(plugin)
+    return LoadOutcome(
+        request=request,
+        state="loaded",
+        entry=entry,
+        models=tuple(models),
+        architectures=tuple(archs),
+        layouts=tuple(layouts),
+    )
+
+
+def _verify_version(entry: PlanEntry) -> None:
+    """Check the installed version is still the resolved one, reading one metadata folder."""
+    if entry.distribution is None:
+        return
+    key = lookup.canonical_name(entry.distribution)
+    dist = lookup.read(entry.metadata_path) if entry.metadata_path else None
+    if dist is None or lookup.canonical_name(dist.name) != key:
+        found = lookup.find(entry.distribution)  # moved: the same direct lookup, never a scan
+        if not found:
+            raise PluginNotFoundError(
+                f"{entry.describe()} was resolved, but this process finds no distribution "
+                f"{entry.distribution!r} on its path",
+                state="not-installed",
+                **entry.error_fields(),
+            )
+        dist = found[0]
+    if dist.version != entry.version:
+        raise PluginVersionError(
+            f"{entry.describe()} was resolved, but this process finds version {dist.version} "
+            f"(at {dist.path}); every process must load the same version",
+            state="version-mismatch",
+            **entry.error_fields(),
+        )
+
+
+def _import_entry(entry: PlanEntry) -> Any:
+    target = entry.value.split("[", 1)[0]  # "module:object [extra]": extras select nothing here
+    module_name, _, attr = (part.strip() for part in target.partition(":"))
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in filter(None, attr.split(".")):
+            obj = getattr(obj, part)
+    except Exception as exc:
+        detail = f"{type(exc).__name__}: {first_line(exc)}"
+        missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if missing and not module_name.startswith(missing) and missing != module_name:
+            detail += f" (the plugin needs {missing!r}, which is not installed)"
+        raise PluginLoadError(
+            f"{entry.describe()} failed to import: {detail}",
+            state="import-failed",
+            **entry.error_fields(),
+        ) from exc
+    return obj
+
+
+def _install(
+    pm: pluggy.PluginManager, registry: ModelRegistry, obj: Any, name: str, provider: Provider
+) -> None:
+    """Register ``obj`` under ``name``, validate its hooks, run them, commit atomically."""
+    fields = provider.error_fields()
+    if pm.is_registered(obj):
+        log.debug("%s is the same module as plugin %r: already loaded", provider, pm.get_name(obj))
+        return
+    if pm.get_plugin(name) is not None:
+        raise PluginConflictError(
+            f"two plugins are named {name!r}: {provider} and another already loaded; allow only one",
+            providers=(name, str(provider)),
+            state="conflict",
+            **fields,
+        )
+    try:
+        pm.register(obj, name=name)
+    except (pluggy.PluginValidationError, ValueError) as exc:
+        raise PluginLoadError(
+            f"{provider}: invalid hook implementation: {exc}", state="invalid", **fields
+        ) from exc
+    try:
+        _check_hooks(pm, obj, provider)
+        view = registry.recording(provider)
+        others = [p for p in pm.get_plugins() if p is not obj]
+        _call(pm, "rtpcore_register_models", others, provider, registry=view)
+        for result in _call(pm, "rtpcore_kv_cache_layouts", others, provider):
+            view.add_layouts(result)
+        registry.commit(view)
+    except BaseException:
+        pm.unregister(obj)
+        raise
+
+
+def _check_hooks(pm: pluggy.PluginManager, obj: Any, provider: Provider) -> None:
+    fields = provider.error_fields()
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise PluginLoadError(f"{provider}: {exc}", state="invalid", **fields) from exc
+    if not pm.get_hookcallers(obj):
+        undecorated = sorted(
+            n for n in dir(obj) if n.startswith("rtpcore_") and callable(getattr(obj, n, None))
+        )
+        hint = (
+            f"; {', '.join(undecorated)} must be decorated with @rtpcore.hookimpl"
+            if undecorated
+            else " (does the entry point name the module holding the hooks?)"
+        )
+        raise PluginLoadError(
+            f"{provider} defines no rtpcore hook implementations{hint}", state="invalid", **fields
+        )
+
+
+def _call(
+    pm: pluggy.PluginManager, hook: str, others: list[Any], provider: Provider, **kwargs: Any
+) -> list[Any]:
+    fields = provider.error_fields()
+    try:
+        result: list[Any] = pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs)
+    except PluginError:
+        raise
+    except ImportError as exc:
+        raise PluginLoadError(
+            f"{provider}: hook {hook} failed to import: {type(exc).__name__}: {first_line(exc)}",
+            state="import-failed",
+            **fields,
+        ) from exc
+    except Exception as exc:
+        raise PluginLoadError(
+            f"{provider}: hook {hook} raised {type(exc).__name__}: {first_line(exc)}",
+            state="invalid",
+            **fields,
+        ) from exc
+    return result

@@ -1,0 +1,293 @@
+"""The ModelRegistry: model types, architectures and KV layouts, each with its provenance.
+
+Plugins register through a :class:`~rtpcore.recording.RecordingView` handed to their hooks;
+:meth:`ModelRegistry.commit` then applies all of one plugin's registrations or none.
+Rules: the identical class again is a no-op; built-ins only fill empty slots; an external
+plugin takes a built-in architecture only through ``replaces``; two external providers of
+one ``model_type``, architecture or layout name is a :class:`PluginConflictError` naming both.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from rtpcore.errors import (
+    PluginConflictError,
+    PluginLoadError,
+    UnknownArchitectureError,
+    UnknownModelTypeError,
+)
+from rtpcore.plugin import ModelPlugin, model_plugin_problems
+from rtpcore.recording import BUILTIN_LAYOUTS, ModelRecord, Provider, RecordingView, first_line
+
+__all__ = ["BUILTIN_LAYOUTS", "ModelRecord", "ModelRegistry", "Provider"]
+
+log = logging.getLogger(__name__)
+
+
+class ModelRegistry:
+    """Registered models by ``model_type`` and architecture, and plugin KV layouts by name."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ModelRecord] = {}
+        self._arch: dict[str, str] = {}
+        self._classes: dict[str, type[ModelPlugin]] = {}
+        self._layouts: dict[str, tuple[Any, Provider]] = {}
+        self._lock = threading.RLock()
+
+    # -- registration -------------------------------------------------------------------
+
+    def recording(self, provider: Provider) -> RecordingView:
+        """A view that records ``provider``'s registrations until :meth:`commit`."""
+        return RecordingView(provider)
+
+    def register(self, target: type[ModelPlugin] | str, **kwargs: Any) -> None:
+        """Register one model directly (outside any plugin), with the same rules."""
+        view = self.recording(
+            Provider(plugin="<direct>", module=getattr(target, "__module__", str(target)))
+        )
+        view.register(target, **kwargs)
+        self.commit(view)
+
+    def commit(self, view: RecordingView) -> None:
+        """Apply every registration of ``view``, or raise and apply none."""
+        with self._lock:
+            models = dict(self._models)
+            arch = dict(self._arch)
+            for record in view.models:
+                self._plan_model(record, models, arch)
+            layouts = dict(self._layouts)
+            for policy in view.layouts:
+                name = policy.name
+                if name in layouts:
+                    other = layouts[name][1]
+                    raise _conflict(f"KV layout {name!r}", other, view.provider)
+                layouts[name] = (policy, view.provider)
+            for model_type, record in models.items():
+                previous = self._models.get(model_type)
+                if previous is None or previous.target != record.target:
+                    self._classes.pop(model_type, None)
+                if record.cls is not None:
+                    self._classes[model_type] = record.cls
+            self._models, self._arch, self._layouts = models, arch, layouts
+
+    def _plan_model(
+        self, record: ModelRecord, models: dict[str, ModelRecord], arch: dict[str, str]
+    ) -> None:
+        current = models.get(record.model_type)
+        if current is not None:
+            if current.target == record.target:
+                log.debug("%s registered %s again: no-op", record.provider, record.target)
+                return
+            if record.provider.builtin:
+                log.debug(
+                    "built-in model_type %r already provided by %s",
+                    record.model_type,
+                    current.provider,
+                )
+                return
+            if not (
+                current.provider.builtin and set(current.architectures) <= set(record.replaces)
+            ):
+                raise _conflict(
+                    f"model_type {record.model_type!r}",
+                    current.provider,
+                    record.provider,
+                    current,
+                    record,
+                )
+        claimed: list[str] = []
+        for name in record.architectures:
+            owner_type = arch.get(name)
+            owner = models.get(owner_type) if owner_type is not None else None
+            if owner is None or owner.target == record.target or owner_type == record.model_type:
+                claimed.append(name)
+            elif record.provider.builtin:
+                log.debug(
+                    "built-in %s leaves architecture %r to %s", record.target, name, owner.provider
+                )
+            elif owner.provider.builtin and name in record.replaces:
+                log.info(
+                    "%s replaces the built-in model %r for architecture %r",
+                    record.provider,
+                    owner_type,
+                    name,
+                )
+                claimed.append(name)
+            else:
+                hint = " without listing it in `replaces`" if owner.provider.builtin else ""
+                raise _conflict(
+                    f"architecture {name!r}", owner.provider, record.provider, owner, record, hint
+                )
+        if current is not None and current.target != record.target:
+            log.info("%s replaces the built-in model_type %r", record.provider, record.model_type)
+            for name in current.architectures:
+                arch.pop(name, None)
+        for name in claimed:
+            previous = arch.get(name)
+            if previous is not None and previous != record.model_type:
+                prev = models[previous]
+                models[previous] = prev.without(name)
+            arch[name] = record.model_type
+        models[record.model_type] = record.with_architectures(tuple(claimed))
+
+    # -- lookup -------------------------------------------------------------------------
+
+    def get(self, model_type: str) -> type[ModelPlugin]:
+        """The ModelPlugin subclass of ``model_type``, imported now if registered lazily."""
+        with self._lock:
+            cls = self._classes.get(model_type)
+            if cls is not None:
+                return cls
+            record = self._models.get(model_type)
+            if record is None:
+                known = sorted(self._models)
+                raise UnknownModelTypeError(
+                    f"unknown model_type {model_type!r}; registered: {', '.join(map(repr, known)) or 'none'}",
+                    known=known,
+                )
+            cls = _import_class(record)
+            self._classes[model_type] = cls
+            return cls
+
+    def infer_model_type(self, hf_config: Mapping[str, Any]) -> str:
+        """The model_type serving a parsed ``config.json``: the first of its "architectures"
+        that is registered (or its "model_type" when it lists none)."""
+        if not isinstance(hf_config, Mapping):
+            raise TypeError(
+                f"hf_config must be the parsed config.json dict, got {type(hf_config).__name__}"
+            )
+        archs = hf_config.get("architectures")
+        with self._lock:
+            if not archs:
+                model_type = hf_config.get("model_type")
+                if isinstance(model_type, str) and model_type in self._models:
+                    return model_type
+                archs = []
+            if not isinstance(archs, list | tuple) or not all(isinstance(a, str) for a in archs):
+                raise UnknownArchitectureError(
+                    f'config.json "architectures" must be a list of strings, got {archs!r}'
+                )
+            for name in archs:
+                if name in self._arch:
+                    return self._arch[name]
+            known = sorted(self._arch)
+        from rtpcore.discovery import architecture_hints
+
+        hints = architecture_hints(archs)
+        message = (
+            f"no registered model serves the architectures {list(archs)!r}; known: {', '.join(known) or 'none'}"
+            if archs
+            else 'config.json lists no "architectures"; pass model_type explicitly'
+        )
+        for name, lines in hints.items():
+            message += f"; {name} is served by the installed {' or '.join(lines)}"
+        raise UnknownArchitectureError(message, architectures=archs, known=known, hints=hints)
+
+    def record(self, model_type: str) -> ModelRecord:
+        """The registration of ``model_type``, with its provenance (``.provider``)."""
+        with self._lock:
+            if model_type not in self._models:
+                raise UnknownModelTypeError(
+                    f"unknown model_type {model_type!r}", known=sorted(self._models)
+                )
+            return self._models[model_type]
+
+    def records(self) -> tuple[ModelRecord, ...]:
+        """Every registration, sorted by model_type."""
+        with self._lock:
+            return tuple(self._models[k] for k in sorted(self._models))
+
+    def model_types(self) -> list[str]:
+        with self._lock:
+            return sorted(self._models)
+
+    def architectures(self) -> dict[str, str]:
+        """Architecture -> model_type, sorted by architecture."""
+        with self._lock:
+            return dict(sorted(self._arch.items()))
+
+    def get_layout(self, name: str) -> Any | None:
+        """The plugin layout policy named ``name``; None for a built-in layout
+        (:data:`BUILTIN_LAYOUTS`, served by ``rtpcore_native``) or an unknown name."""
+        with self._lock:
+            found = self._layouts.get(name)
+            return None if found is None else found[0]
+
+    def layout_provider(self, name: str) -> Provider | None:
+        with self._lock:
+            found = self._layouts.get(name)
+            return None if found is None else found[1]
+
+    def layout_names(self) -> list[str]:
+        """Every selectable layout name, sorted: the built-in ones and those plugins registered."""
+        with self._lock:
+            return sorted(set(BUILTIN_LAYOUTS) | set(self._layouts))
+
+    def by_provider(self, plugin: str) -> tuple[list[str], list[str], list[str]]:
+        """(model types, architectures, layout names) registered by the plugin named ``plugin``."""
+        with self._lock:
+            records = [r for r in self._models.values() if r.provider.plugin == plugin]
+            layouts = sorted(n for n, (_, p) in self._layouts.items() if p.plugin == plugin)
+        return (
+            sorted(r.model_type for r in records),
+            sorted(a for r in records for a in r.architectures),
+            layouts,
+        )
+
+
+def _conflict(
+    what: str,
+    first: Provider,
+    second: Provider,
+    first_record: ModelRecord | None = None,
+    second_record: ModelRecord | None = None,
+    hint: str = "",
+) -> PluginConflictError:
+    a = f"{first} as {first_record.target}" if first_record else str(first)
+    b = f"{second} as {second_record.target}" if second_record else str(second)
+    if first.builtin:
+        fix = "list it in the plugin's ModelPlugin.replaces to take it over"
+    else:
+        fix = "allow only one of them"
+    return PluginConflictError(
+        f"{what} is claimed by both {a} and {b}{hint}: {fix}",
+        providers=(str(first), str(second)),
+        state="conflict",
+        **second.error_fields(),
+    )
+
+
+def _import_class(record: ModelRecord) -> type[ModelPlugin]:
+    module_name, _, qualname = record.target.partition(":")
+    fields = record.provider.error_fields()
+    where = f"model {record.model_type!r} of {record.provider}"
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception as exc:
+        raise PluginLoadError(
+            f"{where} could not import {record.target!r}: {type(exc).__name__}: {first_line(exc)}",
+            state="import-failed",
+            **fields,
+        ) from exc
+    problems = model_plugin_problems(obj)
+    if not problems and obj.model_type != record.model_type:
+        problems.append(
+            f"its model_type is {obj.model_type!r}, registered as {record.model_type!r}"
+        )
+    if not problems:
+        missing = [a for a in record.architectures if a not in obj.architectures]
+        if missing:
+            problems.append(f"its architectures lack {missing[0]!r}, registered for it")
+    if problems:
+        raise PluginLoadError(
+            f"{where}: {record.target} is invalid: {'; '.join(problems)}", state="invalid", **fields
+        )
+    cls: type[ModelPlugin] = obj
+    return cls

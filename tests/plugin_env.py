@@ -1,0 +1,163 @@
+"""Real installed-distribution fixtures: ``*.dist-info`` folders and modules on a temporary path.
+
+Used by the plugin-framework tests and, importable by name, by their spawned child
+processes (``worker_load`` runs in a ``multiprocessing`` spawn child).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+HOOKS_HEADER = "from rtpcore import hookimpl, ModelPlugin\n"
+
+
+def model_source(
+    cls: str, model_type: str, archs: tuple[str, ...], replaces: tuple[str, ...] = ()
+) -> str:
+    """Source of a minimal valid ModelPlugin subclass (no torch)."""
+    return textwrap.dedent(
+        f"""
+        class {cls}(ModelPlugin):
+            model_type = {model_type!r}
+            architectures = {archs!r}
+            replaces = {replaces!r}
+
+            @classmethod
+            def config_from_hf(cls, hf_config):
+                return dict(hf_config)
+
+            @classmethod
+            def weight_patterns(cls, config):
+                return []
+
+            @classmethod
+            def kv_cache_descs(cls, config, **options):
+                return []
+
+            @classmethod
+            def build_model(cls, config, weights, **options):
+                return None
+        """
+    )
+
+
+def hooks_source(*models: tuple[str, str, tuple[str, ...]], extra: str = "") -> str:
+    """A hooks module defining ``models`` (class, model_type, architectures) and registering them."""
+    body = HOOKS_HEADER + "".join(model_source(*m) for m in models)
+    body += "\n@hookimpl\ndef rtpcore_register_models(registry):\n"
+    body += "".join(f"    registry.register({m[0]})\n" for m in models) or "    pass\n"
+    return body + textwrap.dedent(extra)
+
+
+class PluginEnv:
+    """A temporary site folder (first on ``sys.path``) to install fake distributions into."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.site = self.add_site("site")
+
+    def add_site(self, name: str) -> Path:
+        site = self.root / name
+        site.mkdir()
+        sys.path.insert(0, str(site))
+        return site
+
+    def add_module(self, relpath: str, source: str, *, site: Path | None = None) -> Path:
+        """Write a module (``pkg/mod.py``), creating package ``__init__.py`` files on the way."""
+        base = site or self.site
+        path = base / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for parent in path.relative_to(base).parents:
+            if str(parent) != ".":
+                (base / parent / "__init__.py").touch(exist_ok=True)
+        path.write_text(source)
+        importlib.invalidate_caches()
+        return path
+
+    def add_dist(
+        self,
+        name: str,
+        version: str = "1.0",
+        *,
+        plugins: Mapping[str, str] | None = None,
+        architectures: Mapping[str, str] | None = None,
+        modules: Mapping[str, str] | None = None,
+        site: Path | None = None,
+    ) -> Path:
+        """Write ``{name}-{version}.dist-info`` with METADATA and entry_points.txt (groups
+        ``rtpcore.plugins`` and ``rtpcore.architectures``), plus the given modules."""
+        base = site or self.site
+        escaped = re.sub(r"[-_.]+", "_", name).lower()
+        info = base / f"{escaped}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        lines = []
+        for group, eps in (("rtpcore.plugins", plugins), ("rtpcore.architectures", architectures)):
+            if eps:
+                lines.append(f"[{group}]")
+                lines += [f"{k} = {v}" for k, v in eps.items()]
+                lines.append("")
+        (info / "entry_points.txt").write_text("\n".join(lines))
+        for relpath, source in (modules or {}).items():
+            self.add_module(relpath, source, site=base)
+        importlib.invalidate_caches()
+        return info
+
+    def set_version(self, info: Path, version: str) -> None:
+        """Rewrite the Version field in place (an upgrade behind a running parent's back)."""
+        meta = info / "METADATA"
+        meta.write_text(re.sub(r"(?m)^Version: .*$", f"Version: {version}", meta.read_text()))
+
+
+def worker_load(plan: Any) -> dict[str, Any]:
+    """Run in a spawned child: load ``plan`` while counting every discovery call."""
+    import importlib.metadata as std_metadata
+
+    import importlib_metadata
+
+    calls: list[str] = []
+    for module in (importlib_metadata, std_metadata):
+        original = module.Distribution.discover.__func__  # type: ignore[attr-defined]
+
+        def counting(
+            cls: Any,
+            *args: Any,
+            _original: Any = original,
+            _name: str = module.__name__,
+            **kwargs: Any,
+        ) -> Any:
+            calls.append(f"{_name}.Distribution.discover")
+            return _original(cls, *args, **kwargs)
+
+        module.Distribution.discover = classmethod(counting)  # type: ignore[method-assign,assignment]
+        for fn in ("entry_points", "distributions", "distribution", "version"):
+            original_fn = getattr(module, fn)
+
+            def wrapper(
+                *args: Any,
+                _fn: Any = original_fn,
+                _label: str = f"{module.__name__}.{fn}",
+                **kwargs: Any,
+            ) -> Any:
+                calls.append(_label)
+                return _fn(*args, **kwargs)
+
+            setattr(module, fn, wrapper)
+    import rtpcore
+    from rtpcore.errors import RtpcoreError
+
+    try:
+        registry = rtpcore.load_plugins(plan)
+    except RtpcoreError as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "calls": calls}
+    return {
+        "models": {r.model_type: (r.architectures, str(r.provider)) for r in registry.records()},
+        "calls": calls,
+        "modules": sorted(m for m in sys.modules if m.startswith("wk_")),
+    }

@@ -1,0 +1,263 @@
+"""`rtpcore plugins list` and `rtpcore plugins check`, against real dist-info folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plugin_env import PluginEnv, hooks_source
+from rtpcore.cli import main
+
+KEYS = {"name", "distribution", "version", "value", "state", "models", "architectures"}
+
+
+def _install(plugin_env: PluginEnv, tmp_path: Path) -> Path:
+    marker = tmp_path / "evil-imported"
+    plugin_env.add_dist(
+        "cli-good",
+        "1.2",
+        plugins={"good": "cli_good"},
+        architectures={"GoodForCausalLM": "good"},
+        modules={"cli_good.py": hooks_source(("G", "cli_good", ("GoodForCausalLM",)))},
+    )
+    plugin_env.add_dist(
+        "cli-evil",
+        "6.6",
+        plugins={"evil": "cli_evil"},
+        architectures={"EvilForCausalLM": "evil"},
+        modules={
+            "cli_evil.py": f"open({str(marker)!r}, 'w').close()\nraise RuntimeError('imported')\n"
+        },
+    )
+    return marker
+
+
+def _list(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[dict[str, object]]]:
+    code = main(["plugins", "list", "--json", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_list_shows_builtins_and_installed_plugins_without_importing_them(
+    plugin_env: PluginEnv, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every discovered entry point is listed with its declared architectures; none is imported."""
+    marker = _install(plugin_env, tmp_path)
+    code, rows = _list(capsys)
+    assert code == 0
+    by_name = {row["name"]: row for row in rows}
+    assert all(set(row) >= KEYS for row in rows)
+    assert (
+        rows[0]["name"] == "rtpcore.models"
+        and rows[0]["builtin"] is True
+        and rows[0]["state"] == "loaded"
+    )
+    assert "llama" in rows[0]["models"]  # type: ignore[operator]
+    evil = by_name["evil"]
+    assert (evil["distribution"], evil["version"], evil["value"], evil["state"]) == (
+        "cli-evil",
+        "6.6",
+        "cli_evil",
+        "not-requested",
+    )
+    assert evil["declared_architectures"] == ["EvilForCausalLM"]
+    assert not marker.exists() and "cli_evil" not in sys.modules and "cli_good" not in sys.modules
+
+
+def test_list_reports_each_request_with_its_outcome_and_exit_status(
+    plugin_env: PluginEnv, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A loaded and a failed request each appear with their state; any failure exits 1."""
+    marker = _install(plugin_env, tmp_path)
+    code, rows = _list(capsys, "--plugins", "cli-good,cli-missing", "--requested-only")
+    assert code == 1
+    assert [(r["request"], r["state"]) for r in rows] == [
+        ("cli-good", "loaded"),
+        ("cli-missing", "not-installed"),
+    ]
+    assert rows[0]["models"] == ["cli_good"] and rows[0]["architectures"] == ["GoodForCausalLM"]
+    assert "cli-missing" in str(rows[1]["error"])
+    assert not marker.exists()
+    code, rows = _list(capsys, "--plugins", "cli-good")
+    assert code == 0
+    assert {r["name"]: r["state"] for r in rows}["good"] == "loaded"
+
+
+def test_list_prints_a_table_naming_the_builtin(
+    plugin_env: PluginEnv, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The text form has one line per plugin and the error under a failed one."""
+    _install(plugin_env, tmp_path)
+    assert main(["plugins", "list", "--plugins", "cli-evil"]) == 1
+    out = capsys.readouterr().out
+    assert "rtpcore.models (built-in)" in out
+    assert "import-failed" in out and "error: plugin 'evil'" in out
+
+
+def test_a_bad_item_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """An item breaking a parse rule exits 2 naming the item."""
+    with pytest.raises(SystemExit) as excinfo:
+        main(["plugins", "list", "--plugins", "a..b"])
+    assert excinfo.value.code == 2
+    assert "'a..b'" in capsys.readouterr().err
+
+
+def test_help_version_and_list_never_import_torch() -> None:
+    """A fresh interpreter running --help, --version and plugins list has no torch loaded."""
+    code = (
+        "import sys\n"
+        "from rtpcore.cli import main\n"
+        "for argv in (['--help'], ['--version'], ['plugins', 'list', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "main(['plugins', 'list', '--json', '--plugins', 'atom-plugin'])\n"
+        "print('TORCH', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "TORCH False"
+
+
+def test_check_loads_in_a_fresh_process_and_survives_a_crashing_plugin(
+    plugin_env: PluginEnv, tmp_path: Path
+) -> None:
+    """check reports ok for a good plugin and an error (not a crash) for one that kills its process."""
+    _install(plugin_env, tmp_path)
+    plugin_env.add_dist(
+        "cli-crash",
+        plugins={"crash": "cli_crash"},
+        modules={"cli_crash.py": "import os\nos._exit(3)\n"},
+    )
+    env = dict(os.environ, PYTHONPATH=str(plugin_env.site))
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "rtpcore", "plugins", "check", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+
+    good = run("cli-good>=1", "cli-evil")
+    assert good.returncode == 1
+    lines = good.stdout.splitlines()
+    assert lines[0].startswith(
+        "ok    cli-good>=1: good (cli-good 1.2, cli_good): cli_good (GoodForCausalLM)"
+    )
+    assert lines[1].startswith("FAIL  cli-evil: import-failed:")
+    assert run("cli-good").returncode == 0
+    crashed = run("cli-crash")
+    assert crashed.returncode == 1
+    assert "exited with status 3" in crashed.stderr
+    bad = run("bad item")
+    assert bad.returncode == 2 and "'bad item'" in bad.stderr
+
+
+THROWAWAY_PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "rtpcore-throwaway"
+version = "0.3.0"
+
+[project.entry-points."rtpcore.plugins"]
+throwaway = "throwaway_plugin.hooks"
+
+[project.entry-points."rtpcore.architectures"]
+ThrowawayForCausalLM = "throwaway"
+
+[tool.setuptools.packages.find]
+where = ["src"]
+"""
+
+
+@pytest.mark.slow
+def test_a_pip_installed_plugin_is_listed_and_loaded_in_a_fresh_venv(tmp_path: Path) -> None:
+    """A real `pip install` into a new virtual environment: listed, then loaded on request."""
+    import importlib_metadata
+
+    pytest.importorskip("setuptools", reason="the throwaway plugin builds with setuptools")
+
+    project = tmp_path / "throwaway"
+    (project / "src" / "throwaway_plugin").mkdir(parents=True)
+    (project / "pyproject.toml").write_text(THROWAWAY_PYPROJECT)
+    (project / "src" / "throwaway_plugin" / "__init__.py").write_text("")
+    (project / "src" / "throwaway_plugin" / "hooks.py").write_text(
+        hooks_source(("T", "throwaway", ("ThrowawayForCausalLM",)))
+    )
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+        check=True,
+    )
+    python = str(venv / "bin" / "python")
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # rtpcore (and pip, setuptools) come from the environment running these tests.
+    ours = Path(str(importlib_metadata.distribution("rtpcore").locate_file("")))
+    Path(purelib, "_rtpcore_test_env.pth").write_text(
+        f"import site; site.addsitedir({str(ours)!r})\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
+    subprocess.run(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-build-isolation",
+            "--no-deps",
+            str(project),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+
+    def plugins_list(*argv: str) -> tuple[int, list[dict[str, object]]]:
+        out = subprocess.run(
+            [python, "-m", "rtpcore", "plugins", "list", "--json", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        return out.returncode, json.loads(out.stdout)
+
+    code, rows = plugins_list()
+    row = next(r for r in rows if r["name"] == "throwaway")
+    assert code == 0
+    assert (row["distribution"], row["version"], row["state"]) == (
+        "rtpcore-throwaway",
+        "0.3.0",
+        "not-requested",
+    )
+    code, rows = plugins_list("--plugins", "rtpcore-throwaway>=0.3", "--requested-only")
+    assert code == 0
+    assert [(r["state"], r["models"], r["architectures"]) for r in rows] == [
+        ("loaded", ["throwaway"], ["ThrowawayForCausalLM"])
+    ]
+
+
+def test_an_ignored_environment_variable_is_reported_once_as_a_warning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`plugins list` prints one 'rtpcore: warning:' line naming the variable and the flag,
+    and loads nothing from it."""
+    monkeypatch.setenv("EXTERNAL_MODEL_PACKAGES", "sneaky.module")
+    assert main(["plugins", "list", "--json", "--requested-only"]) == 0
+    first = capsys.readouterr()
+    assert json.loads(first.out) == []
+    assert first.err.count("rtpcore: warning:") == 1
+    assert "EXTERNAL_MODEL_PACKAGES" in first.err and "--external-model-packages" in first.err
+    assert main(["plugins", "list", "--json", "--requested-only"]) == 0
+    assert "warning" not in capsys.readouterr().err
