@@ -1,4 +1,9 @@
-"""rtpcore hook implementations of atom-plugin (the ``rtpcore.plugins`` entry point ``atom``)."""
+"""rtpcore hook implementations of atom-plugin (the ``rtpcore.plugins`` entry point ``atom``).
+
+Both hooks are cheap: models are registered lazily by ``"module:Class"`` (the
+model code is imported only when a checkpoint needs it) and the layout module
+imports only ``rtpcore_native``, never torch.
+"""
 
 from __future__ import annotations
 
@@ -12,5 +17,17 @@ def rtpcore_register_models(registry: Any) -> None:
     registry.register(
         "atom_plugin.deepseek:DeepseekV3Plugin",
         model_type="deepseek_v3",
-        architectures=("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
+        architectures=("DeepseekV3ForCausalLM",),
     )
+    registry.register(
+        "atom_plugin.deepseek:DeepseekV2Plugin",
+        model_type="deepseek_v2",
+        architectures=("DeepseekV2ForCausalLM",),
+    )
+
+
+@hookimpl
+def rtpcore_kv_cache_layouts() -> list[Any]:
+    from atom_plugin.layouts import Ue8m0Layout
+
+    return [Ue8m0Layout()]

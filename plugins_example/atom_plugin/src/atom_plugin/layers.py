@@ -1,0 +1,185 @@
+"""Building blocks of the DeepSeek decoder: RMSNorm, decoupled RoPE, dense MLP, routed MoE.
+
+Tensors are flat over tokens: T is the number of new tokens in the step, D the
+hidden size. Weights are taken from a checkpoint mapping by name, never
+initialised randomly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from atom_plugin.config import DeepseekConfig, RopeConfig
+
+__all__ = ["MLP", "MoE", "RMSNorm", "apply_rope", "rope_cos_sin", "rope_inv_freq"]
+
+Weights = Mapping[str, torch.Tensor]
+
+
+def frozen(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """A non-trainable parameter holding ``t`` in ``dtype`` on ``device``."""
+    return nn.Parameter(t.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x), computed in float32 like transformers' DeepseekV3RMSNorm."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)  # (N,)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., N)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)  # x / rms(x), float32
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """(dim/2,) inverse frequencies, with yarn's ramp between interpolation and extrapolation."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    if rope.rope_type == "default":
+        return extrapolation
+    interpolation = 1.0 / (rope.factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        orig = rope.original_max_position_embeddings
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (T, 1, R/2) for positions (T,), already multiplied by ``scale``."""
+    freqs = positions[:, None].float() * inv_freq[None, :]  # (T, R/2)
+    cos = (freqs.cos() * scale).to(dtype)[:, None, :]
+    sin = (freqs.sin() * scale).to(dtype)[:, None, :]
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotate (T, H, R) by position. ``interleave``: pairs are (x0, x1), (x2, x3), ...
+
+    Either way the output is de-interleaved, [rotated firsts | rotated seconds],
+    exactly as transformers' ``apply_rotary_pos_emb_interleave`` writes it; since
+    queries and keys share the layout, attention scores are unaffected.
+    """
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]  # (T, H, R/2) each
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, w: Weights, prefix: str, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        gate, up = w[f"{prefix}.gate_proj.weight"], w[f"{prefix}.up_proj.weight"]
+        self.gate_up = frozen(torch.cat((gate, up), 0), dtype, device)  # (2I, D)
+        self.down = frozen(w[f"{prefix}.down_proj.weight"], dtype, device)  # (D, I)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D)
+        g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)  # (T, I) each
+        return F.linear(F.silu(g) * u, self.down)  # (T, D)
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts, routed exactly like transformers' DeepSeek routers.
+
+    The router runs in float32 whatever the model dtype (transformers keeps
+    ``gate.weight`` and ``e_score_correction_bias`` in float32 too).
+    """
+
+    # Below this many gathered expert-weight elements, index the experts' weights per
+    # token (two einsums, fewest ops: tiny models); above it, loop over the experts that
+    # were hit, reading each one's weights once (decode is memory-bound: a gather would
+    # copy them first).
+    GATHER_LIMIT = 1 << 18
+
+    def __init__(
+        self, cfg: DeepseekConfig, w: Weights, prefix: str, dtype: torch.dtype, device: torch.device | str
+    ):
+        super().__init__()
+        self.cfg = cfg
+        n = cfg.n_routed_experts
+        self.gate = frozen(w[f"{prefix}.gate.weight"], torch.float32, device)  # (E, D)
+        bias = w.get(f"{prefix}.gate.e_score_correction_bias") if cfg.variant == "deepseek_v3" else None
+        self.bias = frozen(bias if bias is not None else torch.zeros(n), torch.float32, device)  # (E,)
+        ex = f"{prefix}.experts"
+        self.gate_up = frozen(
+            torch.stack(
+                [torch.cat((w[f"{ex}.{e}.gate_proj.weight"], w[f"{ex}.{e}.up_proj.weight"]), 0) for e in range(n)]
+            ),
+            dtype,
+            device,
+        )  # (E, 2I, D)
+        self.down = frozen(torch.stack([w[f"{ex}.{e}.down_proj.weight"] for e in range(n)]), dtype, device)  # (E, D, I)
+        self.shared = MLP(w, f"{prefix}.shared_experts", dtype, device) if cfg.n_shared_experts else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, D) -> expert weights (T, k) float32 and expert indices (T, k)."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.gate)  # (T, E)
+        t, n, k = x.shape[0], cfg.n_routed_experts, cfg.num_experts_per_tok
+        per_group = n // cfg.n_group
+        if cfg.variant == "deepseek_v3":
+            scores = logits.sigmoid()
+            choice = scores + self.bias  # (T, E)
+            group_scores = choice.view(t, cfg.n_group, per_group).topk(2, dim=-1)[0].sum(-1)  # (T, G)
+            fill = float("-inf")
+        else:
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
+            choice = scores
+            group_scores = choice.view(t, cfg.n_group, per_group).max(dim=-1).values  # (T, G)
+            fill = 0.0
+        if cfg.topk_group < cfg.n_group:
+            group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False)[1]  # (T, topk_group)
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+            keep = group_mask[:, :, None].expand(t, cfg.n_group, per_group).reshape(t, n)
+            choice = choice.masked_fill(~keep, fill)
+        idx = choice.topk(k, dim=-1, sorted=False)[1]  # (T, k)
+        weights = scores.gather(1, idx)  # (T, k)
+        if cfg.variant == "deepseek_v3" and cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D)
+        weights, idx = self.route(x)  # (T, k), (T, k)
+        t, k = idx.shape
+        if t == 1:  # one token (batch-1 decode): just its k experts, no bookkeeping
+            out = torch.zeros_like(x)
+            for e, wt in zip(idx[0].tolist(), weights[0], strict=True):
+                g, u = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)  # (1, I)
+                out += (F.linear(F.silu(g) * u, self.down[e]) * wt).to(x.dtype)  # (1, D)
+        elif t * k * self.gate_up[0].numel() * 3 // 2 <= self.GATHER_LIMIT:
+            gu = torch.einsum("td,tkid->tki", x, self.gate_up[idx])  # (T, k, 2I)
+            g, u = gu.chunk(2, dim=-1)  # (T, k, I)
+            y = torch.einsum("tki,tkdi->tkd", F.silu(g) * u, self.down[idx])  # (T, k, D)
+            out = (y * weights[..., None]).sum(1).to(x.dtype)  # (T, D)
+        else:
+            out = torch.zeros_like(x)
+            for e in idx.unique().tolist():
+                tok, slot = torch.where(idx == e)  # (n_e,), (n_e,)
+                g, u = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)  # (n_e, I)
+                y = F.linear(F.silu(g) * u, self.down[e]) * weights[tok, slot, None]  # (n_e, D)
+                out.index_add_(0, tok, y.to(x.dtype))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
