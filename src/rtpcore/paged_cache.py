@@ -9,15 +9,28 @@ What "k" and "v" are follows the spec's partition:
 * ``kind == "mha"``: k and v are (T, num_kv_heads, head_dim) keys and values.
 * ``kind == "mla"``: k is the (T, kv_lora_rank) latent ("nope") and v the
   (T, rope_head_dim) rotary key part.
+
+Two pool kinds share that interface (``write(slots, k, v)``,
+``read(block_tables, max_len) -> (k, v)``, ``spec``, ``num_blocks``,
+``tokens_per_block``):
+
+* :class:`LayerKVCache`: fp32/fp16/bf16 specs, two typed tensors.
+* :class:`PackedLayerKVCache`: ``fp8_e4m3`` specs (MHA or MLA, any layout), one
+  uint8 tensor of (slots, ``bytes_per_token``) rows packed and unpacked by the
+  spec's codec (``rtpcore.kv_packing.make_codec``). ``read`` returns
+  ``compute_dtype`` tensors.
+
+:func:`allocate_kv_caches` picks the right kind for each spec.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["LayerKVCache", "kv_shapes"]
+__all__ = ["LayerKVCache", "PackedLayerKVCache", "allocate_kv_caches", "kv_shapes", "slot_index"]
 
 
 def kv_shapes(spec: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -41,6 +54,7 @@ class LayerKVCache:
         k_shape, v_shape = kv_shapes(spec)
         dtype = _TORCH_DTYPES[spec.dtype]
         n = num_blocks * spec.tokens_per_block
+        # zeros, not empty: masked positions are multiplied by 0 and must be finite
         self.k = torch.zeros((n, *k_shape), dtype=dtype, device=device)  # (slots, *k_shape)
         self.v = torch.zeros((n, *v_shape), dtype=dtype, device=device)  # (slots, *v_shape)
 
@@ -52,10 +66,85 @@ class LayerKVCache:
     def read(self, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather every sequence's first ``max_len`` positions: (B, L, *k_shape), (B, L, *v_shape).
 
-        Positions past a sequence's context hold stale data; mask them.
+        Positions past a sequence's context hold stale (finite) data; mask them.
         """
-        idx = slot_index(block_tables, max_len, self.tokens_per_block)  # (B, L)
-        return self.k[idx], self.v[idx]
+        return gather_blocks(self.k, block_tables, max_len, self.tokens_per_block), gather_blocks(
+            self.v, block_tables, max_len, self.tokens_per_block
+        )
+
+
+class PackedLayerKVCache:
+    """One layer's fp8 pool: (slots, bytes_per_token) uint8 rows in the spec's byte layout."""
+
+    def __init__(
+        self,
+        spec: Any,
+        num_blocks: int,
+        *,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype = torch.float32,
+        codec: Any = None,
+    ):
+        if codec is None:
+            from rtpcore.kv_packing import make_codec
+
+            codec = make_codec(spec)
+        self.spec = spec
+        self.codec = codec
+        self.num_blocks = num_blocks
+        self.tokens_per_block = spec.tokens_per_block
+        self.compute_dtype = compute_dtype
+        self.k_shape, self.v_shape = kv_shapes(spec)
+        n = num_blocks * spec.tokens_per_block
+        self.rows = torch.zeros((n, spec.bytes_per_token), dtype=torch.uint8, device=device)  # (slots, bytes)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize and store: slots (T,), k (T, *k_shape), v (T, *v_shape)."""
+        self.rows.index_copy_(0, slots, self.codec.pack(k, v))
+
+    def read(self, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantize every sequence's first ``max_len`` positions into ``compute_dtype``:
+        (B, L, *k_shape), (B, L, *v_shape)."""
+        rows = gather_blocks(self.rows, block_tables, max_len, self.tokens_per_block)  # (B, L, bytes)
+        b, length = rows.shape[:2]
+        k, v = self.codec.unpack(rows.reshape(b * length, -1), self.compute_dtype)
+        return k.reshape(b, length, *self.k_shape), v.reshape(b, length, *self.v_shape)
+
+
+def allocate_kv_caches(
+    specs: Sequence[Any],
+    num_blocks: int,
+    *,
+    device: torch.device | str = "cpu",
+    compute_dtype: torch.dtype = torch.float32,
+    layouts: Any = None,
+) -> list[LayerKVCache | PackedLayerKVCache]:
+    """One pool per spec: :class:`PackedLayerKVCache` for fp8 specs, else :class:`LayerKVCache`.
+
+    ``layouts`` (the ModelRegistry) supplies the policy of a plugin-defined fp8
+    layout, whose codec may be the policy's own (``policy.make_codec``).
+    """
+    from rtpcore_native import BUILTIN_LAYOUTS
+
+    caches: list[LayerKVCache | PackedLayerKVCache] = []
+    for s in specs:
+        if s.dtype != "fp8_e4m3":
+            caches.append(LayerKVCache(s, num_blocks, device=device))
+            continue
+        from rtpcore.kv_packing import make_codec
+
+        custom = s.layout not in ("", *BUILTIN_LAYOUTS) and layouts is not None
+        policy = layouts.get_layout(s.layout) if custom else None
+        codec = make_codec(s, policy)
+        caches.append(PackedLayerKVCache(s, num_blocks, device=device, compute_dtype=compute_dtype, codec=codec))
+    return caches
+
+
+def gather_blocks(pool: torch.Tensor, block_tables: torch.Tensor, max_len: int, tokens_per_block: int) -> torch.Tensor:
+    """(slots, *row) pool -> (B, max_len, *row): whole blocks are gathered, then trimmed."""
+    nblocks = -(-max_len // tokens_per_block)
+    blocks = pool.view(-1, tokens_per_block, *pool.shape[1:])[block_tables[:, :nblocks]]  # (B, nb, tpb, *row)
+    return blocks.flatten(1, 2)[:, :max_len]
 
 
 def slot_index(block_tables: torch.Tensor, max_len: int, tokens_per_block: int) -> torch.Tensor:

@@ -1,0 +1,149 @@
+"""``rtpcore generate``: run a checkpoint (or a demo model) on one prompt.
+
+A thin shell over :meth:`rtpcore.Engine.from_pretrained` and
+:func:`rtpcore.demo.demo_checkpoint`. torch is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rtpcore.allowlist import Allowlist, add_allowlist_arguments
+from rtpcore.errors import RtpcoreError
+
+__all__ = ["add_parser"]
+
+
+def _prompt_ids(value: str) -> list[int]:
+    try:
+        ids = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids {value!r}: expected comma-separated integers like 1,2,3") from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"--prompt-ids {value!r}: token ids must be >= 0")
+    return ids
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate tokens from a checkpoint or a demo model",
+        description="Generate tokens with the rtpcore engine. --demo NAME builds a small random-weight "
+        "model of that model type on first use (cached under $XDG_CACHE_HOME/rtpcore/demo).",
+    )
+    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--demo", metavar="NAME", help="use the demo model of this model type (random weights)")
+    add_allowlist_arguments(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json and the tokenizers package, or --demo)")
+    prompt.add_argument("--prompt-ids", type=_prompt_ids, metavar="1,2,3", help="prompt token ids")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
+    p.add_argument("--top-k", type=_positive, default=None, metavar="K")
+    p.add_argument("--top-p", type=float, default=None, metavar="P")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"])
+    p.add_argument("--kv-layout", default=None, metavar="NAME", help="fp8 layout (built-in or from a plugin)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run, _parser=p)
+
+
+def _load_tokenizer(path: Path, demo: bool) -> Any | None:
+    file = path / "tokenizer.json"
+    if file.is_file():
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            pass
+        else:
+            return Tokenizer.from_file(str(file))
+    if demo:
+        from rtpcore.demo import ByteTokenizer
+
+        return ByteTokenizer()
+    return None
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    out = tokenizer.encode(text)
+    return list(getattr(out, "ids", out))
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    try:
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+    except TypeError:  # ByteTokenizer
+        return str(tokenizer.decode(ids))
+
+
+def run(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args._parser
+    if (args.checkpoint is None) == (args.demo is None):
+        parser.error("give exactly one of CHECKPOINT or --demo NAME")
+    if args.max_new_tokens < 0:
+        parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    allow = Allowlist.from_args(args)  # validates before anything is imported
+    from rtpcore.demo import NOTICE, demo_checkpoint
+    from rtpcore.engine import Engine
+
+    plugins = [str(r) for r in allow.plugins]
+    if args.demo is not None:
+        path = demo_checkpoint(args.demo, plugins=plugins, external_model_packages=allow.external_model_packages)
+    else:
+        path = Path(args.checkpoint)
+    tokenizer = _load_tokenizer(path, demo=args.demo is not None)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise RtpcoreError(
+                f"--prompt needs {str(path / 'tokenizer.json')!r} and the optional 'tokenizers' package "
+                "(pip install 'rtpcore[tokenizer]'); or pass --prompt-ids"
+            )
+        ids = _encode(tokenizer, args.prompt)
+    else:
+        ids = args.prompt_ids
+    with Engine.from_pretrained(
+        path,
+        plugins=plugins,
+        external_model_packages=allow.external_model_packages,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_layout=args.kv_layout,
+        max_batch_size=1,
+    ) as engine:
+        out = engine.generate(
+            [ids],
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+        )[0]
+        model_type = engine.model_type
+    text = _decode(tokenizer, out) if tokenizer is not None else None
+    if args.json:
+        record = {
+            "model_type": model_type,
+            "checkpoint": str(path),
+            "demo": args.demo is not None,
+            "prompt_ids": ids,
+            "output_ids": out,
+            "text": text,
+        }
+        print(json.dumps(record))
+    else:
+        print(text if text is not None else " ".join(map(str, out)))
+    if args.demo is not None:
+        print(f"note: {NOTICE}", file=sys.stderr)
+    return 0

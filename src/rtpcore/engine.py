@@ -1,0 +1,366 @@
+"""``Engine``: a checkpoint, the plugin that serves it, a paged KV cache, and ``generate``.
+
+:meth:`Engine.from_pretrained` is the one place that wires the stages of
+DESIGN §1 together: allowlist -> plan -> plugins -> model type -> config ->
+pruned checkpoint -> model -> KV specs -> preallocated cache. Scheduling lives
+in ``rtpcore.scheduler``, token choice in ``rtpcore.sampling``.
+
+KV memory: ``kv_cache_memory`` bytes when given; otherwise enough blocks for
+``max_batch_size`` sequences of ``max_position_embeddings`` tokens each, capped
+at a quarter of physical RAM. Requests are checked before anything runs: a
+prompt that could not fit even in an empty cache raises
+:class:`~rtpcore.errors.KVCacheCapacityError` naming it, and the engine stays
+usable. Admitted sequences reserve their blocks, so nothing is preempted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from rtpcore.errors import KVCacheCapacityError, RtpcoreError
+from rtpcore.resolution import Plan, PlanEntry
+from rtpcore.sampling import SamplingParams, sample
+from rtpcore.scheduler import BlockAllocator, Scheduler, blocks_needed
+
+__all__ = ["Engine", "EngineConfig"]
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MAX_POSITIONS = 4096  # when config.json has no max_position_embeddings
+RAM_FRACTION = 0.25  # cap of the default KV memory
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RtpcoreError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@attrs.frozen
+class EngineConfig:
+    """Everything needed to build an engine, resolved and validated; picklable, so a
+    worker process can rebuild the same engine from it without rediscovering plugins."""
+
+    checkpoint: str
+    plan: Plan
+    model_type: str | None
+    dtype: str
+    kv_cache_dtype: str  # resolved: "fp32", "fp16", "bf16" or "fp8_e4m3"
+    kv_layout: str | None
+    tokens_per_block: int
+    kv_cache_memory: int | None
+    max_batch_size: int
+    tensor_parallel_size: int
+
+    @classmethod
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        plugins: Iterable[str] = (),
+        external_model_packages: Iterable[str] = (),
+        model_type: str | None = None,
+        dtype: str = "float32",
+        kv_cache_dtype: str = "auto",
+        kv_layout: str | None = None,
+        tokens_per_block: int = 16,
+        kv_cache_memory: int | None = None,
+        max_batch_size: int = 8,
+        tensor_parallel_size: int = 1,
+    ) -> EngineConfig:
+        """Validate the arguments and resolve the allowlist (imports no plugin)."""
+        from rtpcore.allowlist import Allowlist
+        from rtpcore.kv_cache import resolve_kv_cache_dtype
+
+        if dtype not in DTYPES:
+            raise RtpcoreError(f"dtype {dtype!r} is not supported; choose one of {', '.join(map(repr, DTYPES))}")
+        kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        _positive_int("tokens_per_block", tokens_per_block)
+        _positive_int("max_batch_size", max_batch_size)
+        if kv_cache_memory is not None:
+            _positive_int("kv_cache_memory", kv_cache_memory)
+        if _positive_int("tensor_parallel_size", tensor_parallel_size) != 1:
+            raise RtpcoreError(f"tensor_parallel_size={tensor_parallel_size} is not yet supported; use 1")
+        if isinstance(plugins, str) or isinstance(external_model_packages, str):
+            raise RtpcoreError("plugins and external_model_packages take a sequence of strings, not one string")
+        plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages).resolve()
+        return cls(
+            checkpoint=str(path),
+            plan=plan,
+            model_type=model_type,
+            dtype=dtype,
+            kv_cache_dtype=kv,
+            kv_layout=kv_layout,
+            tokens_per_block=tokens_per_block,
+            kv_cache_memory=kv_cache_memory,
+            max_batch_size=max_batch_size,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+class Engine:
+    """A loaded model with its paged KV cache. Build it with :meth:`from_pretrained`
+    (or from a resolved :class:`EngineConfig`: ``Engine(config)``)."""
+
+    config: EngineConfig
+    model_type: str
+    plugins: tuple[PlanEntry, ...]  # the plan entries that were loaded
+    kv_cache_specs: list[Any]  # one rtpcore_native.KVCacheSpec per layer
+    num_kv_blocks: int  # blocks per layer
+    hf_config: dict[str, Any]  # the parsed config.json
+    model_config: Any  # what the plugin's config_from_hf returned
+    model: Any  # the plugin's model (forward contract of rtpcore.plugin); None once closed
+    kv_caches: list[Any]  # one LayerKVCache / PackedLayerKVCache per layer
+    max_positions: int
+    vocab_size: int | None
+    eos_token_ids: tuple[int, ...]
+    _allocator: BlockAllocator
+    _closed: bool
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        plugins: Iterable[str] = (),
+        external_model_packages: Iterable[str] = (),
+        model_type: str | None = None,
+        dtype: str = "float32",
+        kv_cache_dtype: str = "auto",
+        kv_layout: str | None = None,
+        tokens_per_block: int = 16,
+        kv_cache_memory: int | None = None,
+        max_batch_size: int = 8,
+        tensor_parallel_size: int = 1,
+    ) -> Engine:
+        """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
+        preallocate the KV cache (see the module docstring for its default size)."""
+        config = EngineConfig.create(
+            path,
+            plugins=plugins,
+            external_model_packages=external_model_packages,
+            model_type=model_type,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_layout=kv_layout,
+            tokens_per_block=tokens_per_block,
+            kv_cache_memory=kv_cache_memory,
+            max_batch_size=max_batch_size,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        return cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        """Build the engine a resolved :class:`EngineConfig` describes."""
+        return cls(config)
+
+    def __init__(self, config: EngineConfig):
+        """Wire the stages, in order: plugins, model type, config, KV specs, weights, model, cache."""
+        from rtpcore.checkpoint import load_checkpoint, read_hf_config
+        from rtpcore.kv_cache import kv_cache_specs
+        from rtpcore.loading import load_plugins
+        from rtpcore.paged_cache import allocate_kv_caches
+
+        self.config = config
+        self._closed = True  # until fully built
+        registry = load_plugins(config.plan)
+        self.plugins = tuple(config.plan.entries)
+        self.hf_config = hf = read_hf_config(config.checkpoint)
+        self.model_type = config.model_type or registry.infer_model_type(hf)
+        plugin = registry.get(self.model_type)
+        self.model_config = plugin.config_from_hf(hf)
+        self.kv_cache_specs = kv_cache_specs(  # before the weights: a bad layout fails fast
+            plugin,
+            self.model_config,
+            kv_cache_dtype=config.kv_cache_dtype,
+            kv_layout=config.kv_layout,
+            tokens_per_block=config.tokens_per_block,
+            registry=registry,
+            model_type=self.model_type,
+        )
+        weights = load_checkpoint(
+            config.checkpoint,
+            plugin.weight_patterns(self.model_config),
+            plugin.placeholder_ranges(self.model_config),
+            dtype=config.torch_dtype,
+            expected_shapes=plugin.weight_shapes(self.model_config),
+        )
+        self.model = plugin.build_model(self.model_config, weights, dtype=config.torch_dtype, device="cpu")
+        del weights
+        if isinstance(self.model, torch.nn.Module):
+            self.model.eval()
+        self.max_positions = int(hf.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS)
+        self.num_kv_blocks = _plan_blocks(self.kv_cache_specs, config, self.max_positions)
+        self.kv_caches = allocate_kv_caches(
+            self.kv_cache_specs, self.num_kv_blocks, compute_dtype=config.torch_dtype, layouts=registry
+        )
+        self.eos_token_ids = _eos_token_ids(hf, Path(config.checkpoint))
+        vocab = hf.get("vocab_size")
+        self.vocab_size = vocab if isinstance(vocab, int) else None
+        self._allocator = BlockAllocator(self.num_kv_blocks)
+        self._closed = False
+        logger.info(
+            "engine ready: model_type=%s dtype=%s kv=%s, %d blocks of %d tokens",
+            self.model_type, config.dtype, config.kv_cache_dtype, self.num_kv_blocks, config.tokens_per_block,
+        )
+
+    # -- generation ------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 16,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+    ) -> list[list[int]]:
+        """New token ids for each prompt, in order. Generation of a prompt ends after
+        ``max_new_tokens`` tokens or at a stop token (included in the output);
+        ``stop_token_ids`` defaults to the checkpoint's ``eos_token_id``."""
+        if self._closed:
+            raise RtpcoreError("this Engine is closed")
+        params = SamplingParams.create(temperature, top_k, top_p)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise RtpcoreError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+        checked = [self._check_prompt(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        if max_new_tokens == 0 or not checked:
+            return [[] for _ in checked]
+        stop = frozenset(self.eos_token_ids if stop_token_ids is None else (int(t) for t in stop_token_ids))
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        sched = Scheduler(
+            checked,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop,
+            allocator=self._allocator,
+            tokens_per_block=self.config.tokens_per_block,
+            max_batch_size=self.config.max_batch_size,
+        )
+        model = self.model
+        try:
+            with torch.inference_mode():
+                while not sched.done:
+                    seqs = sched.admit()
+                    if seqs:
+                        batch = sched.prefill_batch(seqs)
+                    else:
+                        assert sched.running, "validated requests always fit an idle cache"
+                        seqs = list(sched.running)
+                        batch = sched.decode_batch()
+                    logits = model(batch, self.kv_caches)  # (B, vocab)
+                    sched.record(seqs, sample(logits, params, generator))
+        finally:
+            sched.release_all()
+        return sched.results
+
+    def _check_prompt(self, index: int, prompt: Any, max_new_tokens: int) -> list[int]:
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
+            raise RtpcoreError(f"prompt {index} must be a sequence of token ids, got {type(prompt).__name__}")
+        ids = list(prompt)
+        if not ids:
+            raise RtpcoreError(f"prompt {index} is empty; a prompt needs at least one token id")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (self.vocab_size and t >= self.vocab_size):
+                raise RtpcoreError(f"prompt {index} holds token id {t!r}, outside 0..{(self.vocab_size or 0) - 1}")
+        total = len(ids) + max_new_tokens
+        if total > self.max_positions:
+            raise RtpcoreError(
+                f"prompt {index}: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} = {total} "
+                f"exceeds the model's max_position_embeddings={self.max_positions}"
+            )
+        tpb = self.config.tokens_per_block
+        need = blocks_needed(len(ids), max_new_tokens, tpb)
+        if need > self.num_kv_blocks:
+            tokens = len(ids) + max(max_new_tokens, 1) - 1
+            block_bytes = sum(s.block_bytes for s in self.kv_cache_specs)
+            raise KVCacheCapacityError(
+                f"prompt {index} needs {tokens} cached tokens = {need} blocks of {tpb} tokens "
+                f"({need * block_bytes} bytes over all layers), but the KV cache holds only "
+                f"{self.num_kv_blocks} blocks ({self.num_kv_blocks * block_bytes} bytes); "
+                "raise kv_cache_memory or shorten the request",
+                prompt_index=index,
+                tokens_needed=tokens,
+                blocks_needed=need,
+                blocks_available=self.num_kv_blocks,
+            )
+        return ids
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        """Blocks per layer not reserved by a running sequence (all of them between calls)."""
+        return self._allocator.num_free
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the model and the KV cache; the engine cannot generate afterwards."""
+        self._closed = True
+        self.model = None
+        self.kv_caches = []
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.num_kv_blocks} KV blocks"
+        return f"<Engine {self.model_type} {self.config.dtype} from {self.config.checkpoint!r}, {state}>"
+
+
+def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int) -> int:
+    """Blocks per layer for ``kv_cache_memory`` or the documented default."""
+    from rtpcore.kv_cache import plan_blocks
+
+    block_bytes = sum(s.block_bytes for s in specs)
+    memory = config.kv_cache_memory
+    if memory is None:
+        want = -(-config.max_batch_size * max_positions // config.tokens_per_block) * block_bytes
+        memory = min(want, int(_physical_memory() * RAM_FRACTION))
+    blocks = plan_blocks(specs, memory)
+    if blocks < 1:
+        raise KVCacheCapacityError(
+            f"kv_cache_memory={memory} bytes holds no KV block; one block over all layers needs {block_bytes} bytes",
+            blocks_needed=1,
+        )
+    return blocks
+
+
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        return 8 << 30
+
+
+def _eos_token_ids(hf: dict[str, Any], path: Path) -> tuple[int, ...]:
+    """``eos_token_id`` of generation_config.json when present (what transformers uses),
+    else of config.json; an int or a list."""
+    import json
+
+    eos = hf.get("eos_token_id")
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id", eos)
+        except (OSError, ValueError, AttributeError):
+            logger.warning("ignoring unreadable %s", gen)
+    if eos is None:
+        return ()
+    return (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)

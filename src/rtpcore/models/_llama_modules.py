@@ -1,0 +1,168 @@
+"""The Llama-family forward over a paged KV cache (torch modules).
+
+Follows the forward contract of ``rtpcore.plugin``: ``model(batch, kv_caches)``
+returns (B, vocab) logits of each sequence's last new token. Numerics mirror
+Hugging Face transformers (RMSNorm in float32, RoPE tables computed in float32
+then cast, softmax in float32). Shapes: T flat tokens, B sequences, Tq padded
+new tokens per sequence, L cached positions, H/Hkv heads, D head_dim, E hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rtpcore.models._linear import Linear
+from rtpcore.models.llama import LlamaConfig, rope_inv_freq
+
+if TYPE_CHECKING:
+    from rtpcore.batch import ForwardBatch
+    from rtpcore.paged_cache import LayerKVCache
+
+__all__ = ["LlamaModel"]
+
+ROPE_TABLE_START = 4096  # positions precomputed up front; the tables grow on demand
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as transformers does."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE (rotate-half convention): x (T, heads, D), cos/sin (T, 1, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention: q (B, H, Tq, D), k/v (B, Hkv, L, D), mask (B, 1, Tq, L) bool -> (B, H, Tq, D).
+
+    torch's fused kernel, as transformers' default ("sdpa") uses: bf16 results match it bit for bit.
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer with fused qkv and gate_up projections."""
+
+    def __init__(self, config: LlamaConfig, w: Mapping[str, torch.Tensor], prefix: str):
+        super().__init__()
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        self.eps = config.rms_norm_eps
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.qk_size = config.q_size + config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.norm1 = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
+        self.norm2 = nn.Parameter(w[prefix + "post_attention_layernorm.weight"], requires_grad=False)
+        self.qkv = _fused(w, [a + "q_proj", a + "k_proj", a + "v_proj"])  # E -> q + 2 kv
+        self.o = Linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))  # q -> E
+        self.gate_up = _fused(w, [m + "gate_proj", m + "up_proj"])  # E -> 2 I
+        self.down = Linear(w[m + "down_proj.weight"], w.get(m + "down_proj.bias"))  # I -> E
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, E)
+        cos: torch.Tensor,  # (T, 1, D)
+        sin: torch.Tensor,  # (T, 1, D)
+        batch: ForwardBatch,
+        cache: LayerKVCache,
+        mask: torch.Tensor,  # (B, 1, Tq, L) bool
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv(rms_norm(x, self.norm1, self.eps))  # (T, q + 2 kv)
+        qk = rotate(qkv[:, : self.qk_size].view(t, self.heads + self.kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.heads, self.kv_heads), dim=1)  # (T, H, D), (T, Hkv, D)
+        cache.write(batch.slots, k, qkv[:, self.qk_size :].view(t, self.kv_heads, self.head_dim))
+        kc, vc = cache.read(batch.block_tables, mask.shape[-1])  # (B, L, Hkv, D) each
+        qp = batch.to_padded(q).transpose(1, 2)  # (B, H, Tq, D)
+        kc, vc = kc.to(q.dtype).transpose(1, 2), vc.to(q.dtype).transpose(1, 2)  # (B, Hkv, L, D)
+        out = attend(qp, kc, vc, mask, self.scale).transpose(1, 2)  # (B, Tq, H, D)
+        x = x + self.o(batch.from_padded(out).reshape(t, -1))  # (T, E)
+        gate, up = self.gate_up(rms_norm(x, self.norm2, self.eps)).chunk(2, dim=-1)  # (T, I) each
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """The whole decoder: ``model(batch, kv_caches) -> (B, vocab)`` logits."""
+
+    cos: torch.Tensor  # (P, D) RoPE tables for every position, model dtype
+    sin: torch.Tensor
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        w = {k: t.to(device=device, dtype=dtype or t.dtype) for k, t in weights.items()}
+        self.config = config
+        self.dtype = w["model.embed_tokens.weight"].dtype
+        self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)  # (V, E)
+        self.lm_head = Linear(w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
+        self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(
+            LlamaLayer(config, w, f"model.layers.{i}.")
+            for i in range(config.num_hidden_layers)
+        )
+        self.inv_freq = rope_inv_freq(config).to(device)  # (D/2,) float32
+        self.register_buffer("cos", torch.empty(0, config.head_dim, dtype=self.dtype, device=device), persistent=False)
+        self.register_buffer("sin", torch.empty(0, config.head_dim, dtype=self.dtype, device=device), persistent=False)
+        self._grow_rope(min(config.max_position_embeddings, ROPE_TABLE_START))
+
+    def _grow_rope(self, positions: int) -> None:
+        """Precompute the RoPE tables for ``positions`` positions, as transformers computes
+        them (float32 angles, cos/sin cast to the model dtype)."""
+        pos = torch.arange(positions, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(pos, self.inv_freq)  # (P, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(self, batch: ForwardBatch, kv_caches: Sequence[LayerKVCache]) -> torch.Tensor:
+        if batch.max_context_len > self.cos.shape[0]:
+            self._grow_rope(max(batch.max_context_len, 2 * self.cos.shape[0]))
+        x = F.embedding(batch.input_ids, self.embed)  # (T, E)
+        cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
+        sin = self.sin[batch.positions].unsqueeze(1)
+        masks: dict[int | None, torch.Tensor] = {}
+        for layer, cache, window in zip(self.layers, kv_caches, self.config.sliding_windows, strict=True):
+            if window not in masks:
+                masks[window] = _mask(batch, window)
+            x = layer(x, cos, sin, batch, cache, masks[window])
+        if not batch.is_decode:
+            x = x[batch.last_token_index]  # (B, E)
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return self.lm_head(x)  # (B, V)
+
+
+def _mask(batch: ForwardBatch, window: int | None) -> torch.Tensor:
+    """(B, 1, Tq, L) bool: causal, within the context, and within ``window`` when set."""
+    if batch.is_decode and window is None:
+        kpos = torch.arange(batch.max_context_len, device=batch.context_lens.device)
+        return (kpos[None, :] < batch.context_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
+    mask = batch.attention_mask()
+    if window is not None:
+        dev = batch.context_lens.device
+        lens = torch.tensor(batch.query_lens, device=dev)
+        qpos = (batch.context_lens - lens)[:, None] + torch.arange(batch.max_query_len, device=dev)
+        kpos = torch.arange(batch.max_context_len, device=dev)
+        mask = mask & (kpos[None, None, :] > qpos[:, :, None] - window).unsqueeze(1)
+    return mask
+
+
+def _fused(w: Mapping[str, torch.Tensor], names: list[str]) -> Linear:
+    """One Linear computing the named projections side by side (outputs concatenated)."""
+    weight = torch.cat([w[n + ".weight"] for n in names], dim=0)
+    biases = [w.get(n + ".bias") for n in names]
+    bias = torch.cat([b for b in biases if b is not None]) if all(b is not None for b in biases) else None
+    return Linear(weight, bias)

@@ -1,0 +1,227 @@
+"""The built-in Llama family: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``.
+
+Grouped-query attention, RoPE (default and ``llama3`` scaling), RMSNorm,
+SwiGLU, tied or untied embeddings, optional q/k/v (and o) biases, and
+Mistral/Qwen2 sliding windows. The q/k/v and gate/up projections are fused
+into one matrix each when the model is built (``rtpcore.models._llama_modules``
+holds the torch code; this module imports no torch at import time).
+
+Subclass :class:`LlamaPlugin` with another ``model_type``/``architectures`` to
+serve a Llama-shaped architecture under a new name; nothing else changes.
+Shapes: T flat tokens, B sequences, Tq new tokens per sequence (padded),
+L cached positions, H query heads, Hkv KV heads, D head_dim, E hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from rtpcore.errors import CheckpointError
+from rtpcore.plugin import ModelPlugin
+
+__all__ = ["LlamaConfig", "LlamaPlugin"]
+
+
+@attrs.frozen
+class LlamaConfig:
+    """What the Llama-family forward needs, read from ``config.json`` by :meth:`from_hf`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...]  # sorted items of the HF rope dict, minus theta
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_windows: tuple[int | None, ...]  # one per layer; None = full attention
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise CheckpointError(f"config.json hidden_act {act!r} is not supported by the Llama family; supported: 'silu'")
+        heads = int(hf["num_attention_heads"])
+        layers = int(hf["num_hidden_layers"])
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise CheckpointError(f"config.json rope type {rope_type!r} is not supported by the Llama family; supported: 'default', 'llama3'")
+        rope["rope_type"] = rope_type
+        rope.pop("type", None)
+        is_qwen2 = hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in hf.get("architectures", ())
+        bias = bool(hf.get("attention_bias", False))
+        eos = hf.get("eos_token_id")
+        eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rope_theta=theta,
+            rope_scaling=tuple(sorted(rope.items())),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=bias or is_qwen2,
+            o_bias=bias and not is_qwen2,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_windows=_sliding_windows(hf, layers),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+def _sliding_windows(hf: Mapping[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding window, following Mistral (all layers) and Qwen2 (``layer_types``)."""
+    window = hf.get("sliding_window")
+    types = hf.get("layer_types")
+    if window is None:
+        return (None,) * layers
+    if types is not None:
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if "use_sliding_window" in hf:  # Qwen2 without layer_types
+        first = int(hf.get("max_window_layers", layers)) if hf["use_sliding_window"] else layers
+        return tuple(int(window) if i >= first else None for i in range(layers))
+    return (int(window),) * layers  # Mistral
+
+
+class LlamaPlugin(ModelPlugin):
+    """The built-in Llama-family model (registered by ``rtpcore.models``)."""
+
+    model_type = "llama"
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+    @classmethod
+    def config_from_hf(cls, hf_config: Mapping[str, Any]) -> LlamaConfig:
+        try:
+            return LlamaConfig.from_hf(hf_config)
+        except KeyError as exc:
+            raise CheckpointError(f"config.json lacks {exc.args[0]!r}, required by {cls.__qualname__}") from None
+
+    @classmethod
+    def weight_patterns(cls, config: LlamaConfig) -> list[str]:
+        return list(cls.weight_shapes(config))
+
+    @classmethod
+    def weight_shapes(cls, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        e, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+        a, m = "model.layers.{layer}.self_attn.", "model.layers.{layer}.mlp."
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (config.vocab_size, e),
+            "model.norm.weight": (e,),
+            "model.layers.{layer}.input_layernorm.weight": (e,),
+            "model.layers.{layer}.post_attention_layernorm.weight": (e,),
+            a + "q_proj.weight": (q, e),
+            a + "k_proj.weight": (kv, e),
+            a + "v_proj.weight": (kv, e),
+            a + "o_proj.weight": (e, q),
+            m + "gate_proj.weight": (i, e),
+            m + "up_proj.weight": (i, e),
+            m + "down_proj.weight": (e, i),
+        }
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (config.vocab_size, e)
+        if config.qkv_bias:
+            shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
+        if config.o_bias:
+            shapes[a + "o_proj.bias"] = (e,)
+        if config.mlp_bias:
+            shapes.update({m + "gate_proj.bias": (i,), m + "up_proj.bias": (i,), m + "down_proj.bias": (e,)})
+        return shapes
+
+    @classmethod
+    def kv_cache_descs(
+        cls,
+        config: LlamaConfig,
+        *,
+        kv_cache_dtype: str = "fp32",
+        kv_layout: str | None = None,
+        tokens_per_block: int = 16,
+        **options: Any,
+    ) -> list[Any]:
+        """One MHA descriptor per layer. ``kv_layout`` names MLA layouts; MHA has a single fp8 format."""
+        from rtpcore_native import KVCacheSpecDesc
+
+        return [
+            KVCacheSpecDesc(
+                tag=f"layers.{i}",
+                kind="mha",
+                dtype=kv_cache_dtype,
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                tokens_per_block=tokens_per_block,
+            )
+            for i in range(config.num_hidden_layers)
+        ]
+
+    @classmethod
+    def build_model(cls, config: LlamaConfig, weights: Mapping[str, Any], **options: Any) -> Any:
+        from rtpcore.models._llama_modules import LlamaModel
+
+        return LlamaModel(config, weights, dtype=options.get("dtype"), device=options.get("device"))
+
+    @classmethod
+    def demo_config(cls) -> dict[str, Any]:
+        """A 2-layer GQA model over a 256-byte vocabulary plus <bos>=256, <eos>=257."""
+        return {
+            "architectures": [cls.architectures[0]],
+            "model_type": cls.model_type,
+            "vocab_size": 320,
+            "hidden_size": 64,
+            "intermediate_size": 160,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 1024,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "bos_token_id": 256,
+            "eos_token_id": 257,
+            "torch_dtype": "float32",
+        }
+
+
+def rope_inv_freq(config: LlamaConfig) -> Any:
+    """(D/2,) float32 inverse frequencies, with the ``llama3`` scaling when configured."""
+    import torch
+
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rope = dict(config.rope_scaling)
+    if rope.get("rope_type") != "llama3":
+        return inv
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old = float(rope["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)

@@ -1,0 +1,155 @@
+"""``rtpcore generate``: checkpoints, demo models, output formats and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rtpcore.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(["generate", *argv])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg" / "rtpcore" / "demo"
+
+
+def test_demo_builds_once_and_is_deterministic(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--demo llama builds a labelled random-weight checkpoint in the user cache and answers the same twice."""
+    code, out, err = run(capsys, "--demo", "llama", "--prompt", "Hello", "--max-new-tokens", "8", "--json")
+    assert code == 0, err
+    first = json.loads(out)
+    assert first["model_type"] == "llama" and first["demo"] is True
+    assert first["prompt_ids"] == list(b"Hello")
+    assert len(first["output_ids"]) == 8
+    assert first["text"].isprintable() and len(first["text"]) == 8
+    assert "RANDOM WEIGHTS" in err
+    (built,) = cache.iterdir()
+    assert built.name.startswith("llama-") and Path(first["checkpoint"]) == built
+    assert "RANDOM WEIGHTS" in (built / "README.txt").read_text()
+    assert json.loads((built / "config.json").read_text())["rtpcore_demo"]
+    mtime = (built / "model.safetensors").stat().st_mtime_ns
+    code, out, _ = run(capsys, "--demo", "llama", "--prompt", "Hello", "--max-new-tokens", "8", "--json")
+    assert code == 0 and json.loads(out) == first
+    assert (built / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_demo_tokenizer_json_matches_the_builtin_byte_tokenizer(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With `tokenizers` installed the demo ships tokenizer.json giving the same byte ids as ByteTokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from rtpcore.demo import ByteTokenizer
+
+    assert run(capsys, "--demo", "llama", "--prompt-ids", "1", "--max-new-tokens", "1")[0] == 0
+    (built,) = cache.iterdir()
+    tok = tokenizers.Tokenizer.from_file(str(built / "tokenizer.json"))
+    text = "Hello, wörld ✓"
+    assert tok.encode(text).ids == ByteTokenizer().encode(text)
+    assert tok.decode(ByteTokenizer().encode(text)) == text
+    assert tok.token_to_id("<bos>") == 256 and tok.token_to_id("<eos>") == 257
+
+
+def test_checkpoint_with_prompt_ids_matches_the_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """generate CHECKPOINT --prompt-ids prints what Engine.generate returns (ids without a tokenizer)."""
+    pytest.importorskip("transformers")
+    from rtpcore import Engine
+    from test_llama import make_checkpoint
+
+    make_checkpoint(tmp_path)
+    with Engine.from_pretrained(tmp_path) as engine:
+        want = engine.generate([[5, 9, 33]], max_new_tokens=6)[0]
+    code, out, err = run(capsys, str(tmp_path), "--prompt-ids", "5,9,33", "--max-new-tokens", "6", "--json")
+    assert code == 0, err
+    assert json.loads(out)["output_ids"] == want and json.loads(out)["text"] is None
+    code, out, err = run(capsys, str(tmp_path), "--prompt-ids", "5,9,33", "--max-new-tokens", "6")
+    assert (code, out) == (0, " ".join(map(str, want)) + "\n")
+    assert "RANDOM" not in err
+
+
+def test_prompt_text_without_tokenizer_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--prompt on a checkpoint without tokenizer.json exits 1 naming the file and the alternative."""
+    (tmp_path / "config.json").write_text("{}")
+    code, out, err = run(capsys, str(tmp_path), "--prompt", "Hi")
+    assert code == 1 and out == ""
+    assert err.startswith("rtpcore: error: --prompt needs") and "tokenizer.json" in err and "--prompt-ids" in err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["ckpt", "--demo", "llama", "--prompt", "x"], "exactly one of CHECKPOINT or --demo"),
+    (["--prompt", "x"], "exactly one of CHECKPOINT or --demo"),
+    (["--demo", "llama"], "one of the arguments --prompt --prompt-ids is required"),
+    (["--demo", "llama", "--prompt-ids", "1,x"], "expected comma-separated integers"),
+    (["--demo", "llama", "--prompt", "a", "--prompt-ids", "1"], "not allowed with argument"),
+    (["--demo", "llama", "--prompt", "a", "--plugins", ""], "--plugins"),
+])
+def test_bad_usage_exits_2(cache: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    """Usage errors exit with status 2 and say what is wrong."""
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert needle in err
+
+
+def test_unknown_demo_and_missing_checkpoint_exit_1(cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown demo model type or a missing checkpoint is one error line and exit status 1."""
+    code, _, err = run(capsys, "--demo", "nosuch", "--prompt", "x")
+    assert code == 1 and err.startswith("rtpcore: error: ") and "'nosuch'" in err and "'llama'" in err
+    assert err.count("\n") == 1
+    code, _, err = run(capsys, str(tmp_path / "missing"), "--prompt-ids", "1")
+    assert code == 1 and err.startswith("rtpcore: error: ") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_readme_demo_command_runs_in_a_fresh_process(tmp_path: Path) -> None:
+    """`rtpcore generate --demo llama --prompt Hello` works from a fresh process with an empty cache."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtpcore", "generate", "--demo", "llama", "--prompt", "Hello", "--max-new-tokens", "12"],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.rstrip("\n")) == 12
+    assert "RANDOM WEIGHTS" in proc.stderr
+
+
+def test_seeded_sampling_flags_reproduce(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--temperature/--top-k/--top-p with --seed give the same tokens twice; another seed differs."""
+    argv = ["--demo", "llama", "--prompt", "Hi", "--max-new-tokens", "16", "--temperature", "1.5",
+            "--top-k", "50", "--top-p", "0.95", "--json"]
+    outs = [json.loads(run(capsys, *argv, "--seed", seed)[1])["output_ids"] for seed in ("1", "1", "2")]
+    assert outs[0] == outs[1] != outs[2]
+
+
+def test_demo_of_a_plugin_without_demo_config_is_a_clear_error(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--demo NAME for a model type whose plugin offers no demo_config() exits 1 saying so."""
+    (tmp_path / "rtpcore_test_nodemo.py").write_text(
+        "from rtpcore import hookimpl\n"
+        "from rtpcore.models.llama import LlamaPlugin\n\n"
+        "class NoDemo(LlamaPlugin):\n"
+        "    model_type = 'nodemo'\n"
+        "    architectures = ('NoDemoForCausalLM',)\n\n"
+        "    @classmethod\n"
+        "    def demo_config(cls):\n"
+        "        return None\n\n"
+        "@hookimpl\n"
+        "def rtpcore_register_models(registry):\n"
+        "    registry.register(NoDemo)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run(capsys, "--external-model-packages", "rtpcore_test_nodemo", "--demo", "nodemo", "--prompt", "x")
+    assert code == 1
+    assert "model type 'nodemo'" in err and "no demo_config()" in err

@@ -1,0 +1,188 @@
+"""Engine: scheduling, KV memory, stop tokens, sampling and errors, on tiny transformers checkpoints."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rtpcore import Engine
+from rtpcore.errors import KVCacheCapacityError, KVCacheSpecError, RtpcoreError
+from rtpcore.paged_cache import LayerKVCache, PackedLayerKVCache
+from rtpcore.sampling import SamplingParams, sample
+from test_llama import make_checkpoint, teacher_forced_logits
+
+PROMPTS = [[5, 9, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [100], [7, 7], [3, 1, 4, 1, 5, 9]]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt: Path) -> Any:
+    with Engine.from_pretrained(ckpt, tokens_per_block=4) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def alone(engine: Any) -> list[list[int]]:
+    """Each prompt generated on its own (the reference for batched runs)."""
+    return [engine.generate([p], max_new_tokens=20, stop_token_ids=[])[0] for p in PROMPTS]
+
+
+def test_batched_ragged_equals_alone_with_more_prompts_than_slots(ckpt: Path, alone: list[list[int]]) -> None:
+    """Five ragged prompts through two batch slots give each prompt's solo output, and every block comes back."""
+    with Engine.from_pretrained(ckpt, tokens_per_block=4, max_batch_size=2) as e:
+        assert e.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[]) == alone
+        assert e.num_free_kv_blocks == e.num_kv_blocks
+
+
+def test_requests_wait_for_blocks_under_memory_pressure(ckpt: Path, engine: Any, alone: list[list[int]]) -> None:
+    """With KV memory for about two sequences, the others wait for freed blocks and still finish correctly."""
+    block_bytes = sum(s.block_bytes for s in engine.kv_cache_specs)
+    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=10 * block_bytes) as e:
+        assert e.num_kv_blocks == 10  # the longest prompt needs 9 blocks: it runs alone
+        assert e.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[]) == alone
+        assert e.num_free_kv_blocks == 10
+
+
+def test_request_that_never_fits_fails_upfront_and_engine_keeps_serving(ckpt: Path, engine: Any, alone: list[list[int]]) -> None:
+    """A prompt larger than the whole cache raises KVCacheCapacityError naming it; nothing ran; later calls work."""
+    block_bytes = sum(s.block_bytes for s in engine.kv_cache_specs)
+    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=6 * block_bytes) as e:
+        with pytest.raises(KVCacheCapacityError) as excinfo:
+            e.generate([PROMPTS[0], PROMPTS[1]], max_new_tokens=20, stop_token_ids=[])
+        err = excinfo.value
+        assert (err.prompt_index, err.tokens_needed, err.blocks_needed, err.blocks_available) == (1, 36, 9, 6)
+        assert "prompt 1 needs 36 cached tokens = 9 blocks" in str(err)
+        assert f"{9 * block_bytes} bytes" in str(err)
+        assert e.num_free_kv_blocks == 6
+        assert e.generate([PROMPTS[0]], max_new_tokens=20, stop_token_ids=[]) == [alone[0]]
+
+
+def test_stop_tokens_default_to_the_checkpoint_eos(tmp_path: Path, alone: list[list[int]]) -> None:
+    """Generation stops at (and keeps) the first stop token; the default is eos_token_id (int or list)."""
+    want = alone[1]
+    stop = want[6]
+    cut = want[: want.index(stop) + 1]
+    make_checkpoint(tmp_path)
+    (tmp_path / "generation_config.json").unlink()
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": [127, stop]}))
+    with Engine.from_pretrained(tmp_path, tokens_per_block=4) as e:
+        assert e.generate([PROMPTS[1]], max_new_tokens=20) == [cut]
+        assert e.generate([PROMPTS[1]], max_new_tokens=20, stop_token_ids=[]) == [want]
+        assert e.generate([PROMPTS[1]], max_new_tokens=20, stop_token_ids=[want[2]]) == [want[:3]]
+
+
+def test_seeded_sampling_is_reproducible(engine: Any, alone: list[list[int]]) -> None:
+    """A seed reproduces a sampled call; top_k=1 and a tiny top_p reduce to greedy."""
+    kw: dict[str, Any] = dict(max_new_tokens=20, stop_token_ids=[], temperature=1.0)
+    a = engine.generate(PROMPTS, seed=3, **kw)
+    assert engine.generate(PROMPTS, seed=3, **kw) == a
+    assert engine.generate(PROMPTS, seed=4, **kw) != a
+    assert engine.generate(PROMPTS, seed=5, top_k=1, **kw) == alone
+    assert engine.generate(PROMPTS, seed=5, top_p=1e-6, **kw) == alone
+
+
+def test_top_k_and_top_p_keep_only_their_tokens() -> None:
+    """Draws come only from the k most likely tokens, or from the smallest set holding top_p of the mass."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    gen = torch.Generator().manual_seed(0)
+    k2 = sample(logits, SamplingParams.create(1.0, top_k=2), gen)
+    assert set(k2.tolist()) == {0, 1}
+    p = sample(logits, SamplingParams.create(1.0, top_p=0.7), gen)
+    assert set(p.tolist()) == {0, 1}
+    free = sample(logits, SamplingParams.create(1.0), gen)
+    assert set(free.tolist()) == {0, 1, 2, 3}
+    assert abs((free == 0).float().mean().item() - 0.5) < 0.04
+
+
+def test_fp8_kv_cache_stays_close_to_float32(ckpt: Path, engine: Any) -> None:
+    """kv_cache_dtype='fp8' packs e4m3 rows; logits stay within 15% (relative L2) of the
+    float32-cache logits (e4m3 rounds keys/values by ~2%; this sharp random model amplifies it)."""
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (30, 18)]
+    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_dtype="fp8") as e8:
+        assert {s.dtype for s in e8.kv_cache_specs} == {"fp8_e4m3"}
+        assert all(isinstance(c, PackedLayerKVCache) for c in e8.kv_caches)
+        assert e8.kv_caches[0].rows.dtype == torch.uint8
+        got = teacher_forced_logits(e8.model, e8.kv_caches, seqs, prefill=[10, 18])
+    assert all(isinstance(c, LayerKVCache) for c in engine.kv_caches)
+    ref = teacher_forced_logits(engine.model, engine.kv_caches, seqs, prefill=[10, 18])
+    for g, r in zip(got, ref, strict=True):
+        assert (g - r).norm() <= 0.15 * r.norm()
+        assert not torch.equal(g, r)  # really quantized
+
+
+def test_config_is_picklable_and_rebuilds_the_engine(engine: Any, alone: list[list[int]]) -> None:
+    """engine.config survives pickling and Engine.from_config builds an engine with the same output."""
+    config = pickle.loads(pickle.dumps(engine.config))
+    assert config == engine.config
+    assert config.kv_cache_dtype == "fp32"
+    with Engine.from_config(config) as again:
+        assert again.generate([PROMPTS[0]], max_new_tokens=20, stop_token_ids=[]) == [alone[0]]
+
+
+def test_default_kv_memory_holds_max_batch_of_full_contexts(engine: Any) -> None:
+    """Without kv_cache_memory, each layer holds max_batch_size x max_position_embeddings tokens."""
+    assert engine.num_kv_blocks == 8 * 256 // 4
+    assert len(engine.kv_cache_specs) == 2
+    assert engine.kv_cache_specs[0].kind == "mha"
+
+
+def test_trivial_requests(engine: Any) -> None:
+    """No prompts, or max_new_tokens=0, run nothing."""
+    assert engine.generate([]) == []
+    assert engine.generate(PROMPTS[:2], max_new_tokens=0) == [[], []]
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not yet supported"),
+    ({"dtype": "float64"}, "dtype 'float64' is not supported"),
+    ({"kv_cache_dtype": "int4"}, "kv_cache_dtype='int4'"),
+    ({"tokens_per_block": 0}, "tokens_per_block must be a positive integer"),
+    ({"max_batch_size": -1}, "max_batch_size must be a positive integer"),
+    ({"kv_layout": "nope"}, "unknown KV layout 'nope'"),
+])
+def test_bad_engine_arguments_are_clear_errors(ckpt: Path, kwargs: dict[str, Any], needle: str) -> None:
+    """Each bad argument raises an RtpcoreError naming the argument and the rule."""
+    with pytest.raises((RtpcoreError, KVCacheSpecError)) as excinfo:
+        Engine.from_pretrained(ckpt, **kwargs)
+    assert needle in str(excinfo.value)
+
+
+@pytest.mark.parametrize(("prompts", "kwargs", "needle"), [
+    ([[1], []], {}, "prompt 1 is empty"),
+    ([[1, 128]], {}, "prompt 0 holds token id 128, outside 0..127"),
+    ([[1] * 250], {"max_new_tokens": 10}, "exceeds the model's max_position_embeddings=256"),
+    (["hello"], {}, "prompt 0 must be a sequence of token ids"),
+    ([[1]], {"temperature": -1.0}, "temperature must be >= 0"),
+    ([[1]], {"top_p": 0.0}, "top_p must be in (0, 1]"),
+    ([[1]], {"top_k": 0}, "top_k must be a positive integer"),
+    ([[1]], {"max_new_tokens": -1}, "max_new_tokens must be a non-negative integer"),
+])
+def test_bad_requests_fail_before_running(engine: Any, prompts: list[Any], kwargs: dict[str, Any], needle: str) -> None:
+    """Bad prompts and sampling values raise RtpcoreError naming the prompt and the rule; the cache stays free."""
+    with pytest.raises(RtpcoreError) as excinfo:
+        engine.generate(prompts, **kwargs)
+    assert needle in str(excinfo.value)
+    assert engine.num_free_kv_blocks == engine.num_kv_blocks
+
+
+def test_closed_engine_refuses_to_generate(ckpt: Path) -> None:
+    """After close() (or leaving the with block) generate raises."""
+    with Engine.from_pretrained(ckpt) as e:
+        pass
+    with pytest.raises(RtpcoreError, match="closed"):
+        e.generate([[1]])
