@@ -15,7 +15,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 if TYPE_CHECKING:
     from rtpcore import errors
     from rtpcore.allowlist import Allowlist
-    from rtpcore.engine import Engine
+    from rtpcore.engine import Engine, EngineConfig
     from rtpcore.hooks import hookimpl
     from rtpcore.loading import load_plugins
     from rtpcore.plugin import ModelPlugin
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Allowlist",
     "Engine",
+    "EngineConfig",
     "ModelPlugin",
     "ModelRegistry",
     "Plan",
@@ -38,6 +39,7 @@ __all__ = [
 _LAZY = {
     "Allowlist": "rtpcore.allowlist",
     "Engine": "rtpcore.engine",
+    "EngineConfig": "rtpcore.engine",
     "ModelPlugin": "rtpcore.plugin",
     "ModelRegistry": "rtpcore.registry",
     "Plan": "rtpcore.resolution",

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from collections.abc import Sequence
+from typing import Any, TextIO
 
 from rtpcore.errors import AllowlistError, RtpcoreError
 
@@ -51,7 +53,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """Print rtpcore's own warnings (e.g. an ignored environment variable) as one line."""
+    from rtpcore.allowlist import IgnoredEnvironmentWarning
+
+    if issubclass(category, IgnoredEnvironmentWarning):
+        print(f"rtpcore: warning: {message}", file=sys.stderr)
+    else:
+        _default_show_warning(message, category, filename, lineno, file, line)
+
+
+_default_show_warning: Any = warnings.showwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from rtpcore.allowlist import IgnoredEnvironmentWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", IgnoredEnvironmentWarning)  # allowlist already dedups
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
-import warnings
 from typing import Any
 
 from rtpcore.allowlist import Allowlist, add_allowlist_arguments
@@ -93,11 +91,7 @@ def _run(args: argparse.Namespace) -> int:
     from rtpcore.kv_cache import kv_cache_specs, plan_blocks, resolve_kv_cache_dtype
     from rtpcore.loading import load_plugins
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        allowlist = Allowlist.from_args(args)
-    for warning in caught:
-        print(f"rtpcore: warning: {warning.message}", file=sys.stderr)
+    allowlist = Allowlist.from_args(args)
     registry = load_plugins(allowlist.resolve())
     hf_config = read_hf_config(args.checkpoint)
     model_type = args.model_type or registry.infer_model_type(hf_config)

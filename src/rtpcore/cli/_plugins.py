@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from typing import Any
 
 from rtpcore.allowlist import (
@@ -64,12 +63,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _allowlist(plugins: list[str], modules: list[str]) -> Allowlist:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        allowlist = Allowlist.from_cli(plugins=plugins, external_model_packages=modules)
-    for warning in caught:
-        print(f"rtpcore: warning: {warning.message}", file=sys.stderr)
-    return allowlist
+    return Allowlist.from_cli(plugins=plugins, external_model_packages=modules)
 
 
 def _list(args: argparse.Namespace) -> int:
