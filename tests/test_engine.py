@@ -148,7 +148,7 @@ def test_trivial_requests(engine: Any) -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not yet supported"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
     ({"dtype": "float64"}, "dtype 'float64' is not supported"),
     ({"kv_cache_dtype": "int4"}, "kv_cache_dtype='int4'"),
     ({"tokens_per_block": 0}, "tokens_per_block must be a positive integer"),

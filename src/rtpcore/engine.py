@@ -87,8 +87,7 @@ class EngineConfig:
         _positive_int("max_batch_size", max_batch_size)
         if kv_cache_memory is not None:
             _positive_int("kv_cache_memory", kv_cache_memory)
-        if _positive_int("tensor_parallel_size", tensor_parallel_size) != 1:
-            raise RtpcoreError(f"tensor_parallel_size={tensor_parallel_size} is not yet supported; use 1")
+        _positive_int("tensor_parallel_size", tensor_parallel_size)
         if isinstance(plugins, str) or isinstance(external_model_packages, str):
             raise RtpcoreError("plugins and external_model_packages take a sequence of strings, not one string")
         plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages).resolve()
@@ -123,6 +122,7 @@ class Engine:
     model_config: Any  # what the plugin's config_from_hf returned
     model: Any  # the plugin's model (forward contract of rtpcore.plugin); None once closed
     kv_caches: list[Any]  # one LayerKVCache / PackedLayerKVCache per layer
+    _group: Any  # rtpcore.workers.WorkerGroup: every rank's EngineShard (rank 0 here)
     max_positions: int
     vocab_size: int | None
     eos_token_ids: tuple[int, ...]
@@ -168,44 +168,27 @@ class Engine:
 
     def __init__(self, config: EngineConfig):
         """Wire the stages, in order: plugins, model type, config, KV specs, weights, model, cache."""
-        from rtpcore.checkpoint import load_checkpoint, read_hf_config
-        from rtpcore.kv_cache import kv_cache_specs
-        from rtpcore.loading import load_plugins
-        from rtpcore.paged_cache import allocate_kv_caches
-
         self.config = config
         self._closed = True  # until fully built
-        registry = load_plugins(config.plan)
         self.plugins = tuple(config.plan.entries)
-        self.hf_config = hf = read_hf_config(config.checkpoint)
-        self.model_type = config.model_type or registry.infer_model_type(hf)
-        plugin = registry.get(self.model_type)
-        self.model_config = plugin.config_from_hf(hf)
-        self.kv_cache_specs = kv_cache_specs(  # before the weights: a bad layout fails fast
-            plugin,
-            self.model_config,
-            kv_cache_dtype=config.kv_cache_dtype,
-            kv_layout=config.kv_layout,
-            tokens_per_block=config.tokens_per_block,
-            registry=registry,
-            model_type=self.model_type,
-        )
-        weights = load_checkpoint(
-            config.checkpoint,
-            plugin.weight_patterns(self.model_config),
-            plugin.placeholder_ranges(self.model_config),
-            dtype=config.torch_dtype,
-            expected_shapes=plugin.weight_shapes(self.model_config),
-        )
-        self.model = plugin.build_model(self.model_config, weights, dtype=config.torch_dtype, device="cpu")
-        del weights
-        if isinstance(self.model, torch.nn.Module):
-            self.model.eval()
-        self.max_positions = int(hf.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS)
-        self.num_kv_blocks = _plan_blocks(self.kv_cache_specs, config, self.max_positions)
-        self.kv_caches = allocate_kv_caches(
-            self.kv_cache_specs, self.num_kv_blocks, compute_dtype=config.torch_dtype, layouts=registry
-        )
+        # Every rank builds an EngineShard (rtpcore.shard) from the config: this process is
+        # rank 0; with tensor_parallel_size > 1, ranks 1..N-1 are worker processes that load
+        # exactly config.plan (no discovery) and build their part of the model.
+        self._group = _start_ranks(config)
+        try:
+            shard = self._group.local
+            self.hf_config = hf = shard.hf_config
+            self.model_type = shard.model_type
+            self.model_config = shard.model_config
+            self.kv_cache_specs = shard.kv_cache_specs  # this rank's part of each layer
+            self.model = shard.model
+            self.max_positions = int(hf.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS)
+            self.num_kv_blocks = _plan_blocks(self.kv_cache_specs, config, self.max_positions)
+            self._group.run("allocate", self.num_kv_blocks)
+            self.kv_caches = shard.kv_caches
+        except BaseException:
+            self._group.close()
+            raise
         self.eos_token_ids = _eos_token_ids(hf, Path(config.checkpoint))
         vocab = hf.get("vocab_size")
         self.vocab_size = vocab if isinstance(vocab, int) else None
@@ -249,7 +232,6 @@ class Engine:
             tokens_per_block=self.config.tokens_per_block,
             max_batch_size=self.config.max_batch_size,
         )
-        model = self.model
         try:
             with torch.inference_mode():
                 while not sched.done:
@@ -260,7 +242,7 @@ class Engine:
                         assert sched.running, "validated requests always fit an idle cache"
                         seqs = list(sched.running)
                         batch = sched.decode_batch()
-                    logits = model(batch, self.kv_caches)  # (B, vocab)
+                    logits = self._group.run("forward", batch, sync=False)  # (B, vocab); every rank steps
                     sched.record(seqs, sample(logits, params, generator))
         finally:
             sched.release_all()
@@ -312,6 +294,7 @@ class Engine:
         self._closed = True
         self.model = None
         self.kv_caches = []
+        self._group.close()  # stops the worker processes, if any
 
     def __enter__(self) -> Engine:
         return self
@@ -322,6 +305,27 @@ class Engine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.num_kv_blocks} KV blocks"
         return f"<Engine {self.model_type} {self.config.dtype} from {self.config.checkpoint!r}, {state}>"
+
+
+def _start_ranks(config: EngineConfig) -> Any:
+    """The worker group of every rank's EngineShard: spawned on this machine, or, when
+    this process was launched for ``env://`` rendezvous (torchrun), joined as rank 0
+    with the other ranks running ``python -m rtpcore.workers``."""
+    from rtpcore.distributed import env_world_size
+    from rtpcore.workers import WorkerGroup
+
+    n = config.tensor_parallel_size
+    world = env_world_size() if n > 1 else None
+    if world is None:
+        return WorkerGroup.spawn("rtpcore.shard:build_shard", config, n, plan=config.plan)
+    rank = int(os.environ["RANK"])
+    if world != n or rank != 0:
+        raise RtpcoreError(
+            f"tensor_parallel_size={n} under env:// rendezvous needs WORLD_SIZE={n} and this "
+            f"process to be RANK=0 (got WORLD_SIZE={world}, RANK={rank}); "
+            "ranks > 0 run `python -m rtpcore.workers`"
+        )
+    return WorkerGroup.join_env("rtpcore.shard:build_shard", config, plan=config.plan)
 
 
 def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 __all__ = [
     "AllowlistError",
     "CheckpointError",
+    "CollectiveError",
     "KVCacheCapacityError",
     "KVCacheSpecError",
     "MissingTensorsError",
@@ -194,6 +195,19 @@ class ShardingError(RtpcoreError, ValueError):
         self.name = name
         self.size = size
         self.world_size = world_size
+
+
+class CollectiveError(RtpcoreError):
+    """A collective operation of a tensor-parallel group failed or timed out on this
+    rank: a peer died, raised, or stopped answering. ``.rank`` is this rank, ``.op``
+    the operation (``"all_reduce"``, ...). The worker group turns it into a
+    :class:`WorkerError` naming the failing peer when it can tell.
+    """
+
+    def __init__(self, message: str, *, rank: int, op: str):
+        super().__init__(message)
+        self.rank = rank
+        self.op = op
 
 
 class WorkerError(RtpcoreError):

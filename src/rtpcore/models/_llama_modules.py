@@ -10,7 +10,7 @@ new tokens per sequence, L cached positions, H/Hkv heads, D head_dim, E hidden.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch import nn
 
 from rtpcore.models._linear import Linear
 from rtpcore.models.llama import LlamaConfig, rope_inv_freq
+from rtpcore.parallel_layers import GatherColumns, row_parallel
 
 if TYPE_CHECKING:
     from rtpcore.batch import ForwardBatch
@@ -53,7 +54,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 class LlamaLayer(nn.Module):
     """One decoder layer with fused qkv and gate_up projections."""
 
-    def __init__(self, config: LlamaConfig, w: Mapping[str, torch.Tensor], prefix: str):
+    def __init__(
+        self, config: LlamaConfig, w: Mapping[str, torch.Tensor], prefix: str, parallel: Any = None
+    ):
         super().__init__()
         a, m = prefix + "self_attn.", prefix + "mlp."
         self.eps = config.rms_norm_eps
@@ -63,9 +66,10 @@ class LlamaLayer(nn.Module):
         self.norm1 = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
         self.norm2 = nn.Parameter(w[prefix + "post_attention_layernorm.weight"], requires_grad=False)
         self.qkv = _fused(w, [a + "q_proj", a + "k_proj", a + "v_proj"])  # E -> q + 2 kv
-        self.o = Linear(w[a + "o_proj.weight"], w.get(a + "o_proj.bias"))  # q -> E
+        # Row-parallel when sharded: partial sums all-reduced, bias added once.
+        self.o = row_parallel(Linear, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), parallel)  # q -> E
         self.gate_up = _fused(w, [m + "gate_proj", m + "up_proj"])  # E -> 2 I
-        self.down = Linear(w[m + "down_proj.weight"], w.get(m + "down_proj.bias"))  # I -> E
+        self.down = row_parallel(Linear, w[m + "down_proj.weight"], w.get(m + "down_proj.bias"), parallel)  # I -> E
 
     def forward(
         self,
@@ -103,16 +107,22 @@ class LlamaModel(nn.Module):
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        parallel: Any = None,
     ):
+        """``parallel``: the rank's ParallelContext when the weights are a tensor-parallel
+        shard (``LlamaPlugin.tensor_parallel_shard``), else None."""
         super().__init__()
         w = {k: t.to(device=device, dtype=dtype or t.dtype) for k, t in weights.items()}
         self.config = config
         self.dtype = w["model.embed_tokens.weight"].dtype
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)  # (V, E)
-        self.lm_head = Linear(w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"])
+        head = w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head: nn.Module = Linear(head)  # E -> V
+        if head.shape[0] != config.vocab_size:  # split by vocabulary across ranks: gather V
+            self.lm_head = GatherColumns(self.lm_head, parallel)
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
-            LlamaLayer(config, w, f"model.layers.{i}.")
+            LlamaLayer(config, w, f"model.layers.{i}.", parallel)
             for i in range(config.num_hidden_layers)
         )
         self.inv_freq = rope_inv_freq(config).to(device)  # (D/2,) float32

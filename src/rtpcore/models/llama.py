@@ -182,7 +182,40 @@ class LlamaPlugin(ModelPlugin):
     def build_model(cls, config: LlamaConfig, weights: Mapping[str, Any], **options: Any) -> Any:
         from rtpcore.models._llama_modules import LlamaModel
 
-        return LlamaModel(config, weights, dtype=options.get("dtype"), device=options.get("device"))
+        return LlamaModel(
+            config,
+            weights,
+            dtype=options.get("dtype"),
+            device=options.get("device"),
+            parallel=options.get("parallel"),
+        )
+
+    @classmethod
+    def tensor_parallel_shard(
+        cls, config: LlamaConfig, rank: int, world_size: int
+    ) -> tuple[LlamaConfig, dict[str, tuple[int, int, int]]]:
+        """Rank's part of the model: whole query heads with their KV heads (replicated
+        when there are fewer KV heads than ranks), q/k/v and gate/up column-parallel,
+        o and down row-parallel; an untied lm_head split by vocabulary when it divides.
+        Returns the rank's config and the checkpoint slices (pattern -> (dim, start, stop)).
+        """
+        from rtpcore.sharding import column_shard, head_shard, kv_head_shard, row_shard
+
+        d, heads, inter = config.head_dim, config.num_attention_heads, config.intermediate_size
+        q = head_shard(heads, d, rank, world_size)
+        kv = kv_head_shard(config.num_key_value_heads, d, rank, world_size)
+        up = column_shard(inter, rank, world_size, name="intermediate_size")
+        a, m = "model.layers.{layer}.self_attn.", "model.layers.{layer}.mlp."
+        columns = {a + "q_proj": q, a + "k_proj": kv, a + "v_proj": kv, m + "gate_proj": up, m + "up_proj": up}
+        slices = {f"{name}.{p}": s.as_slice() for name, s in columns.items() for p in ("weight", "bias")}
+        slices[a + "o_proj.weight"] = head_shard(heads, d, rank, world_size, dim=1).as_slice()
+        slices[m + "down_proj.weight"] = row_shard(inter, rank, world_size, name="intermediate_size").as_slice()
+        if not config.tie_word_embeddings and config.vocab_size % world_size == 0:
+            slices["lm_head.weight"] = column_shard(config.vocab_size, rank, world_size).as_slice()
+        local = attrs.evolve(
+            config, num_attention_heads=q.size // d, num_key_value_heads=kv.size // d, intermediate_size=up.size
+        )
+        return local, slices
 
     @classmethod
     def demo_config(cls) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+"""How a failing tensor-parallel rank tells rank 0 what went wrong.
+
+A follower that raises cannot answer over the process group: rank 0 may be
+waiting in a different collective. So it writes a report (exception class name,
+message, formatted traceback and, when it pickles, the exception itself) under
+its own key in the rendezvous store, which rank 0 hosts, and exits; its closed
+sockets break rank 0's pending collective at once. Rank 0 then reads the
+reports and raises :class:`~rtpcore.errors.WorkerError` for the first failure
+in time (a sequence number from the store orders them: a rank that fails
+because a peer died reports later than the peer).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import traceback
+from typing import Any
+
+from rtpcore.errors import WorkerError
+
+__all__ = ["describe_exit", "read_failures", "report_failure"]
+
+logger = logging.getLogger(__name__)
+
+_ERROR = "rtpcore/error/{}"
+_ERROR_SEQ = "rtpcore/error-seq"
+
+
+class RemoteTraceback(Exception):
+    """A worker's formatted traceback, chained as the cause of its rebuilt exception."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0])
+
+
+def report_failure(store: Any, rank: int, exc: BaseException) -> None:
+    """Store rank's failure for rank 0; never raises (the store may be gone too)."""
+    text = "".join(traceback.format_exception(exc))
+    blob: bytes | None
+    try:
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        blob = None
+    try:
+        seq = store.add(_ERROR_SEQ, 1)
+        record = (seq, type(exc).__qualname__, str(exc), text, blob)
+        store.set(_ERROR.format(rank), pickle.dumps(record))
+    except Exception as store_exc:  # rank 0 is gone too; our stderr is all that is left
+        logger.error("rank %d could not report its failure: %s", rank, store_exc)
+
+
+def read_failures(store: Any, world_size: int) -> list[tuple[int, int, WorkerError]]:
+    """``(seq, rank, error)`` for each follower rank that reported a failure.
+
+    ``error.__cause__`` is the worker's exception rebuilt here when possible,
+    itself caused by a :class:`RemoteTraceback` holding the worker's traceback.
+    """
+    if store is None:
+        return []
+    reports = []
+    for rank in range(1, world_size):
+        key = _ERROR.format(rank)
+        if not store.check([key]):
+            continue
+        seq, type_name, message, text, blob = pickle.loads(store.get(key))
+        error = WorkerError(
+            f"tensor-parallel rank {rank} failed: {type_name}: {message}",
+            rank=rank,
+            cause_type=type_name,
+        )
+        cause: BaseException = RemoteTraceback(text)
+        if blob is not None:
+            try:
+                remote = pickle.loads(blob)
+                remote.__cause__ = cause
+                cause = remote
+            except Exception:  # its class does not import here: the traceback still tells
+                logger.debug("rank %d's exception could not be rebuilt here", rank)
+        error.__cause__ = cause
+        reports.append((seq, rank, error))
+    return reports
+
+
+def describe_exit(code: int) -> str:
+    """``"was killed by signal SIGKILL"`` / ``"exited with status 1"``."""
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"

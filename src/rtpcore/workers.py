@@ -1,0 +1,414 @@
+"""Tensor-parallel worker processes: rank 0 leads, ranks 1..N-1 follow.
+
+The coordinating process is rank 0 and computes its own shard. Every rank builds
+one local object with ``factory(ctx, spec)`` (for the engine: its model shard and
+KV cache) and the group then runs *steps* on all of them in lockstep::
+
+    group = WorkerGroup.spawn("mypkg.shard:build", spec, world_size=2, plan=plan)
+    logits = group.run("forward", batch)      # every rank: local.forward(batch)
+    group.close()
+
+``run`` broadcasts ``Step(method, payload)`` from rank 0 (followers wait for it
+up to the long idle timeout); each follower calls ``getattr(local, method)(payload)``
+and acknowledges with a barrier under the bounded timeout, so the call returns
+only when every rank is done.
+
+Followers (``rtpcore.follower``) are started with the multiprocessing ``spawn``
+method and receive the spec and the resolved plugin plan as start arguments;
+they call ``load_plugins(plan)`` (no discovery scan) before building. Under
+``torchrun`` (``env://``), :meth:`WorkerGroup.join_env` is the same code path:
+rank 0 gets the group and sends the others factory, spec and plan; they serve
+steps until rank 0 closes it (``python -m rtpcore.workers``).
+
+Failures never hang: a follower that raises reports ``(rank, exception,
+traceback)`` through the rendezvous store (``rtpcore.worker_failures``) and exits,
+which breaks rank 0's pending collective at once (a
+:class:`~rtpcore.errors.CollectiveError`); a killed follower shows in its process
+sentinel; a silent one hits the bounded timeout. Rank 0 then raises
+:class:`~rtpcore.errors.WorkerError` naming the rank and the cause and tears the
+group down. An exception of rank 0's own propagates unchanged (after the same
+teardown). Followers also exit when their parent process dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import threading
+import time
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from rtpcore.distributed import (
+    DEFAULT_TIMEOUT,
+    IDLE_TIMEOUT,
+    ParallelContext,
+    env_store,
+    init_parallel,
+    local_store,
+)
+from rtpcore.errors import CollectiveError, RtpcoreError, WorkerError
+from rtpcore.follower import (
+    JOINED,
+    RAISE,
+    STOP,
+    Factory,
+    StartArgs,
+    Step,
+    execute,
+    follow,
+    resolve_factory,
+    spawned_main,
+)
+from rtpcore.worker_failures import describe_exit, read_failures
+
+__all__ = ["Step", "WorkerGroup", "serve"]
+
+logger = logging.getLogger(__name__)
+
+_REPORT_GRACE_S = 3.0  # how long rank 0 waits for a failing peer's report to land
+_STOP_GRACE_S = 10.0  # how long close() lets followers exit on their own
+
+
+class _PeerGone(Exception):
+    """A follower process ended while rank 0 was not waiting on it."""
+
+
+class WorkerGroup:
+    """Rank 0's handle on a tensor-parallel group. Build it with :meth:`spawn` or
+    :meth:`join_env`; use it as a context manager or call :meth:`close`."""
+
+    def __init__(self, world_size: int, processes: dict[int, Any], store: Any):
+        self.world_size = world_size
+        self.context = ParallelContext.single()
+        self.local: Any = None
+        self._processes = processes  # rank -> multiprocessing.Process (spawned ranks only)
+        self._store = store
+        self._lock = threading.RLock()
+        self._closed = False
+        self._broken: WorkerError | None = None
+        self._saved_threads: int | None = None
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- construction -----------------------------------------------------------
+
+    @classmethod
+    def spawn(
+        cls,
+        factory: Factory,
+        spec: Any,
+        world_size: int,
+        *,
+        plan: Any = None,
+        device: str | None = "cpu",
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        idle_timeout: timedelta = IDLE_TIMEOUT,
+        num_threads: int | None = None,
+    ) -> WorkerGroup:
+        """Start ranks 1..world_size-1 as spawned processes on this machine; this
+        process is rank 0. ``factory`` (a picklable callable or ``"module:name"``)
+        is called as ``factory(ctx, spec)`` on every rank; followers first call
+        ``load_plugins(plan)`` when a plan is given. Raises WorkerError naming
+        the rank when a follower fails to start.
+
+        On CPU the ranks share this machine's cores: each rank (this process
+        too, until :meth:`close`) uses ``num_threads`` torch threads, by default
+        the usable cores divided by ``world_size`` (unless OMP_NUM_THREADS is
+        set); oversubscribed ranks spin against each other in every collective.
+        """
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {world_size!r}")
+        if world_size == 1:
+            group = cls(1, {}, None)
+            group.local = resolve_factory(factory)(group.context, spec)
+            return group
+        threads = _cpu_threads(world_size, device, num_threads)
+        store = local_store(world_size, timeout)
+        mp = multiprocessing.get_context("spawn")
+        processes = {}
+        for rank in range(1, world_size):
+            args = StartArgs(
+                rank,
+                world_size,
+                store.port,
+                os.getpid(),
+                factory,
+                spec,
+                plan,
+                device,
+                timeout,
+                idle_timeout,
+                threads,
+            )
+            processes[rank] = mp.Process(
+                target=spawned_main, args=(args,), name=f"rtpcore-tp-rank{rank}", daemon=True
+            )
+        group = cls(world_size, processes, store)
+        if threads is not None:
+            group._saved_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
+        try:
+            for proc in processes.values():
+                proc.start()
+            group._await_joined(timeout)
+            group._start(factory, spec, store, device, timeout, idle_timeout)
+        except BaseException as exc:
+            group._fail(exc)
+        return group
+
+    @classmethod
+    def join_env(
+        cls,
+        factory: Factory | None,
+        spec: Any,
+        *,
+        plan: Any = None,
+        device: str | None = "cpu",
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        idle_timeout: timedelta = IDLE_TIMEOUT,
+    ) -> WorkerGroup | None:
+        """``env://`` rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; what
+        ``torchrun`` sets), for ranks on other machines or started by a launcher.
+
+        On rank 0, returns the group; ``factory``, ``spec`` and ``plan`` are sent to
+        the other ranks. On any other rank, this ignores its own ``factory``,
+        ``spec`` and ``plan`` (pass None; see :func:`serve`), loads rank 0's plan,
+        builds the local object, serves rank 0's steps until it closes the group,
+        and returns None.
+        """
+        store, rank, world_size = env_store(timeout)
+        if rank > 0:
+            follow(store, rank, world_size, None, device, timeout, idle_timeout)
+            return None
+        if factory is None:
+            raise RtpcoreError(
+                "this process is RANK=0, which leads the group and must name what every rank "
+                "builds: WorkerGroup.join_env(factory, spec); rtpcore.workers.serve() is for ranks > 0"
+            )
+        group = cls(world_size, {}, store)
+        try:
+            group._start(
+                factory, spec, store, device, timeout, idle_timeout, send=(factory, spec, plan)
+            )
+        except BaseException as exc:
+            group._fail(exc)
+        return group
+
+    def _start(
+        self,
+        factory: Factory,
+        spec: Any,
+        store: Any,
+        device: str | None,
+        timeout: timedelta,
+        idle_timeout: timedelta,
+        send: tuple[Factory, Any, Any] | None = None,
+    ) -> None:
+        self.context = init_parallel(
+            store, 0, self.world_size, device=device, timeout=timeout, idle_timeout=idle_timeout
+        )
+        if send is not None:  # env:// followers learn what to build from us
+            self.context.broadcast_object(send)
+        self.local = resolve_factory(factory)(self.context, spec)
+        self.context.barrier()  # every follower has built its local object
+
+    def _await_joined(self, timeout: timedelta) -> None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        waiting = set(self._processes)
+        while waiting:
+            waiting = {r for r in waiting if not self._store.check([JOINED.format(r)])}
+            for rank in sorted(waiting):
+                if self._processes[rank].exitcode is not None:
+                    raise _PeerGone(f"rank {rank} exited while starting")
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"tensor-parallel rank {min(waiting)} did not start within {timeout}",
+                    rank=min(waiting),
+                )
+            time.sleep(0.01)
+
+    # -- steps --------------------------------------------------------------------
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Process id of each spawned follower rank."""
+        return {r: p.pid for r, p in self._processes.items() if p.pid is not None}
+
+    def run(
+        self, method: str, payload: Any = None, *, gather: bool = False, sync: bool = True
+    ) -> Any:
+        """Run ``local.<method>(payload)`` on every rank; return rank 0's result, or
+        with ``gather=True`` the list of every rank's result in rank order.
+
+        With ``sync`` (the default) the call returns once every rank has finished
+        the step, so a follower's failure in it is raised by this call. A step whose
+        result on rank 0 already depends on every rank (one ending in a collective,
+        like a model's forward) may pass ``sync=False`` to skip that acknowledgement;
+        a follower failing after its last collective is then raised by the next call.
+
+        Any failure breaks the group: a follower's failure raises WorkerError naming
+        its rank; rank 0's own exception propagates; both tear the group down.
+        """
+        with self._lock:
+            self._check_usable()
+            step = Step(method, payload, gather, sync)
+            try:
+                if self.world_size == 1:
+                    result = getattr(self.local, method)(payload)
+                    return [result] if gather else result
+                self.context.broadcast_object(step)
+                result = execute(self.local, step, 0)
+                if gather:
+                    return self.context.gather_objects(result)
+                if sync:
+                    self.context.barrier()
+                return result
+            except BaseException as exc:
+                self._fail(exc)
+
+    def debug_raise_on(self, rank: int, message: str = "debug fail point") -> None:
+        """Test fail point: make follower ``rank`` raise RuntimeError(message) inside a step."""
+        if not 0 < rank < self.world_size:
+            raise ValueError(
+                f"rank must be a follower rank in [1, {self.world_size}), got {rank!r}"
+            )
+        self.run(RAISE, (rank, message))
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise WorkerError(f"the worker group is broken: {self._broken}", rank=self._broken.rank)
+        if self._closed:
+            raise WorkerError("the worker group is closed")
+        for rank, proc in self._processes.items():
+            if proc.exitcode is not None:
+                self._fail(_PeerGone(f"rank {rank} is gone"))
+
+    # -- failure and shutdown ----------------------------------------------------------
+
+    def _fail(self, exc: BaseException) -> Any:
+        """Diagnose ``exc``, tear the group down and raise the right error."""
+        error = self._diagnose(exc)
+        self._broken = error or WorkerError(f"rank 0 failed: {type(exc).__name__}: {exc}", rank=0)
+        self._teardown(graceful=False)
+        if error is None:
+            raise exc
+        raise error
+
+    def _diagnose(self, exc: BaseException) -> WorkerError | None:
+        """The WorkerError that explains ``exc``, or None when rank 0 itself failed.
+
+        A collective that failed on rank 0 means a peer failed: wait briefly for
+        its report (it writes it before it exits) or for its process to end.
+        """
+        collective = isinstance(exc, CollectiveError) or (
+            isinstance(exc, _PeerGone) and self.world_size > 1
+        )
+        if not collective:
+            return None
+        # A timeout means a peer is alive but silent: nothing more will arrive.
+        timed_out = "timed out" in str(exc).lower()
+        deadline = time.monotonic() + (0.0 if timed_out else _REPORT_GRACE_S)
+        while True:
+            reports = read_failures(self._store, self.world_size)
+            dead = {r: p.exitcode for r, p in self._processes.items() if p.exitcode is not None}
+            if reports or dead or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        if reports:
+            _, rank, error = min(reports)
+            return error
+        if dead:
+            rank = min(dead)
+            return WorkerError(
+                f"tensor-parallel rank {rank} {describe_exit(dead[rank])}",
+                rank=rank,
+                exitcode=dead[rank],
+            )
+        if timed_out:
+            return WorkerError(
+                f"no answer from the other ranks within the timeout: a rank is stuck or "
+                f"slower than allowed (WorkerGroup timeout=...): {exc}",
+                rank=None,
+            )
+        return WorkerError(f"rank 0 lost the other ranks: {exc}", rank=None)
+
+    def _teardown(self, *, graceful: bool) -> None:
+        self._closed = True
+        if graceful and self.world_size > 1 and self.context.world_size > 1:
+            try:
+                self.context.broadcast_object(Step(STOP), timeout=timedelta(seconds=_STOP_GRACE_S))
+            except Exception as exc:  # the followers are gone already: nothing to stop
+                logger.debug("stop message not delivered: %s", exc)
+        deadline = time.monotonic() + (_STOP_GRACE_S if graceful else 0.0)
+        for proc in self._processes.values():
+            if proc.pid is not None:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        for rank, proc in self._processes.items():
+            if proc.pid is not None and proc.exitcode is None:
+                logger.debug("terminating tensor-parallel rank %d (pid %d)", rank, proc.pid)
+                proc.kill()
+                proc.join()
+        self.context.destroy()
+        self._store = None
+        if self._saved_threads is not None:
+            torch.set_num_threads(self._saved_threads)
+            self._saved_threads = None
+
+    def close(self) -> None:
+        """Stop every follower (killing those that do not exit), free the process
+        groups; idempotent. No worker process outlives this call."""
+        with self._lock:
+            if not self._closed:
+                self._teardown(graceful=self._broken is None)
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _close_at_exit(ref: weakref.ref[WorkerGroup]) -> None:
+    group = ref()
+    if group is not None:
+        group.close()
+
+
+# -- the follower side -------------------------------------------------------------
+
+
+def serve(
+    *,
+    device: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    idle_timeout: timedelta = IDLE_TIMEOUT,
+) -> None:
+    """Be rank RANK (> 0) of an ``env://`` group: build what rank 0 sends, follow its
+    steps until it closes the group. ``python -m rtpcore.workers`` calls this.
+
+    ``device`` None follows rank 0: the group uses nccl only if every rank, rank 0
+    included, asks for (or allows) CUDA and has a GPU of its own.
+    """
+    WorkerGroup.join_env(None, None, device=device, timeout=timeout, idle_timeout=idle_timeout)
+
+
+def _cpu_threads(world_size: int, device: str | None, requested: int | None) -> int | None:
+    """Torch threads per CPU rank: None leaves torch's default alone."""
+    if requested is not None:
+        if not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"num_threads must be a positive integer, got {requested!r}")
+        return requested
+    if device == "cuda" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // world_size)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    serve()
