@@ -53,8 +53,9 @@ YARN = {
 def make_checkpoint(path: Path, arch: str = "v3", seed: int = 0, **overrides: Any) -> Path:
     """Write a random tiny checkpoint with transformers' own ``save_pretrained``.
 
-    Norm weights and (V3) ``e_score_correction_bias`` are randomised too, so
-    routing bias and every norm take part in the comparison.
+    Norm weights, biases (``attention_bias``) and (V3) ``e_score_correction_bias``
+    are randomised too, so routing bias, projection biases and every norm take
+    part in the comparison (transformers initialises biases to zero).
     """
     import transformers
 
@@ -69,6 +70,8 @@ def make_checkpoint(path: Path, arch: str = "v3", seed: int = 0, **overrides: An
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.2 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn_like(b))

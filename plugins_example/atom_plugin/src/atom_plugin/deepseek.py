@@ -130,6 +130,21 @@ class DeepseekV3Plugin(ModelPlugin):
         ]
 
     @classmethod
+    def tensor_parallel_shard(
+        cls, config: DeepseekConfig, rank: int, world_size: int
+    ) -> tuple[DeepseekConfig, dict[str, tuple[int, int, int]]]:
+        """This rank's config (H/N heads, I/N intermediate sizes) and checkpoint slices.
+
+        MLA heads, dense MLPs and every expert's intermediate dimension are
+        split; the latent KV cache is replicated (see
+        :mod:`atom_plugin.tensor_parallel`). Raises ``rtpcore.errors.ShardingError``
+        when a size does not divide by ``world_size``.
+        """
+        from atom_plugin.tensor_parallel import shard_config
+
+        return shard_config(config, rank, world_size)
+
+    @classmethod
     def build_model(
         cls,
         config: DeepseekConfig,
@@ -137,14 +152,21 @@ class DeepseekV3Plugin(ModelPlugin):
         *,
         dtype: Any = None,
         device: Any = "cpu",
+        parallel: Any = None,
         **options: Any,
     ) -> Any:
-        """The torch module (see :mod:`atom_plugin.model` for the forward contract)."""
+        """The torch module (see :mod:`atom_plugin.model` for the forward contract).
+
+        ``parallel`` (an ``rtpcore.distributed.ParallelContext``): build this
+        rank's shard from the config and weight slices of
+        :meth:`tensor_parallel_shard`.
+        """
         import torch
 
         from atom_plugin.model import DeepseekModel
 
-        return DeepseekModel(config, weights, dtype=dtype or torch.float32, device=device).eval()
+        model = DeepseekModel(config, weights, dtype=dtype or torch.float32, device=device, parallel=parallel)
+        return model.eval()
 
     @classmethod
     def demo_config(cls) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -87,17 +88,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 
-    def __init__(self, w: Weights, prefix: str, dtype: torch.dtype, device: torch.device | str):
+    Tensor parallel: the weights hold this rank's slice of the intermediate
+    dimension (I/N), and ``parallel`` (an ``rtpcore.distributed.ParallelContext``)
+    sums the ranks' partial outputs; without it the output stays partial (a
+    shared expert, reduced together with the routed ones).
+    """
+
+    def __init__(
+        self, w: Weights, prefix: str, dtype: torch.dtype, device: torch.device | str, parallel: Any = None
+    ):
         super().__init__()
         gate, up = w[f"{prefix}.gate_proj.weight"], w[f"{prefix}.up_proj.weight"]
         self.gate_up = frozen(torch.cat((gate, up), 0), dtype, device)  # (2I, D)
         self.down = frozen(w[f"{prefix}.down_proj.weight"], dtype, device)  # (D, I)
+        self.parallel = parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D)
         g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)  # (T, I) each
-        return F.linear(F.silu(g) * u, self.down)  # (T, D)
+        out = F.linear(F.silu(g) * u, self.down)  # (T, D), partial when sharded
+        return out if self.parallel is None else self.parallel.all_reduce(out)
 
 
 class MoE(nn.Module):
@@ -105,6 +116,11 @@ class MoE(nn.Module):
 
     The router runs in float32 whatever the model dtype (transformers keeps
     ``gate.weight`` and ``e_score_correction_bias`` in float32 too).
+
+    Tensor parallel: every expert's weights hold this rank's slice of its
+    intermediate dimension, the router is replicated (every rank picks the same
+    experts), and ``parallel`` sums routed plus shared partial outputs in one
+    all-reduce.
     """
 
     # Below this many gathered expert-weight elements, index the experts' weights per
@@ -114,10 +130,17 @@ class MoE(nn.Module):
     GATHER_LIMIT = 1 << 18
 
     def __init__(
-        self, cfg: DeepseekConfig, w: Weights, prefix: str, dtype: torch.dtype, device: torch.device | str
+        self,
+        cfg: DeepseekConfig,
+        w: Weights,
+        prefix: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        parallel: Any = None,
     ):
         super().__init__()
         self.cfg = cfg
+        self.parallel = parallel
         n = cfg.n_routed_experts
         self.gate = frozen(w[f"{prefix}.gate.weight"], torch.float32, device)  # (E, D)
         bias = w.get(f"{prefix}.gate.e_score_correction_bias") if cfg.variant == "deepseek_v3" else None
@@ -181,5 +204,5 @@ class MoE(nn.Module):
                 y = F.linear(F.silu(g) * u, self.down[e]) * weights[tok, slot, None]  # (n_e, D)
                 out.index_add_(0, tok, y.to(x.dtype))
         if self.shared is not None:
-            out = out + self.shared(x)
-        return out
+            out = out + self.shared(x)  # partial too: reduced with the routed experts
+        return out if self.parallel is None else self.parallel.all_reduce(out)

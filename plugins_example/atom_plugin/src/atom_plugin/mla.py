@@ -13,6 +13,12 @@ values, the spec's k part) and the roped shared key ``k_pe``
 
 Shapes: T new tokens, B sequences, L cached positions, H heads, r = kv_lora_rank,
 R = rope dims, dn = qk_nope_head_dim, dv = v_head_dim.
+
+Tensor parallel (see :mod:`atom_plugin.tensor_parallel`): H is this rank's
+share of the heads, ``q_b_proj`` / ``kv_b_proj`` / ``o_proj`` hold only their
+rows / columns, and ``parallel`` all-reduces ``o_proj``'s partial output
+before its bias. The latent (``c_kv``, ``k_pe``) is shared by all heads, so
+every rank computes and caches all of it.
 """
 
 from __future__ import annotations
@@ -39,11 +45,24 @@ class StepTensors(NamedTuple):
 
 class MLAttention(nn.Module):
     def __init__(
-        self, cfg: DeepseekConfig, w: Weights, prefix: str, dtype: torch.dtype, device: torch.device | str
+        self,
+        cfg: DeepseekConfig,
+        w: Weights,
+        prefix: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        parallel: Any = None,
     ):
         super().__init__()
         self.cfg = cfg
+        self.parallel = parallel
         h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        kv_b = w[f"{prefix}.kv_b_proj.weight"]  # (H*(dn+dv), r)
+        if kv_b.shape != (h * (dn + dv), r):
+            raise ValueError(
+                f"{prefix}.kv_b_proj.weight has shape {tuple(kv_b.shape)}, but a config with "
+                f"num_attention_heads={h} needs {(h * (dn + dv), r)} (a sharded config needs sharded weights)"
+            )
 
         def bias(*names: str) -> nn.Parameter | None:  # attention_bias: these projections have one
             if not cfg.attention_bias:
@@ -64,7 +83,7 @@ class MLAttention(nn.Module):
             self.q_b = frozen(w[f"{prefix}.q_b_proj.weight"], dtype, device)  # (H*dq, q_lora)
         kv_norm = w[f"{prefix}.kv_a_layernorm.weight"].to(device=device, dtype=dtype)
         self.kv_norm = RMSNorm(kv_norm, 1e-6)
-        per_head = w[f"{prefix}.kv_b_proj.weight"].to(device=device, dtype=dtype).view(h, dn + dv, r)
+        per_head = kv_b.to(device=device, dtype=dtype).view(h, dn + dv, r)
         self.w_uk = nn.Parameter(per_head[:, :dn, :].contiguous(), requires_grad=False)  # (H, dn, r)
         self.w_uv_t = nn.Parameter(
             per_head[:, dn:, :].transpose(1, 2).contiguous(), requires_grad=False
@@ -103,7 +122,10 @@ class MLAttention(nn.Module):
             out = self._decode(q_nope, q_pe, ckv_all, kpe_all, step.decode_mask)  # (B, H*dv)
         else:
             out = self._prefill(q_nope, q_pe, ckv_all, kpe_all, batch)  # (T, H*dv)
-        return F.linear(out, self.o_proj, self.o_bias)  # (T, D)
+        if self.parallel is None:
+            return F.linear(out, self.o_proj, self.o_bias)  # (T, D)
+        y = self.parallel.all_reduce(F.linear(out, self.o_proj))  # (T, D): partial sums over head groups
+        return y if self.o_bias is None else y + self.o_bias
 
     def _decode(
         self,

@@ -4,6 +4,11 @@
 (T new tokens of B sequences), ``kv_caches`` one ``rtpcore.paged_cache.LayerKVCache``
 per layer (MLA: k = latent ``c_kv``, v = roped ``k_pe``), logits are (B, vocab)
 float32, one row per sequence after its last new token.
+
+Built with ``parallel`` (an ``rtpcore.distributed.ParallelContext`` of more
+than one rank) from a sharded config and its weight slices (see
+:mod:`atom_plugin.tensor_parallel`), every rank runs this same forward on its
+shard and returns the full logits.
 """
 
 from __future__ import annotations
@@ -24,18 +29,24 @@ __all__ = ["DecoderLayer", "DeepseekModel"]
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: DeepseekConfig, w: Weights, i: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        cfg: DeepseekConfig,
+        w: Weights,
+        i: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        parallel: Any = None,
     ):
         super().__init__()
         p = f"model.layers.{i}"
         norm = lambda name: RMSNorm(w[f"{p}.{name}.weight"].to(device=device, dtype=dtype), cfg.rms_norm_eps)  # noqa: E731
         self.input_norm = norm("input_layernorm")
         self.post_attn_norm = norm("post_attention_layernorm")
-        self.attn = MLAttention(cfg, w, f"{p}.self_attn", dtype, device)
+        self.attn = MLAttention(cfg, w, f"{p}.self_attn", dtype, device, parallel)
         self.mlp: nn.Module = (
-            MoE(cfg, w, f"{p}.mlp", dtype, device)
+            MoE(cfg, w, f"{p}.mlp", dtype, device, parallel)
             if i >= cfg.first_k_dense_replace
-            else MLP(w, f"{p}.mlp", dtype, device)
+            else MLP(w, f"{p}.mlp", dtype, device, parallel)
         )
 
     def forward(
@@ -57,17 +68,22 @@ class DeepseekModel(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        parallel: Any = None,
     ):
         super().__init__()
+        if parallel is not None and parallel.world_size == 1:
+            parallel = None  # one rank: exactly the unsharded model
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = frozen(weights["model.embed_tokens.weight"], dtype, device)  # (V, D)
+        self.embed = frozen(weights["model.embed_tokens.weight"], dtype, device)  # (V, D), replicated
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, weights, i, dtype, device) for i in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, weights, i, dtype, device, parallel) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(weights["model.norm.weight"].to(device=device, dtype=dtype), cfg.rms_norm_eps)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = frozen(head, dtype, device)  # (V, D)
+        self.lm_head = frozen(head, dtype, device)  # (V, D), or (V/N, D): this rank's vocabulary block
+        # A vocabulary-split head gathers the ranks' logits; a replicated one needs nothing.
+        self.gather_logits = parallel if parallel is not None and head.shape[0] != cfg.vocab_size else None
         self.register_buffer(
             "inv_freq", rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim).to(device), persistent=False
         )  # (R/2,)
@@ -87,4 +103,7 @@ class DeepseekModel(nn.Module):
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, step, batch, cache)  # (T, D)
         last = x if batch.is_decode else x[batch.last_token_index]  # (B, D)
-        return F.linear(self.norm(last), self.lm_head).float()  # (B, V)
+        logits = F.linear(self.norm(last), self.lm_head)  # (B, V) or (B, V/N)
+        if self.gather_logits is not None:
+            logits = self.gather_logits.all_gather(logits, dim=-1)  # (B, V), rank order
+        return logits.float()  # (B, V)
