@@ -12,6 +12,11 @@ The engine calls, in order::
     descs   = Plugin.kv_cache_descs(config, kv_cache_dtype=..., kv_layout=..., tokens_per_block=...)
     model   = Plugin.build_model(config, weights, dtype=..., device=...)
 
+With ``tensor_parallel_size > 1`` every rank first calls the optional
+``Plugin.tensor_parallel_shard(config, rank, world_size)`` and uses the config it
+returns for the steps above; ``build_model`` then also receives ``parallel=ctx``
+(a ``rtpcore.distributed.ParallelContext``).
+
 Forward contract (the same for every model; see ``rtpcore.batch``)::
 
     logits = model(batch, kv_caches)
@@ -94,13 +99,33 @@ class ModelPlugin:
         return {}
 
     @classmethod
+    def tensor_parallel_shard(
+        cls, config: Any, rank: int, world_size: int
+    ) -> tuple[Any, Mapping[str, tuple[int, int, int]]]:
+        """Optional: tensor parallelism.
+
+        Returns this rank's config (e.g. ``num_attention_heads // world_size``) and
+        the checkpoint slices the rank reads, ``{weight pattern: (dim, start, stop)}``
+        (``rtpcore.sharding`` computes them). ``build_model`` then also receives
+        ``parallel``, the rank's ``rtpcore.distributed.ParallelContext``: finish
+        row-parallel layers with ``parallel.all_reduce`` (``rtpcore.parallel_layers``).
+        Without an override, ``tensor_parallel_size > 1`` is refused.
+        """
+        raise NotImplementedError(f"{cls.__qualname__} does not support tensor parallelism")
+
+    @classmethod
     def demo_config(cls) -> Mapping[str, Any] | None:
         """Optional: a small Hugging Face style config.json dict for ``--demo``."""
         return None
 
 
 _REQUIRED_CLASSMETHODS = ("config_from_hf", "weight_patterns", "kv_cache_descs", "build_model")
-_OPTIONAL_CLASSMETHODS = ("placeholder_ranges", "weight_shapes", "demo_config")
+_OPTIONAL_CLASSMETHODS = (
+    "placeholder_ranges",
+    "weight_shapes",
+    "tensor_parallel_shard",
+    "demo_config",
+)
 
 
 def _is_name(value: object) -> bool:
