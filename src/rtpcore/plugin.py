@@ -151,8 +151,8 @@ def model_plugin_problems(cls: object) -> list[str]:
 
     Checks only class attributes, so it never imports torch: ``model_type`` a non-empty
     string, ``architectures`` a non-empty tuple of strings, ``replaces`` a subset of
-    ``architectures``, and the four required methods overridden as classmethods (or
-    staticmethods).
+    ``architectures``, the four required methods overridden as classmethods (or
+    staticmethods), and the optional ones classmethods or None (switched off).
     """
     import inspect
 
@@ -188,6 +188,8 @@ def model_plugin_problems(cls: object) -> list[str]:
             problems.append(f"replaces lists {extra[0]!r}, which is not in architectures")
     for name in _REQUIRED_CLASSMETHODS + _OPTIONAL_CLASSMETHODS:
         static = inspect.getattr_static(cls, name, None)
+        if static is None and name in _OPTIONAL_CLASSMETHODS:
+            continue  # an optional capability switched off (e.g. tensor_parallel_shard = None)
         if not isinstance(static, classmethod | staticmethod):
             problems.append(f"{name} must be a classmethod, got {type(static).__name__}")
         elif name in _REQUIRED_CLASSMETHODS and static is ModelPlugin.__dict__[name]:
