@@ -16,11 +16,11 @@ from attrs import evolve, field, frozen
 
 from rtpcore.errors import PluginLoadError
 from rtpcore.plugin import ModelPlugin, model_plugin_problems
+from rtpcore_native import BUILTIN_LAYOUTS
 
 __all__ = ["BUILTIN_LAYOUTS", "ModelRecord", "Provider", "RecordingView", "first_line"]
 
-#: fp8 MLA layouts built into ``rtpcore_native``; no plugin may register these names.
-BUILTIN_LAYOUTS = ("compact", "padded")
+# BUILTIN_LAYOUTS: the fp8 MLA layouts built into rtpcore_native; no plugin may register these names.
 
 _TARGET_RE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 _LAYOUT_RE = re.compile(r"[A-Za-z0-9_.-]+")
