@@ -13,14 +13,17 @@ without a range matches any index and requires nothing (optional tensors). A pat
 without placeholders is required.
 
 The index (``checkpoint_index``) tells which file holds each wanted tensor; only those
-files are opened, memory-mapped through ``safetensors.safe_open``.
+files are opened. Whole tensors are read with positioned reads into memory the tensor
+owns (headers validated first), so a file changed later cannot fault the process;
+``lazy=True`` keeps ``safetensors.safe_open``'s memory-mapped views instead, and
+``slices`` read through its ``get_slice``. Pattern matching lives in
+``checkpoint_patterns``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import io
-import itertools
 import json
 import logging
 import os
@@ -38,6 +41,7 @@ from rtpcore.checkpoint_index import (
     TensorInfo,
     build_index,
 )
+from rtpcore.checkpoint_patterns import PatternTable, WeightSelection
 from rtpcore.errors import CheckpointError, MissingTensorsError
 
 if TYPE_CHECKING:
@@ -53,8 +57,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_DECIMAL = r"(?:0|[1-9][0-9]*)"
 _MISSING_SHOWN = 20
 
 
@@ -83,99 +85,6 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"config.json {str(cfg)!r} must hold a JSON object, got {type(doc).__name__}", path=cfg
         )
     return doc
-
-
-class _Pattern:
-    """One compiled weight pattern; ``ranges`` restricts the placeholders that have one."""
-
-    def __init__(self, pattern: str, ranges: Mapping[str, frozenset[int]]):
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"weight pattern must be a non-empty string, got {pattern!r}")
-        literals = _PLACEHOLDER.split(pattern)[::2]
-        if any("{" in lit or "}" in lit for lit in literals):
-            raise ValueError(
-                f"weight pattern {pattern!r}: braces may only enclose a placeholder name like {{layer}}"
-            )
-        self.text = pattern
-        self.names = tuple(dict.fromkeys(_PLACEHOLDER.findall(pattern)))
-        self.ranges = {n: ranges[n] for n in self.names if n in ranges}
-        self.required = len(self.ranges) == len(self.names)
-        seen: set[str] = set()
-
-        def group(m: re.Match[str]) -> str:
-            name = m.group(1)
-            if name in seen:
-                return f"(?P={name})"
-            seen.add(name)
-            return f"(?P<{name}>{_DECIMAL})"
-
-        pieces, pos = [], 0
-        for m in _PLACEHOLDER.finditer(pattern):
-            pieces += [re.escape(pattern[pos : m.start()]), group(m)]
-            pos = m.end()
-        pieces.append(re.escape(pattern[pos:]))
-        regex = "".join(pieces)
-        self.regex = re.compile(regex)
-
-    def matches(self, name: str) -> bool:
-        m = self.regex.fullmatch(name)
-        return m is not None and all(int(m.group(n)) in r for n, r in self.ranges.items())
-
-    def expand(self) -> Iterable[str]:
-        """The required names (only meaningful when every placeholder has a range)."""
-        values = [sorted(self.ranges[n]) for n in self.names]
-        for combo in itertools.product(*values):
-            # Literal text holds no braces (checked above), so str.format is exact.
-            yield self.text.format_map(dict(zip(self.names, combo, strict=True)))
-
-
-@frozen
-class WeightSelection:
-    """Which tensor names a model wants: an exact required set plus optional patterns."""
-
-    required: frozenset[str]
-    optional: tuple[_Pattern, ...]
-
-    @classmethod
-    def from_patterns(
-        cls, patterns: Iterable[str], ranges: Mapping[str, Iterable[int]] | None = None
-    ) -> WeightSelection:
-        if isinstance(patterns, str):
-            raise ValueError(
-                f"weight patterns must be a sequence of strings, got the string {patterns!r}"
-            )
-        sets = {}
-        for name, values in (ranges or {}).items():
-            vals = list(values)
-            if not all(type(v) is int and v >= 0 for v in vals):
-                raise ValueError(
-                    f"placeholder range {name!r} must hold non-negative integers, got {vals[:5]!r}"
-                )
-            sets[name] = frozenset(vals)
-        compiled = [_Pattern(p, sets) for p in patterns]
-        required = frozenset(n for p in compiled if p.required for n in p.expand())
-        return cls(required=required, optional=tuple(p for p in compiled if not p.required))
-
-    def wants(self, name: str) -> bool:
-        return name in self.required or any(p.matches(name) for p in self.optional)
-
-
-class _Lookup:
-    """Pattern -> value (expected shapes, slices), placeholders matching any index."""
-
-    def __init__(self, table: Mapping[str, Any] | None):
-        self.exact: dict[str, Any] = {}
-        self.patterns: list[tuple[_Pattern, Any]] = []
-        for key, value in (table or {}).items():
-            if _PLACEHOLDER.search(key):
-                self.patterns.append((_Pattern(key, {}), value))
-            else:
-                self.exact[key] = value
-
-    def get(self, name: str) -> Any:
-        if name in self.exact:
-            return self.exact[name]
-        return next((v for p, v in self.patterns if p.matches(name)), None)
 
 
 @frozen
@@ -239,7 +148,7 @@ def _slice_key(info: TensorInfo, spec: Any, file: Path) -> tuple[slice, ...]:
 _Plan = dict[Path, tuple[FileHeader, list[TensorInfo]]]
 
 
-def _check_shapes(plan: _Plan, shapes: _Lookup) -> None:
+def _check_shapes(plan: _Plan, shapes: PatternTable) -> None:
     bad, where = [], None
     for file, (_, infos) in plan.items():
         for info in infos:
@@ -326,7 +235,7 @@ def _read_exact(f: io.FileIO, file: Path, head: FileHeader, info: TensorInfo) ->
 def _read_file(
     file: Path,
     plan: tuple[FileHeader, list[TensorInfo]],
-    slices: _Lookup,
+    slices: PatternTable,
     dtype: torch.dtype | None,
     device: Any,
     lazy: bool,
@@ -418,8 +327,8 @@ def load_checkpoint(
     torch_dtype = _resolve_dtype(dtype)
     index = build_index(path)
     plan, headers = _plan(index, selection)
-    _check_shapes(plan, _Lookup(expected_shapes))
-    slice_lookup = _Lookup(slices)
+    _check_shapes(plan, PatternTable(expected_shapes))
+    slice_lookup = PatternTable(slices)
 
     from tqdm import tqdm
 

@@ -17,11 +17,9 @@ gives the same ids without it.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -38,7 +36,6 @@ FORMAT_VERSION = 1
 SEED = 0
 NOTICE = "rtpcore demo checkpoint: RANDOM WEIGHTS, deterministic, for trying the engine; its output is meaningless."
 PRINTABLE = slice(32, 127)  # ids the demo lm_head can favour: printable ASCII bytes
-_PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
 def demo_cache_dir() -> Path:
@@ -124,15 +121,17 @@ def _expand(
     patterns: Sequence[str], ranges: Mapping[str, list[int]], shapes: Mapping[str, Sequence[int]]
 ) -> dict[str, tuple[int, ...]]:
     """Exact tensor names (and shapes) of the required patterns; optional ones are skipped."""
+    from rtpcore.checkpoint_patterns import Pattern
+
+    sets = {name: frozenset(values) for name, values in ranges.items()}
     out: dict[str, tuple[int, ...]] = {}
-    for pattern in patterns:
-        keys = _PLACEHOLDER.findall(pattern)
-        if any(k not in ranges for k in keys):
+    for text in patterns:
+        pattern = Pattern(text, sets)
+        if not pattern.required:
             continue  # a placeholder without a range: optional tensors
-        if pattern not in shapes:
-            raise RtpcoreError(f"demo checkpoint: weight_shapes() gives no shape for {pattern!r}")
-        for combo in itertools.product(*(ranges[k] for k in keys)):
-            out[pattern.format(**dict(zip(keys, combo, strict=True)))] = tuple(shapes[pattern])
+        if text not in shapes:
+            raise RtpcoreError(f"demo checkpoint: weight_shapes() gives no shape for {text!r}")
+        out.update(dict.fromkeys(pattern.expand(), tuple(shapes[text])))
     return out
 
 
