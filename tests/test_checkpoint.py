@@ -104,6 +104,25 @@ def test_dtype_converts_floating_point_tensors(hf_llama):
         load_checkpoint(path, ["model.norm.weight"], {}, dtype="float33")
 
 
+def test_dtypes_keep_matching_tensors_in_their_own_dtype(hf_llama):
+    """``dtypes`` overrides ``dtype`` for the tensors its patterns match, and only for them."""
+    path, state = hf_llama
+    weights = load_checkpoint(
+        path,
+        ["model.layers.{layer}.input_layernorm.weight", "model.norm.weight"],
+        {"layer": range(2)},
+        dtype="bfloat16",
+        dtypes={"model.layers.{layer}.input_layernorm.weight": "float32"},
+    )
+    for layer in range(2):
+        name = f"model.layers.{layer}.input_layernorm.weight"
+        assert weights[name].dtype == torch.float32
+        assert torch.equal(weights[name], state[name])
+    assert weights["model.norm.weight"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="float33"):
+        load_checkpoint(path, ["model.norm.weight"], {}, dtypes={"model.norm.weight": "float33"})
+
+
 def test_integer_and_fp8_tensors_keep_their_dtype(tmp_path):
     """Quantized payloads (int8, fp8) are not converted; float16 is."""
     save_file(

@@ -237,6 +237,7 @@ def _read_file(
     plan: tuple[FileHeader, list[TensorInfo]],
     slices: PatternTable,
     dtype: torch.dtype | None,
+    dtypes: PatternTable,
     device: Any,
     lazy: bool,
 ) -> tuple[dict[str, torch.Tensor], int]:
@@ -281,8 +282,9 @@ def _read_file(
         t = raw[info.name]
         nbytes += t.numel() * t.element_size()
         storage = t.untyped_storage().data_ptr()
-        if dtype is not None and t.is_floating_point() and t.element_size() > 1:
-            t = t.to(dtype)  # fp8 payloads stay as stored: scaling is the model's business
+        target = dtypes.get(info.name) or dtype
+        if target is not None and t.is_floating_point() and t.element_size() > 1:
+            t = t.to(target)  # fp8 payloads stay as stored: scaling is the model's business
         if str(device) != "cpu":
             t = t.to(device)
         elif not lazy and info.name in views and t.untyped_storage().data_ptr() == storage:
@@ -303,6 +305,7 @@ def load_checkpoint(
     device: Any = "cpu",
     slices: Mapping[str, tuple[int, int, int]] | None = None,
     lazy: bool = False,
+    dtypes: Mapping[str, Any] | None = None,
 ) -> LoadedWeights:
     """Load the tensors matching ``patterns`` from the checkpoint at ``path``.
 
@@ -311,6 +314,8 @@ def load_checkpoint(
     pattern (or exact name) to the shape stored in the file, checked from the
     headers before any tensor data is read. ``slices`` maps a pattern to
     ``(dim, start, stop)``: only that part of the tensor is read (tensor parallel).
+    ``dtypes`` maps a pattern to the dtype its tensors get instead of ``dtype``
+    (e.g. a MoE router kept in float32 in a bfloat16 model).
 
     Tensors own their memory: whole tensors are read with plain positioned reads
     (headers are validated first), slices through ``safe_open``'s ``get_slice``;
@@ -329,13 +334,18 @@ def load_checkpoint(
     plan, headers = _plan(index, selection)
     _check_shapes(plan, PatternTable(expected_shapes))
     slice_lookup = PatternTable(slices)
+    dtype_lookup = PatternTable(
+        {pattern: _resolve_dtype(d) for pattern, d in (dtypes or {}).items()}
+    )
 
     from tqdm import tqdm
 
     weights = LoadedWeights()
     tensor_bytes = 0
     for file in tqdm(plan, desc="loading shards", unit="shard", disable=not sys.stderr.isatty()):
-        tensors, nbytes = _read_file(file, plan[file], slice_lookup, torch_dtype, device, lazy)
+        tensors, nbytes = _read_file(
+            file, plan[file], slice_lookup, torch_dtype, dtype_lookup, device, lazy
+        )
         weights.update(tensors)
         tensor_bytes += nbytes
     weights.stats = LoadStats(

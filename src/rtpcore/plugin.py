@@ -99,6 +99,13 @@ class ModelPlugin:
         return {}
 
     @classmethod
+    def weight_dtypes(cls, config: Any) -> Mapping[str, str]:
+        """Optional: patterns whose tensors keep another dtype than the engine's,
+        e.g. ``{"model.layers.{layer}.mlp.gate.weight": "float32"}`` for a router that
+        the reference implementation runs in float32 in a bfloat16 model."""
+        return {}
+
+    @classmethod
     def tensor_parallel_shard(
         cls, config: Any, rank: int, world_size: int
     ) -> tuple[Any, Mapping[str, tuple[int, int, int]]]:
@@ -123,6 +130,7 @@ _REQUIRED_CLASSMETHODS = ("config_from_hf", "weight_patterns", "kv_cache_descs",
 _OPTIONAL_CLASSMETHODS = (
     "placeholder_ranges",
     "weight_shapes",
+    "weight_dtypes",
     "tensor_parallel_shard",
     "demo_config",
 )

@@ -72,6 +72,7 @@ class EngineShard:
             dtype=config.torch_dtype,
             expected_shapes=plugin.weight_shapes(self.model_config),
             slices=slices,
+            dtypes=plugin.weight_dtypes(self.model_config),
         )
         self.bytes_read = weights.stats.tensor_bytes_read
         options: dict[str, Any] = {"dtype": config.torch_dtype, "device": ctx.device}
