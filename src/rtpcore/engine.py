@@ -7,7 +7,8 @@ in ``rtpcore.scheduler``, token choice in ``rtpcore.sampling``.
 
 KV memory: ``kv_cache_memory`` bytes when given; otherwise enough blocks for
 ``max_batch_size`` sequences of ``max_position_embeddings`` tokens each, capped
-at a quarter of physical RAM. Requests are checked before anything runs: a
+at a quarter of physical RAM over all tensor-parallel ranks (``kv_cache_memory``
+itself is per rank). Requests are checked before anything runs: a
 prompt that could not fit even in an empty cache raises
 :class:`~rtpcore.errors.KVCacheCapacityError` naming it, and the engine stays
 usable. Admitted sequences reserve their blocks, so nothing is preempted.
@@ -336,7 +337,9 @@ def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int)
     memory = config.kv_cache_memory
     if memory is None:
         want = -(-config.max_batch_size * max_positions // config.tokens_per_block) * block_bytes
-        memory = min(want, int(_physical_memory() * RAM_FRACTION))
+        # Every rank allocates this much; spawned ranks share this machine's RAM.
+        cap = int(_physical_memory() * RAM_FRACTION) // config.tensor_parallel_size
+        memory = min(want, cap)
     blocks = plan_blocks(specs, memory)
     if blocks < 1:
         raise KVCacheCapacityError(
