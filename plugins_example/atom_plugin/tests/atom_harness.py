@@ -202,7 +202,7 @@ def build_from_checkpoint(
     cfg = plugin.config_from_hf(hf)
     weights = load_checkpoint(
         path, plugin.weight_patterns(cfg), plugin.placeholder_ranges(cfg),
-        dtype=dtype, expected_shapes=plugin.weight_shapes(cfg),
+        dtype=dtype, expected_shapes=plugin.weight_shapes(cfg), dtypes=plugin.weight_dtypes(cfg),
     )
     model = plugin.build_model(cfg, weights, dtype=dtype)
     descs = plugin.kv_cache_descs(

@@ -73,3 +73,24 @@ def test_spawned_worker_builds_the_model_from_the_pickled_plan(v3_ckpt: Path) ->
     assert got["model_type"] == "deepseek_v3"
     assert got["plugins"] == [(e.distribution, e.version, e.value) for e in config.plan.entries]
     assert got["bytes_per_token"] == 193
+
+
+def test_a_bfloat16_engine_keeps_the_router_weights_in_float32(v3_ckpt: Path) -> None:
+    """weight_dtypes keeps gate.weight and e_score_correction_bias as stored (float32) in a
+    bf16 engine, like transformers' reference, while the other weights become bf16."""
+    import torch
+    from safetensors.torch import load_file
+
+    stored = {}
+    for f in sorted(Path(v3_ckpt).glob("*.safetensors")):
+        stored.update(load_file(f))
+    with Engine.from_pretrained(v3_ckpt, plugins=PLUGINS, dtype="bfloat16") as engine:
+        moe = [layer.mlp for layer in engine.model.layers if hasattr(layer.mlp, "gate")]
+        assert moe, "the test checkpoint has MoE layers"
+        first = engine.model_config.first_k_dense_replace
+        for i, mlp in enumerate(moe, start=first):
+            want = stored[f"model.layers.{i}.mlp.gate.weight"]
+            assert mlp.gate.dtype == torch.float32
+            assert torch.equal(mlp.gate, want)
+            assert not torch.equal(want.bfloat16().float(), want)  # rounding would have changed it
+        assert engine.model.layers[0].input_norm.weight.dtype == torch.bfloat16

@@ -98,3 +98,21 @@ def test_chunked_prefill_in_a_ragged_batch_matches_a_full_forward(v3_ckpt: Path)
         logits = model(mixed, caches)  # (2, vocab)
     torch.testing.assert_close(logits[0], hf_logits(v3_ckpt, long)[-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits[1], hf_logits(v3_ckpt, short)[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_grown_on_demand_equal_a_per_step_computation(dtype: torch.dtype) -> None:
+    """RopeTables starting small and grown past their end (several times, not on a block
+    boundary) give exactly rope_cos_sin's rows for every position."""
+    from atom_plugin.layers import RopeTables, rope_cos_sin
+
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    tables = RopeTables.__new__(RopeTables)
+    tables.START, tables.BLOCK = 8, 3  # instance overrides: grow early and in odd blocks
+    RopeTables.__init__(tables, inv_freq, 0.7, dtype)
+    positions = torch.arange(0, 1000)
+    for end in (5, 9, 40, 41, 1000):  # each call may need the tables to grow
+        cos, sin = tables(positions[:end], end)
+        ref_cos, ref_sin = rope_cos_sin(positions[:end], inv_freq, 0.7, dtype)
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin), end
+    assert tables.cos.shape[0] >= 1000

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpcore.models._linear import Linear
+from rtpcore.layers import Linear
 from rtpcore.models.llama import LlamaConfig, rope_inv_freq
 from rtpcore.parallel_layers import GatherColumns, row_parallel
 

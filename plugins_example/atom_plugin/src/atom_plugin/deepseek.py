@@ -50,6 +50,17 @@ class DeepseekV3Plugin(ModelPlugin):
         return {"layer": range(config.num_hidden_layers), "expert": range(config.n_routed_experts)}
 
     @classmethod
+    def weight_dtypes(cls, config: DeepseekConfig) -> dict[str, str]:
+        """The router stays float32 in a bf16/fp16 model, as in the reference implementation:
+        rounding its weights would change which experts tokens go to."""
+        out: dict[str, str] = {}
+        for i in config.moe_layers:
+            out[f"model.layers.{i}.mlp.gate.weight"] = "float32"
+            if config.variant == "deepseek_v3":
+                out[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = "float32"
+        return out
+
+    @classmethod
     def weight_shapes(cls, config: DeepseekConfig) -> dict[str, tuple[int, ...]]:
         c = config
         d, h, r, rope = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim

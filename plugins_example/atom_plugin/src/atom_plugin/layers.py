@@ -2,13 +2,16 @@
 
 Tensors are flat over tokens: T is the number of new tokens in the step, D the
 hidden size. Weights are taken from a checkpoint mapping by name, never
-initialised randomly.
+initialised randomly. Every projection is an ``rtpcore.layers.Linear`` (made by
+:func:`linear_factory`): oneDNN-prepacked in bf16, ``F.linear`` in float32, the
+same bits as ``F.linear`` either way; only the MoE router stays a float32
+``F.linear`` on its own weight, as in transformers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -16,8 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_plugin.config import DeepseekConfig, RopeConfig
+from rtpcore.layers import Linear
+from rtpcore.parallel_layers import row_parallel
 
-__all__ = ["MLP", "MoE", "RMSNorm", "apply_rope", "rope_cos_sin", "rope_inv_freq"]
+__all__ = ["MLP", "MoE", "RMSNorm", "RopeTables", "apply_rope", "rope_cos_sin", "rope_inv_freq"]
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -25,6 +30,17 @@ Weights = Mapping[str, torch.Tensor]
 def frozen(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     """A non-trainable parameter holding ``t`` in ``dtype`` on ``device``."""
     return nn.Parameter(t.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+
+
+def linear_factory(dtype: torch.dtype, device: torch.device | str) -> Callable[..., Linear]:
+    """``make(weight, bias=None)``: an ``rtpcore.layers.Linear`` over checkpoint tensors cast to
+    ``dtype`` on ``device`` (prepacked for bf16, ``F.linear`` for float32: the same bits either way)."""
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        cast = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
+        return Linear(cast(weight), None if bias is None else cast(bias))
+
+    return make
 
 
 class RMSNorm(nn.Module):
@@ -87,35 +103,80 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class RopeTables(nn.Module):
+    """cos/sin of every position up to a bound, computed once and grown on demand.
+
+    Rows are computed by :func:`rope_cos_sin` in blocks of ``BLOCK`` positions (so
+    every element goes through the same vectorised kernel as a per-step call
+    would), and looked up by position: a decode step indexes two rows instead of
+    recomputing them.
+    """
+
+    BLOCK = 256  # positions per table-building call
+    START = 2048  # positions computed up front
+
+    inv_freq: torch.Tensor  # (R/2,) float32
+    cos: torch.Tensor  # (P, R/2), model dtype
+    sin: torch.Tensor  # (P, R/2)
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
+        super().__init__()
+        self.scale, self.dtype = scale, dtype
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (R/2,) float32
+        empty = torch.empty(0, inv_freq.shape[0], dtype=dtype, device=inv_freq.device)
+        self.register_buffer("cos", empty, persistent=False)
+        self.register_buffer("sin", empty.clone(), persistent=False)
+        self.grow(self.START)
+
+    def grow(self, positions: int) -> None:
+        """Make the tables cover positions ``0..positions-1`` (at least)."""
+        have = self.cos.shape[0]
+        if positions <= have:
+            return
+        pos = torch.arange(have, positions, device=self.inv_freq.device)
+        parts = [rope_cos_sin(chunk, self.inv_freq, self.scale, self.dtype) for chunk in pos.split(self.BLOCK)]
+        self.cos = torch.cat([self.cos, *(c[:, 0] for c, _ in parts)])
+        self.sin = torch.cat([self.sin, *(s[:, 0] for _, s in parts)])
+
+    def forward(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T,) positions, all below ``max_position`` -> cos, sin (T, 1, R/2)."""
+        if max_position > self.cos.shape[0]:
+            self.grow(max(max_position, 2 * self.cos.shape[0]))
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused in one ``Linear``.
 
     Tensor parallel: the weights hold this rank's slice of the intermediate
     dimension (I/N), and ``parallel`` (an ``rtpcore.distributed.ParallelContext``)
-    sums the ranks' partial outputs; without it the output stays partial (a
-    shared expert, reduced together with the routed ones).
+    sums the ranks' partial outputs (``down`` is row-parallel); without it the
+    output stays partial (a shared expert, reduced together with the routed ones).
     """
 
     def __init__(
         self, w: Weights, prefix: str, dtype: torch.dtype, device: torch.device | str, parallel: Any = None
     ):
         super().__init__()
+        make = linear_factory(dtype, device)
         gate, up = w[f"{prefix}.gate_proj.weight"], w[f"{prefix}.up_proj.weight"]
-        self.gate_up = frozen(torch.cat((gate, up), 0), dtype, device)  # (2I, D)
-        self.down = frozen(w[f"{prefix}.down_proj.weight"], dtype, device)  # (D, I)
-        self.parallel = parallel
+        self.gate_up = make(torch.cat((gate, up), 0))  # D -> 2I
+        self.down = row_parallel(make, w[f"{prefix}.down_proj.weight"], None, parallel)  # I -> D
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D)
-        g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)  # (T, I) each
-        out = F.linear(F.silu(g) * u, self.down)  # (T, D), partial when sharded
-        return out if self.parallel is None else self.parallel.all_reduce(out)
+        g, u = self.gate_up(x).chunk(2, dim=-1)  # (T, I) each
+        return self.down(F.silu(g) * u)  # (T, D)
 
 
 class MoE(nn.Module):
     """Routed experts plus shared experts, routed exactly like transformers' DeepSeek routers.
 
     The router runs in float32 whatever the model dtype (transformers keeps
-    ``gate.weight`` and ``e_score_correction_bias`` in float32 too).
+    ``gate.weight`` and ``e_score_correction_bias`` in float32 too). Every routed
+    expert has its own ``gate_up`` / ``down`` :class:`rtpcore.layers.Linear`; in
+    float32 they are views of two stacked (E, 2I, D) / (E, D, I) tensors, which
+    also serve the few-token gather path (kept in bf16 only for experts small
+    enough to take that path).
 
     Tensor parallel: every expert's weights hold this rank's slice of its
     intermediate dimension, the router is replicated (every rank picks the same
@@ -128,6 +189,9 @@ class MoE(nn.Module):
     # were hit, reading each one's weights once (decode is memory-bound: a gather would
     # copy them first).
     GATHER_LIMIT = 1 << 18
+
+    stacked_gate_up: torch.Tensor | None
+    stacked_down: torch.Tensor | None
 
     def __init__(
         self,
@@ -146,14 +210,20 @@ class MoE(nn.Module):
         bias = w.get(f"{prefix}.gate.e_score_correction_bias") if cfg.variant == "deepseek_v3" else None
         self.bias = frozen(bias if bias is not None else torch.zeros(n), torch.float32, device)  # (E,)
         ex = f"{prefix}.experts"
-        self.gate_up = frozen(
-            torch.stack(
-                [torch.cat((w[f"{ex}.{e}.gate_proj.weight"], w[f"{ex}.{e}.up_proj.weight"]), 0) for e in range(n)]
-            ),
-            dtype,
-            device,
-        )  # (E, 2I, D)
-        self.down = frozen(torch.stack([w[f"{ex}.{e}.down_proj.weight"] for e in range(n)]), dtype, device)  # (E, D, I)
+        gate_up = torch.stack(
+            [torch.cat((w[f"{ex}.{e}.gate_proj.weight"], w[f"{ex}.{e}.up_proj.weight"]), 0) for e in range(n)]
+        ).to(device=device, dtype=dtype)  # (E, 2I, D)
+        down = torch.stack([w[f"{ex}.{e}.down_proj.weight"] for e in range(n)]).to(device=device, dtype=dtype)
+        self.expert_gate_up = nn.ModuleList(Linear(gate_up[e]) for e in range(n))  # D -> 2I each
+        self.expert_down = nn.ModuleList(Linear(down[e]) for e in range(n))  # I -> D each
+        # Plain lists for the per-step loop (no ModuleList indexing on the hot path).
+        self._experts = list(zip(self.expert_gate_up, self.expert_down, strict=True))
+        # float32 Linears view the stacks (kept for free); packed ones copied them, so keep the
+        # stacks only if the gather path can run at all (two tokens under GATHER_LIMIT: tiny experts).
+        gatherable = 2 * cfg.num_experts_per_tok * down[0].numel() * 3 <= self.GATHER_LIMIT
+        keep = gatherable or not self.expert_gate_up[0].packed
+        self.register_buffer("stacked_gate_up", gate_up if keep else None, persistent=False)  # (E, 2I, D)
+        self.register_buffer("stacked_down", down if keep else None, persistent=False)  # (E, D, I)
         self.shared = MLP(w, f"{prefix}.shared_experts", dtype, device) if cfg.n_shared_experts else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,23 +256,37 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, D)
         weights, idx = self.route(x)  # (T, k), (T, k)
         t, k = idx.shape
-        if t == 1:  # one token (batch-1 decode): just its k experts, no bookkeeping
-            out = torch.zeros_like(x)
-            for e, wt in zip(idx[0].tolist(), weights[0], strict=True):
-                g, u = F.linear(x, self.gate_up[e]).chunk(2, dim=-1)  # (1, I)
-                out += (F.linear(F.silu(g) * u, self.down[e]) * wt).to(x.dtype)  # (1, D)
-        elif t * k * self.gate_up[0].numel() * 3 // 2 <= self.GATHER_LIMIT:
-            gu = torch.einsum("td,tkid->tki", x, self.gate_up[idx])  # (T, k, 2I)
+        stacked_gate_up, stacked_down = self.stacked_gate_up, self.stacked_down  # None when packed
+        if t == 1:
+            out = self._one_token(x, weights, idx)  # batch-1 decode
+        elif (
+            stacked_gate_up is not None
+            and stacked_down is not None
+            and t * k * stacked_down[0].numel() * 3 <= self.GATHER_LIMIT
+        ):
+            gu = torch.einsum("td,tkid->tki", x, stacked_gate_up[idx])  # (T, k, 2I)
             g, u = gu.chunk(2, dim=-1)  # (T, k, I)
-            y = torch.einsum("tki,tkdi->tkd", F.silu(g) * u, self.down[idx])  # (T, k, D)
+            y = torch.einsum("tki,tkdi->tkd", F.silu(g) * u, stacked_down[idx])  # (T, k, D)
             out = (y * weights[..., None]).sum(1).to(x.dtype)  # (T, D)
         else:
             out = torch.zeros_like(x)
             for e in idx.unique().tolist():
                 tok, slot = torch.where(idx == e)  # (n_e,), (n_e,)
-                g, u = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)  # (n_e, I)
-                y = F.linear(F.silu(g) * u, self.down[e]) * weights[tok, slot, None]  # (n_e, D)
+                gate_up, down = self._experts[e]
+                g, u = gate_up(x[tok]).chunk(2, dim=-1)  # (n_e, I)
+                y = down(F.silu(g) * u) * weights[tok, slot, None]  # (n_e, D)
                 out.index_add_(0, tok, y.to(x.dtype))
         if self.shared is not None:
             out = out + self.shared(x)  # partial too: reduced with the routed experts
         return out if self.parallel is None else self.parallel.all_reduce(out)
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """(1, D) through its k experts, summed in ascending expert order like transformers."""
+        out: torch.Tensor | None = None
+        for e, wt in sorted(zip(idx[0].tolist(), weights[0].tolist(), strict=True)):
+            gate_up, down = self._experts[e]
+            g, u = gate_up(x).chunk(2, dim=-1)  # (1, I) each
+            y = down(F.silu(g) * u) * wt  # (1, D); a float32 weight, rounded once to the model dtype
+            out = y if out is None else out + y
+        assert out is not None, "the router picks at least one expert"
+        return out

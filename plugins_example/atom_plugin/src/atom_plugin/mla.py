@@ -16,9 +16,13 @@ R = rope dims, dn = qk_nope_head_dim, dv = v_head_dim.
 
 Tensor parallel (see :mod:`atom_plugin.tensor_parallel`): H is this rank's
 share of the heads, ``q_b_proj`` / ``kv_b_proj`` / ``o_proj`` hold only their
-rows / columns, and ``parallel`` all-reduces ``o_proj``'s partial output
-before its bias. The latent (``c_kv``, ``k_pe``) is shared by all heads, so
-every rank computes and caches all of it.
+rows / columns, and ``o_proj`` is row-parallel
+(``rtpcore.parallel_layers.row_parallel``: its partial output is all-reduced
+before its bias is added). The latent (``c_kv``, ``k_pe``) is shared by all
+heads, so every rank computes and caches all of it.
+
+Every projection is an ``rtpcore.layers.Linear`` (prepacked oneDNN in bf16,
+``F.linear`` in float32: the same bits as ``F.linear`` either way).
 """
 
 from __future__ import annotations
@@ -30,17 +34,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_plugin.config import DeepseekConfig
-from atom_plugin.layers import RMSNorm, Weights, apply_rope, frozen
+from atom_plugin.layers import RMSNorm, Weights, apply_rope, linear_factory
+from rtpcore.layers import Linear
+from rtpcore.parallel_layers import row_parallel
 
 __all__ = ["MLAttention", "StepTensors"]
 
 
 class StepTensors(NamedTuple):
-    """Per-step tensors every layer shares, computed once per forward."""
+    """Per-step values every layer shares, computed once per forward."""
 
     cos: torch.Tensor  # (T, 1, R/2)
     sin: torch.Tensor  # (T, 1, R/2)
-    decode_mask: torch.Tensor | None  # (B, 1, L) True past each context; None unless decoding
+    max_len: int  # L: the longest context after this step
+    decode: bool  # one new token per sequence
+    decode_mask: torch.Tensor | None  # (B, 1, L) True past each context; None when nothing is masked
 
 
 class MLAttention(nn.Module):
@@ -55,7 +63,6 @@ class MLAttention(nn.Module):
     ):
         super().__init__()
         self.cfg = cfg
-        self.parallel = parallel
         h, dn, dv, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         kv_b = w[f"{prefix}.kv_b_proj.weight"]  # (H*(dn+dv), r)
         if kv_b.shape != (h * (dn + dv), r):
@@ -64,23 +71,26 @@ class MLAttention(nn.Module):
                 f"num_attention_heads={h} needs {(h * (dn + dv), r)} (a sharded config needs sharded weights)"
             )
 
-        def bias(*names: str) -> nn.Parameter | None:  # attention_bias: these projections have one
+        make = linear_factory(dtype, device)
+
+        def bias(*names: str) -> torch.Tensor | None:  # attention_bias: these projections have one
             if not cfg.attention_bias:
                 return None
-            return frozen(torch.cat([w[f"{prefix}.{n}.bias"] for n in names]), dtype, device)
+            return torch.cat([w[f"{prefix}.{n}.bias"] for n in names])
 
         kv_a = w[f"{prefix}.kv_a_proj_with_mqa.weight"]  # (r+R, D)
+        self.q_proj: Linear | None = None
+        self.q_b: Linear | None = None
         if cfg.q_lora_rank is None:
-            self.q_proj = frozen(w[f"{prefix}.q_proj.weight"], dtype, device)  # (H*dq, D)
-            self.qkv_a = frozen(kv_a, dtype, device)  # (r+R, D)
-            self.qkv_a_bias = bias("kv_a_proj_with_mqa")
+            self.q_proj = make(w[f"{prefix}.q_proj.weight"])  # D -> H*dq
+            self.qkv_a = make(kv_a, bias("kv_a_proj_with_mqa"))  # D -> r+R
         else:
             # q_a_proj and kv_a_proj_with_mqa read the same input: one fused matmul.
-            self.qkv_a = frozen(torch.cat((w[f"{prefix}.q_a_proj.weight"], kv_a)), dtype, device)  # (q_lora+r+R, D)
-            self.qkv_a_bias = bias("q_a_proj", "kv_a_proj_with_mqa")
+            qkv_a = torch.cat((w[f"{prefix}.q_a_proj.weight"], kv_a))  # (q_lora+r+R, D)
+            self.qkv_a = make(qkv_a, bias("q_a_proj", "kv_a_proj_with_mqa"))
             q_norm = w[f"{prefix}.q_a_layernorm.weight"].to(device=device, dtype=dtype)
             self.q_a_norm = RMSNorm(q_norm, 1e-6)  # transformers uses the default eps here
-            self.q_b = frozen(w[f"{prefix}.q_b_proj.weight"], dtype, device)  # (H*dq, q_lora)
+            self.q_b = make(w[f"{prefix}.q_b_proj.weight"])  # q_lora -> H*dq
         kv_norm = w[f"{prefix}.kv_a_layernorm.weight"].to(device=device, dtype=dtype)
         self.kv_norm = RMSNorm(kv_norm, 1e-6)
         per_head = kv_b.to(device=device, dtype=dtype).view(h, dn + dv, r)
@@ -88,8 +98,8 @@ class MLAttention(nn.Module):
         self.w_uv_t = nn.Parameter(
             per_head[:, dn:, :].transpose(1, 2).contiguous(), requires_grad=False
         )  # (H, r, dv)
-        self.o_proj = frozen(w[f"{prefix}.o_proj.weight"], dtype, device)  # (D, H*dv)
-        self.o_bias = bias("o_proj")
+        # Row-parallel when sharded: this rank's heads' partial sums all-reduced, the bias added once.
+        self.o_proj = row_parallel(make, w[f"{prefix}.o_proj.weight"], bias("o_proj"), parallel)  # H*dv -> D
         self.scale = cfg.softmax_scale
 
     def forward(
@@ -102,30 +112,27 @@ class MLAttention(nn.Module):
         cfg = self.cfg
         t = x.shape[0]
         h, dn, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        lat = F.linear(x, self.qkv_a, self.qkv_a_bias)  # (T, [q_lora] + r + R)
-        if cfg.q_lora_rank is None:
-            q = F.linear(x, self.q_proj)
+        lat = self.qkv_a(x)  # (T, [q_lora] + r + R)
+        if self.q_b is None:
+            assert self.q_proj is not None, "built with q_proj when q_lora_rank is None"
+            q = self.q_proj(x)  # (T, H*dq)
             c_kv, k_pe = lat.split((r, cfg.qk_rope_head_dim), dim=-1)  # (T, r), (T, R)
         else:
             q_lat, c_kv, k_pe = lat.split((cfg.q_lora_rank, r, cfg.qk_rope_head_dim), dim=-1)
-            q = F.linear(self.q_a_norm(q_lat), self.q_b)
+            q = self.q_b(self.q_a_norm(q_lat))  # (T, H*dq)
         q = q.view(t, h, cfg.qk_head_dim)  # (T, H, dq)
         q_nope, q_pe = q.split((dn, cfg.qk_rope_head_dim), dim=-1)  # (T, H, dn), (T, H, R)
         c_kv = self.kv_norm(c_kv)  # (T, r)
         pe = apply_rope(torch.cat((q_pe, k_pe[:, None, :]), 1), step.cos, step.sin, cfg.rope_interleave)
         q_pe, k_pe = pe[:, :h], pe[:, h]  # (T, H, R), (T, R): one rotation for queries and key
         cache.write(batch.slots, c_kv, k_pe)
-        ckv_all, kpe_all = cache.read(batch.block_tables, batch.max_context_len)  # (B, L, r), (B, L, R)
-        ckv_all, kpe_all = ckv_all.to(x.dtype), kpe_all.to(x.dtype)
-        if batch.is_decode:
-            assert step.decode_mask is not None, "the model builds the mask for decode steps"
+        ckv_all, kpe_all = cache.read(batch.block_tables, step.max_len)  # (B, L, r), (B, L, R)
+        if step.decode:
             out = self._decode(q_nope, q_pe, ckv_all, kpe_all, step.decode_mask)  # (B, H*dv)
         else:
+            ckv_all, kpe_all = ckv_all.to(x.dtype), kpe_all.to(x.dtype)
             out = self._prefill(q_nope, q_pe, ckv_all, kpe_all, batch)  # (T, H*dv)
-        if self.parallel is None:
-            return F.linear(out, self.o_proj, self.o_bias)  # (T, D)
-        y = self.parallel.all_reduce(F.linear(out, self.o_proj))  # (T, D): partial sums over head groups
-        return y if self.o_bias is None else y + self.o_bias
+        return self.o_proj(out)  # (T, D), all-reduced when sharded
 
     def _decode(
         self,
@@ -133,16 +140,24 @@ class MLAttention(nn.Module):
         q_pe: torch.Tensor,  # (B, H, R)
         ckv: torch.Tensor,  # (B, L, r)
         kpe: torch.Tensor,  # (B, L, R)
-        masked: torch.Tensor,  # (B, 1, L) True past each sequence's context
+        masked: torch.Tensor | None,  # (B, 1, L) True past each sequence's context, or None
     ) -> torch.Tensor:
         b, h = q_nope.shape[:2]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # (B, H, r): W_UK absorbed
-        q_full = torch.cat((q_lat, q_pe), dim=-1)  # (B, H, r+R)
-        k_full = torch.cat((ckv, kpe), dim=-1)  # (B, L, r+R)
-        scores = torch.bmm(q_full, k_full.transpose(1, 2)) * self.scale  # (B, H, L)
-        scores = scores.masked_fill(masked, float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(ckv.dtype)  # (B, H, L)
-        o_lat = torch.bmm(probs, ckv)  # (B, H, r)
+        # The attention core runs in float32 whatever the model dtype: more exact, and in
+        # bf16 faster too (oneDNN would build new bf16 kernels for every new length L).
+        ckv, kpe = ckv.float(), kpe.float()  # (B, L, r), (B, L, R); no copies in float32
+        scores = torch.baddbmm(  # (B, H, L): scale * (q_lat . c_kv + q_pe . k_pe), no concatenation
+            torch.bmm(q_pe.float(), kpe.transpose(1, 2)),
+            q_lat.float(),
+            ckv.transpose(1, 2),
+            beta=self.scale,
+            alpha=self.scale,
+        )
+        if masked is not None:
+            scores = scores.masked_fill(masked, float("-inf"))
+        probs = scores.softmax(dim=-1)  # (B, H, L) float32
+        o_lat = torch.bmm(probs, ckv).to(q_nope.dtype)  # (B, H, r)
         o = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t)  # (H, B, dv): W_UV absorbed
         return o.transpose(0, 1).reshape(b, h * self.cfg.v_head_dim)  # (B, H*dv)
 

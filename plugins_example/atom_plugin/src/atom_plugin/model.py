@@ -21,8 +21,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_plugin.config import DeepseekConfig
-from atom_plugin.layers import MLP, MoE, RMSNorm, Weights, frozen, rope_cos_sin, rope_inv_freq
+from atom_plugin.layers import (
+    MLP,
+    MoE,
+    RMSNorm,
+    RopeTables,
+    Weights,
+    frozen,
+    linear_factory,
+    rope_inv_freq,
+)
 from atom_plugin.mla import MLAttention, StepTensors
+from rtpcore.parallel_layers import GatherColumns
 
 __all__ = ["DecoderLayer", "DeepseekModel"]
 
@@ -59,8 +69,6 @@ class DecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     """DeepSeek-V3 (or V2) for causal LM, built from checkpoint tensors named as in transformers."""
 
-    inv_freq: torch.Tensor  # (R/2,) rope inverse frequencies, a buffer
-
     def __init__(
         self,
         cfg: DeepseekConfig,
@@ -81,12 +89,12 @@ class DeepseekModel(nn.Module):
         )
         self.norm = RMSNorm(weights["model.norm.weight"].to(device=device, dtype=dtype), cfg.rms_norm_eps)
         head = weights["model.embed_tokens.weight"] if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = frozen(head, dtype, device)  # (V, D), or (V/N, D): this rank's vocabulary block
-        # A vocabulary-split head gathers the ranks' logits; a replicated one needs nothing.
-        self.gather_logits = parallel if parallel is not None and head.shape[0] != cfg.vocab_size else None
-        self.register_buffer(
-            "inv_freq", rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim).to(device), persistent=False
-        )  # (R/2,)
+        # D -> V, or D -> V/N (this rank's vocabulary block, whose logits the ranks gather)
+        lm_head = linear_factory(dtype, device)(head)
+        split = parallel is not None and head.shape[0] != cfg.vocab_size
+        self.lm_head: nn.Module = GatherColumns(lm_head, parallel) if split else lm_head
+        inv_freq = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim).to(device)  # (R/2,)
+        self.rope = RopeTables(inv_freq, cfg.rope.attention_factor, dtype)
 
     def forward(self, batch: Any, kv_caches: Sequence[Any]) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
@@ -94,16 +102,14 @@ class DeepseekModel(nn.Module):
                 f"got {len(kv_caches)} KV caches for a model with {len(self.layers)} layers"
             )
         x = F.embedding(batch.input_ids, self.embed)  # (T, D)
-        cos, sin = rope_cos_sin(batch.positions, self.inv_freq, self.cfg.rope.attention_factor, self.dtype)
+        max_len, decode = batch.max_context_len, batch.is_decode
+        cos, sin = self.rope(batch.positions, max_len)  # (T, 1, R/2) each
         mask = None
-        if batch.is_decode:
-            pos = torch.arange(batch.max_context_len, device=x.device)  # (L,)
+        if decode and batch.num_seqs > 1:  # one sequence fills the whole context: nothing to mask
+            pos = torch.arange(max_len, device=x.device)  # (L,)
             mask = (pos[None, :] >= batch.context_lens[:, None])[:, None, :]  # (B, 1, L)
-        step = StepTensors(cos, sin, mask)
+        step = StepTensors(cos, sin, max_len, decode, mask)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, step, batch, cache)  # (T, D)
-        last = x if batch.is_decode else x[batch.last_token_index]  # (B, D)
-        logits = F.linear(self.norm(last), self.lm_head)  # (B, V) or (B, V/N)
-        if self.gather_logits is not None:
-            logits = self.gather_logits.all_gather(logits, dim=-1)  # (B, V), rank order
-        return logits.float()  # (B, V)
+        last = x if decode else x[batch.last_token_index]  # (B, D)
+        return self.lm_head(self.norm(last)).float()  # (B, V), gathered in rank order when split
