@@ -153,3 +153,34 @@ def test_demo_of_a_plugin_without_demo_config_is_a_clear_error(
     code, _, err = run(capsys, "--external-model-packages", "rtpcore_test_nodemo", "--demo", "nodemo", "--prompt", "x")
     assert code == 1
     assert "model type 'nodemo'" in err and "no demo_config()" in err
+
+
+def test_a_foreign_exception_from_a_plugin_is_one_line_naming_its_type(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An exception that is not rtpcore's (a plugin's build_model raising RuntimeError) exits 1
+    with one `rtpcore: error:` line naming its type, and --debug shows the traceback instead."""
+    (tmp_path / "rtpcore_test_boom.py").write_text(
+        "from rtpcore import hookimpl\n"
+        "from rtpcore.models.llama import LlamaPlugin\n\n"
+        "class Boom(LlamaPlugin):\n"
+        "    model_type = 'boom'\n"
+        "    architectures = ('BoomForCausalLM',)\n\n"
+        "    @classmethod\n"
+        "    def build_model(cls, config, weights, **options):\n"
+        "        raise RuntimeError('kernel library missing')\n\n"
+        "@hookimpl\n"
+        "def rtpcore_register_models(registry):\n"
+        "    registry.register(Boom)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ("--external-model-packages", "rtpcore_test_boom", "--demo", "boom", "--prompt-ids", "1")
+    code, out, err = run(capsys, *argv)
+    assert code == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert lines[-1] == (
+        "rtpcore: error: RuntimeError: kernel library missing (run with --debug for the traceback)"
+    )
+    assert "Traceback" not in err
+    with pytest.raises(RuntimeError, match="kernel library missing"):
+        main(["--debug", "generate", *argv])

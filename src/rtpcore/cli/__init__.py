@@ -43,13 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a real import error inside the command module
-                raise
-            continue  # command not built yet
-        module.add_parser(sub)
+        importlib.import_module(name).add_parser(sub)
     return parser
 
 
@@ -89,13 +83,17 @@ def _main(argv: Sequence[str] | None) -> int:
         return int(args.func(args) or 0)
     except AllowlistError as exc:
         parser.exit(2, f"rtpcore: error: {exc}\n")
-    except (RtpcoreError, OSError, ValueError) as exc:
-        if args.debug:
-            raise
-        print(f"rtpcore: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if args.debug:
+            raise
+        if isinstance(exc, RtpcoreError | OSError | ValueError):
+            message = str(exc)
+        else:  # not ours to explain: say what it is and how to see where it came from
+            message = f"{type(exc).__name__}: {exc} (run with --debug for the traceback)"
+        print(f"rtpcore: error: {message}", file=sys.stderr)
+        return 1
     return 0
 
 
