@@ -42,6 +42,7 @@ from rtpcore.checkpoint_index import (
     build_index,
 )
 from rtpcore.checkpoint_patterns import PatternTable, WeightSelection
+from rtpcore.checkpoint_quant import Fp8BlockQuantization
 from rtpcore.errors import CheckpointError, MissingTensorsError
 
 if TYPE_CHECKING:
@@ -306,6 +307,7 @@ def load_checkpoint(
     slices: Mapping[str, tuple[int, int, int]] | None = None,
     lazy: bool = False,
     dtypes: Mapping[str, Any] | None = None,
+    quantization: Fp8BlockQuantization | None = None,
 ) -> LoadedWeights:
     """Load the tensors matching ``patterns`` from the checkpoint at ``path``.
 
@@ -316,6 +318,9 @@ def load_checkpoint(
     ``(dim, start, stop)``: only that part of the tensor is read (tensor parallel).
     ``dtypes`` maps a pattern to the dtype its tensors get instead of ``dtype``
     (e.g. a MoE router kept in float32 in a bfloat16 model).
+    ``quantization`` (``Fp8BlockQuantization.from_hf(hf_config)``): fp8 tensors
+    with ``_scale_inv`` companions are read with their scales and returned
+    dequantized in their dtype (see ``checkpoint_quant``); scales are not returned.
 
     Tensors own their memory: whole tensors are read with plain positioned reads
     (headers are validated first), slices through ``safe_open``'s ``get_slice``;
@@ -331,7 +336,15 @@ def load_checkpoint(
     selection = WeightSelection.from_patterns(patterns, ranges)
     torch_dtype = _resolve_dtype(dtype)
     index = build_index(path)
+    scaled = None
+    if quantization is not None:
+        scaled = quantization.select(selection, index.weight_map, slices)
+        selection = scaled.selection
+        slices = {**(slices or {}), **scaled.scale_slices()}
+        dtypes = {**(dtypes or {}), **scaled.scale_dtypes()}
     plan, headers = _plan(index, selection)
+    if scaled is not None:
+        scaled.check({info.name: info for _, infos in plan.values() for info in infos})
     _check_shapes(plan, PatternTable(expected_shapes))
     slice_lookup = PatternTable(slices)
     dtype_lookup = PatternTable(
@@ -348,6 +361,8 @@ def load_checkpoint(
         )
         weights.update(tensors)
         tensor_bytes += nbytes
+        if scaled is not None:  # as soon as both halves are in: fp8 copies do not pile up
+            scaled.dequantize(weights, lambda name: dtype_lookup.get(name) or torch_dtype)
     weights.stats = LoadStats(
         shards_total=len(index.files),
         files_opened=tuple(f.name for f in plan),

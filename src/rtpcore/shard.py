@@ -44,6 +44,7 @@ class EngineShard:
 
     def __init__(self, ctx: ParallelContext, config: Any):
         from rtpcore.checkpoint import load_checkpoint, read_hf_config
+        from rtpcore.checkpoint_quant import Fp8BlockQuantization
         from rtpcore.kv_cache import kv_cache_specs
         from rtpcore.loading import load_plugins
 
@@ -54,6 +55,8 @@ class EngineShard:
         self.model_type = config.model_type or registry.infer_model_type(self.hf_config)
         plugin = registry.get(self.model_type)
         self.model_config = plugin.config_from_hf(self.hf_config)  # the whole model's config
+        # fp8 block-quantized weights are dequantized at load, for every model
+        quantization = Fp8BlockQuantization.from_hf(self.hf_config)
         self.local_config, slices = _shard(plugin, self.model_type, self.model_config, ctx)
         # Before the weights: a bad layout fails fast.
         self.kv_cache_specs = kv_cache_specs(
@@ -73,6 +76,7 @@ class EngineShard:
             expected_shapes=plugin.weight_shapes(self.model_config),
             slices=slices,
             dtypes=plugin.weight_dtypes(self.model_config),
+            quantization=quantization,
         )
         self.bytes_read = weights.stats.tensor_bytes_read
         options: dict[str, Any] = {"dtype": config.torch_dtype, "device": ctx.device}
