@@ -13,6 +13,7 @@ __all__ = [
     "AllowlistError",
     "CheckpointError",
     "CollectiveError",
+    "ConfigFieldError",
     "KVCacheCapacityError",
     "KVCacheSpecError",
     "MissingTensorsError",
@@ -142,6 +143,22 @@ class CheckpointError(RtpcoreError):
     def __init__(self, message: str, *, path: object = None):
         super().__init__(message)
         self.path = path
+
+
+class ConfigFieldError(CheckpointError, ValueError):
+    """A field of ``config.json`` (or ``generation_config.json``) is null, of the wrong
+    type, out of range, or breaks a rule the model relies on.
+
+    ``.file`` names the file, ``.field`` the field (``"rope_scaling.factor"`` for a
+    nested one) and ``.value`` the value found (None when the field is missing).
+    ``rtpcore.config_fields`` raises it.
+    """
+
+    def __init__(self, message: str, *, file: str = "config.json", field: str = "", value: object = None):
+        super().__init__(message, path=file)
+        self.file = file
+        self.field = field
+        self.value = value
 
 
 class MissingTensorsError(CheckpointError):

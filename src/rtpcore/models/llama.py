@@ -20,10 +20,13 @@ from typing import Any
 
 import attrs
 
-from rtpcore.errors import CheckpointError
+from rtpcore import config_fields as cf
+from rtpcore.errors import ConfigFieldError
 from rtpcore.plugin import ModelPlugin
 
 __all__ = ["LlamaConfig", "LlamaPlugin"]
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @attrs.frozen
@@ -50,40 +53,47 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
-        act = hf.get("hidden_act", "silu")
+        """Read and validate ``config.json``: a bad field is a ``ConfigFieldError`` naming it."""
+        act = cf.optional_str(hf, "hidden_act", "silu")
         if act != "silu":
-            raise CheckpointError(f"config.json hidden_act {act!r} is not supported by the Llama family; supported: 'silu'")
-        heads = int(hf["num_attention_heads"])
-        layers = int(hf["num_hidden_layers"])
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise CheckpointError(f"config.json rope type {rope_type!r} is not supported by the Llama family; supported: 'default', 'llama3'")
-        rope["rope_type"] = rope_type
-        rope.pop("type", None)
-        is_qwen2 = hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in hf.get("architectures", ())
-        bias = bool(hf.get("attention_bias", False))
-        eos = hf.get("eos_token_id")
-        eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
+            raise ConfigFieldError(
+                f"config.json hidden_act {act!r} is not supported by the Llama family; supported: 'silu'",
+                field="hidden_act",
+                value=act,
+            )
+        layers = cf.require_int(hf, "num_hidden_layers")
+        hidden = cf.require_int(hf, "hidden_size")
+        heads = cf.require_int(hf, "num_attention_heads")
+        kv_heads = cf.optional_int(hf, "num_key_value_heads", heads, null_ok=True)
+        cf.check_divisible("num_attention_heads", heads, "num_key_value_heads", kv_heads)
+        head_dim = cf.optional_int(hf, "head_dim", None, null_ok=True)
+        if head_dim is None:  # derived, as transformers does
+            cf.check_divisible("hidden_size", hidden, "num_attention_heads", heads)
+            head_dim = hidden // heads
+        if head_dim % 2:
+            raise cf.config_error("head_dim", head_dim, "must be even (rotary embeddings rotate pairs)")
+        theta, rope = _rope(hf)
+        archs = cf.optional_str_list(hf, "architectures") or ()
+        is_qwen2 = hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs
+        bias = cf.optional_bool(hf, "attention_bias", False)
         return cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]),
-            intermediate_size=int(hf["intermediate_size"]),
+            vocab_size=cf.require_int(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=cf.require_int(hf, "intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cf.optional_float(hf, "rms_norm_eps", 1e-6, positive=True),
+            max_position_embeddings=cf.optional_int(hf, "max_position_embeddings", 2048),
             rope_theta=theta,
             rope_scaling=tuple(sorted(rope.items())),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=cf.optional_bool(hf, "tie_word_embeddings", False),
             qkv_bias=bias or is_qwen2,
             o_bias=bias and not is_qwen2,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
+            mlp_bias=cf.optional_bool(hf, "mlp_bias", False),
             sliding_windows=_sliding_windows(hf, layers),
-            eos_token_ids=eos_ids,
+            eos_token_ids=cf.token_ids(hf, "eos_token_id"),
         )
 
     @property
@@ -95,18 +105,52 @@ class LlamaConfig:
         return self.num_key_value_heads * self.head_dim
 
 
+def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any]]:
+    """``rope_theta`` and the rope dict (``rope_parameters``, or ``rope_scaling``) minus theta,
+    with ``rope_type`` set and the ``llama3`` fields validated."""
+    key = "rope_scaling" if hf.get("rope_parameters") in (None, {}) else "rope_parameters"
+    rope = dict(cf.optional_mapping(hf, key))
+    theta = cf.optional_float(rope, "rope_theta", None, positive=True, section=key)
+    rope.pop("rope_theta", None)
+    if theta is None:
+        theta = cf.optional_float(hf, "rope_theta", 10000.0, positive=True)
+    legacy = cf.optional_str(rope, "type", "default", section=key)
+    rope_type = cf.optional_str(rope, "rope_type", legacy, section=key)
+    if rope_type not in ("default", "llama3"):
+        raise ConfigFieldError(
+            f"config.json rope type {rope_type!r} is not supported by the Llama family; "
+            "supported: 'default', 'llama3'",
+            field=f"{key}.rope_type",
+            value=rope_type,
+        )
+    rope["rope_type"] = rope_type
+    rope.pop("type", None)
+    if rope_type == "llama3":
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            rope[name] = cf.require_float(rope, name, positive=True, section=key)
+        if rope["high_freq_factor"] <= rope["low_freq_factor"]:
+            rule = f"must be greater than low_freq_factor={rope['low_freq_factor']!r}"
+            raise cf.config_error("high_freq_factor", rope["high_freq_factor"], rule, section=key)
+        rope["original_max_position_embeddings"] = cf.require_int(
+            rope, "original_max_position_embeddings", section=key
+        )
+    return theta, rope
+
+
 def _sliding_windows(hf: Mapping[str, Any], layers: int) -> tuple[int | None, ...]:
     """Per-layer sliding window, following Mistral (all layers) and Qwen2 (``layer_types``)."""
-    window = hf.get("sliding_window")
-    types = hf.get("layer_types")
+    window = cf.optional_int(hf, "sliding_window", None, null_ok=True)
     if window is None:
         return (None,) * layers
+    types = cf.optional_str_list(hf, "layer_types", length=layers, choices=_LAYER_TYPES)
     if types is not None:
-        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+        return tuple(window if t == "sliding_attention" else None for t in types)
     if "use_sliding_window" in hf:  # Qwen2 without layer_types
-        first = int(hf.get("max_window_layers", layers)) if hf["use_sliding_window"] else layers
-        return tuple(int(window) if i >= first else None for i in range(layers))
-    return (int(window),) * layers  # Mistral
+        first = layers
+        if cf.optional_bool(hf, "use_sliding_window", False):
+            first = cf.optional_int(hf, "max_window_layers", layers, minimum=0)
+        return tuple(window if i >= first else None for i in range(layers))
+    return (window,) * layers  # Mistral
 
 
 class LlamaPlugin(ModelPlugin):
@@ -117,10 +161,7 @@ class LlamaPlugin(ModelPlugin):
 
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any]) -> LlamaConfig:
-        try:
-            return LlamaConfig.from_hf(hf_config)
-        except KeyError as exc:
-            raise CheckpointError(f"config.json lacks {exc.args[0]!r}, required by {cls.__qualname__}") from None
+        return LlamaConfig.from_hf(hf_config)
 
     @classmethod
     def weight_patterns(cls, config: LlamaConfig) -> list[str]:
