@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -180,13 +181,38 @@ def fail_on_follower(ctx: ParallelContext, spec: Any) -> Toy:
     return Toy(ctx, spec)
 
 
-def collective_follower(port: int) -> None:
+def collective_follower(port: int, secret: bytes) -> None:
     """Rank 1 of a 2-rank group built with rtpcore.distributed alone; sends rank 0 what it saw."""
     from rtpcore.distributed import connect_store, init_parallel
 
-    ctx = init_parallel(connect_store("127.0.0.1", port, 2), 1, 2, device="cpu")
+    ctx = init_parallel(connect_store("127.0.0.1", port, 2, secret=secret), 1, 2, device="cpu")
     ctx.gather_objects(collectives(ctx))
     ctx.destroy()
+
+
+def refusing_follower(port: int, secret: bytes, out: str) -> None:
+    """Rank 1 of a 2-rank group: waits for one broadcast object and writes to ``out``
+    what happened (the object's repr, or the error that refused it)."""
+    from rtpcore.distributed import connect_store, init_parallel
+    from rtpcore.errors import CollectiveError
+
+    ctx = init_parallel(connect_store("127.0.0.1", port, 2, secret=secret), 1, 2, device="cpu")
+    try:
+        seen = repr(ctx.broadcast_object())
+    except CollectiveError as exc:
+        seen = f"CollectiveError(op={exc.op!r}, rank={exc.rank}): {exc}"
+    Path(out).write_text(seen)
+    ctx.destroy()
+
+
+class Booby:
+    """Unpickling this creates the file ``marker`` (what a forged message would run)."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
 
 
 def collectives(ctx: ParallelContext) -> dict[str, Any]:

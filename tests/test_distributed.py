@@ -35,7 +35,7 @@ def test_single_rank_collectives_are_no_ops_returning_the_input():
 def test_two_spawned_ranks_reduce_gather_and_broadcast():
     store = local_store(2)
     child = multiprocessing.get_context("spawn").Process(
-        target=collective_follower, args=(store.port,)
+        target=collective_follower, args=(store.port, store.secret)
     )
     child.start()
     try:

@@ -7,10 +7,20 @@ serves every tensor-parallel size.
 
 Rendezvous goes through a ``torch.distributed.TCPStore``, either
 
-* hosted by the coordinating process on ``127.0.0.1`` at a port the kernel
-  picks (:func:`local_store`, for workers it spawns itself), or
+* hosted by the coordinating process on ``127.0.0.1`` (listening on loopback
+  only) at a port the kernel picks (:func:`local_store`, for workers it spawns
+  itself), or
 * at ``MASTER_ADDR:MASTER_PORT`` with ``RANK`` and ``WORLD_SIZE`` from the
   environment, as ``torchrun`` sets them (:func:`env_store`, ``env://``).
+
+Either way the store comes as a :class:`Rendezvous`, which pairs it with the
+engine's secret (``rtpcore.sealing``): a fresh one for spawned ranks, handed to
+them in their start arguments; for ``env://`` the file named by
+``RTPCORE_SECRET_FILE``, without which ``MASTER_ADDR`` must be a loopback
+address. Every object a context sends (``broadcast_object``, ``gather_objects``)
+and every failure report in the store is sealed with it and checked before it
+is unpickled; a message with a bad tag is a CollectiveError and is never
+unpickled.
 
 :func:`init_parallel` then builds this rank's process groups on that store, held
 privately by the context (the torch.distributed default group is never used, so
@@ -29,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -40,11 +50,13 @@ import torch.distributed as dist
 from attrs import field, frozen
 
 from rtpcore.errors import CollectiveError, RtpcoreError
+from rtpcore.sealing import BadSeal, env_secret, is_loopback, new_secret, seal_object, unseal_object
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "IDLE_TIMEOUT",
     "ParallelContext",
+    "Rendezvous",
     "connect_store",
     "env_store",
     "env_world_size",
@@ -64,13 +76,55 @@ _GATHER_SUM_LIMIT = 1 << 20  # elements received per rank below which gloo all_r
 _HEADER_BYTES = 8192  # broadcast_object: messages up to this size (less 8) take one broadcast
 
 
+@frozen(eq=False)
+class Rendezvous:
+    """The rendezvous store of one engine's ranks, and the engine's secret.
+
+    ``store`` is the ``torch.distributed`` store; ``secret`` seals every object
+    put there with :meth:`put_object` and checks it in :meth:`get_object`.
+    """
+
+    store: Any
+    secret: bytes = field(repr=False)
+
+    @property
+    def port(self) -> int:
+        return int(self.store.port)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.store.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.store.add(key, amount))
+
+    def set_flag(self, key: str) -> None:
+        """Set ``key`` to a fixed value nobody unpickles (a presence flag)."""
+        self.store.set(key, b"1")
+
+    def put_object(self, key: str, obj: Any) -> None:
+        """Store ``obj`` pickled and sealed (the key is part of the seal)."""
+        self.store.set(key, seal_object(self.secret, key, obj))
+
+    def get_object(self, key: str) -> Any:
+        """The object stored at ``key``; raises sealing.BadSeal, unpickling nothing,
+        when it was not put there by a holder of this engine's secret."""
+        return unseal_object(self.secret, key, self.store.get(key))
+
+
 class _Groups:
     """The process groups of one context; mutable so the context can be frozen."""
 
     def __init__(
-        self, store: Any, cpu: Any, compute: Any, timeout: timedelta, idle_timeout: timedelta
+        self,
+        store: Rendezvous,
+        cpu: Any,
+        compute: Any,
+        timeout: timedelta,
+        idle_timeout: timedelta,
     ):
-        self.store = store
+        self.store: Rendezvous | None = store
+        self.secret = store.secret
+        self.messages = 0  # object collectives so far: identical on every rank
         self.cpu = cpu  # gloo: control messages, acknowledgements, CPU tensors
         self.compute = compute  # the tensor collectives: ``cpu`` or an nccl group
         self.timeout = timeout
@@ -105,7 +159,7 @@ class ParallelContext:
         return self.rank == 0
 
     @property
-    def store(self) -> Any:
+    def store(self) -> Rendezvous | None:
         return None if self.groups is None else self.groups.store
 
     @contextmanager
@@ -124,6 +178,24 @@ class ParallelContext:
         if self.groups is None or not self.groups.alive:
             raise RtpcoreError(f"the process group of rank {self.rank} is closed")
         return self.groups
+
+    def _next_label(self, groups: _Groups, op: str) -> str:
+        """The seal label of this object collective: the op and its sequence number, so
+        a message from another engine, or replayed from earlier, does not verify."""
+        groups.messages += 1
+        return f"rtpcore/{op}/{groups.messages}"
+
+    def _unseal(self, groups: _Groups, op: str, label: str, data: bytes, sender: int) -> Any:
+        try:
+            return unseal_object(groups.secret, label, data)
+        except BadSeal:
+            raise CollectiveError(
+                f"{op} on rank {self.rank} of {self.world_size}: the message from rank "
+                f"{sender} failed authentication (not sealed with this engine's secret); "
+                "it was not unpickled",
+                rank=self.rank,
+                op=op,
+            ) from None
 
     # -- tensor collectives (the model's side) ---------------------------------
 
@@ -180,10 +252,11 @@ class ParallelContext:
         if self.world_size == 1:
             return obj
         groups = self._live()
+        label = self._next_label(groups, "broadcast_object")
         header = torch.zeros(_HEADER_BYTES, dtype=torch.uint8)
         data = b""
         if self.rank == 0:
-            data = pickle.dumps(obj)
+            data = seal_object(groups.secret, label, obj)
             header[:8].view(torch.int64)[0] = len(data)
             if len(data) <= _HEADER_BYTES - 8:
                 header[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -199,18 +272,22 @@ class ParallelContext:
             return obj
         size = int(header[:8].view(torch.int64)[0])
         if size <= _HEADER_BYTES - 8:
-            return pickle.loads(header[8 : 8 + size].numpy().tobytes())
-        body = torch.empty(size, dtype=torch.uint8)
-        with self._failing("broadcast_object"):
-            groups.cpu.broadcast(body, 0, groups.timeout).wait()
-        return pickle.loads(body.numpy().tobytes())
+            data = header[8 : 8 + size].numpy().tobytes()
+        else:
+            body = torch.empty(size, dtype=torch.uint8)
+            with self._failing("broadcast_object"):
+                groups.cpu.broadcast(body, 0, groups.timeout).wait()
+            data = body.numpy().tobytes()
+        return self._unseal(groups, "broadcast_object", label, data, 0)
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` in rank order on rank 0 (None elsewhere); bounded timeout."""
         if self.world_size == 1:
             return [obj]
         groups = self._live()
-        payload = _to_bytes(obj)
+        label = self._next_label(groups, "gather_objects")
+        sealed = seal_object(groups.secret, f"{label}/{self.rank}", obj)
+        payload = torch.frombuffer(bytearray(sealed), dtype=torch.uint8)
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
         mine = torch.tensor([payload.numel()], dtype=torch.int64)
         with self._failing("gather_objects"):
@@ -224,8 +301,10 @@ class ParallelContext:
         if self.rank != 0:
             return None
         return [
-            pickle.loads(p[: int(s[0])].numpy().tobytes())
-            for p, s in zip(parts, sizes, strict=True)
+            self._unseal(
+                groups, "gather_objects", f"{label}/{r}", p[: int(s[0])].numpy().tobytes(), r
+            )
+            for r, (p, s) in enumerate(zip(parts, sizes, strict=True))
         ]
 
     def barrier(self) -> None:
@@ -250,25 +329,53 @@ class ParallelContext:
         groups.compute = groups.cpu = groups.store = None
 
 
-def _to_bytes(obj: Any) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-
-def local_store(world_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> Any:
-    """A TCPStore hosted by this process on 127.0.0.1 at a free port (``store.port``).
-
-    It does not wait for the other ranks: the caller watches them start.
-    """
+def _hosted_store(
+    host: str, port: int, world_size: int, timeout: timedelta, *, wait_for_workers: bool
+) -> Any:
+    """A TCPStore hosted by this process that listens on ``host`` only (TCPStore on
+    its own listens on every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
     return dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        host,
+        port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=wait_for_workers,
+        master_listen_fd=sock.detach(),  # the store owns the socket from here on
     )
 
 
+def local_store(world_size: int, timeout: timedelta = DEFAULT_TIMEOUT) -> Rendezvous:
+    """A TCPStore hosted by this process on 127.0.0.1 (loopback only) at a free port
+    (``.port``), with a fresh engine secret (``.secret``) for the ranks it spawns.
+
+    It does not wait for the other ranks: the caller watches them start.
+    """
+    store = _hosted_store("127.0.0.1", 0, world_size, timeout, wait_for_workers=False)
+    return Rendezvous(store, new_secret())
+
+
 def connect_store(
-    host: str, port: int, world_size: int, timeout: timedelta = DEFAULT_TIMEOUT
-) -> Any:
-    """A client of the TCPStore at ``host:port``."""
-    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    host: str,
+    port: int,
+    world_size: int,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    *,
+    secret: bytes,
+) -> Rendezvous:
+    """A client of the TCPStore at ``host:port``, for the engine whose secret is ``secret``."""
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    return Rendezvous(store, secret)
 
 
 def env_world_size() -> int | None:
@@ -282,10 +389,14 @@ def env_world_size() -> int | None:
     return int(size)
 
 
-def env_store(timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Any, int, int]:
+def env_store(timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Rendezvous, int, int]:
     """``env://`` rendezvous: ``(store, rank, world_size)`` from MASTER_ADDR, MASTER_PORT,
     RANK and WORLD_SIZE, as ``torchrun`` sets them. Rank 0 hosts the store (or the
     torchrun agent does) and waits, up to ``timeout``, for every rank to connect.
+
+    The secret comes from the file named by ``RTPCORE_SECRET_FILE``; without it,
+    MASTER_ADDR must be a loopback address (RtpcoreError otherwise) and rank 0's
+    store listens on that address only (see ``rtpcore.sealing``).
     """
     values = {}
     for name in _ENV_VARS:
@@ -304,12 +415,25 @@ def env_store(timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Any, int, int]:
         raise RtpcoreError(
             f"RANK={rank} must be below WORLD_SIZE={world_size} (and WORLD_SIZE >= 1)"
         )
+    secret = env_secret(values["MASTER_ADDR"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    if rank == 0 and not agent_store and is_loopback(values["MASTER_ADDR"]):
+        host = values["MASTER_ADDR"]
+        host = host if host != "localhost" else "127.0.0.1"
+        port = int(values["MASTER_PORT"])
+        try:
+            store = _hosted_store(host, port, world_size, timeout, wait_for_workers=True)
+        except OSError as exc:
+            raise RtpcoreError(
+                f"rank 0 cannot listen on MASTER_ADDR:MASTER_PORT={host}:{port}: {exc.strerror}"
+            ) from exc
+        return Rendezvous(store, secret), rank, world_size
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    return store, rank, world_size
+    return Rendezvous(store, secret), rank, world_size
 
 
 def init_parallel(
-    store: Any,
+    store: Rendezvous,
     rank: int,
     world_size: int,
     *,
@@ -318,6 +442,7 @@ def init_parallel(
     idle_timeout: timedelta = IDLE_TIMEOUT,
 ) -> ParallelContext:
     """Join the process groups of ``world_size`` ranks meeting at ``store``; collective.
+    Objects sent through the groups are sealed with ``store.secret``.
 
     ``device``: ``"cpu"`` (gloo everywhere), ``"cuda"`` (every rank must have
     CUDA; tensor collectives use nccl) or None (nccl when every rank has CUDA,
@@ -333,7 +458,7 @@ def init_parallel(
     flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world_size)]
     try:
         cpu: Any = dist.ProcessGroupGloo(
-            dist.PrefixStore("rtpcore/gloo", store), rank, world_size, timeout
+            dist.PrefixStore("rtpcore/gloo", store.store), rank, world_size, timeout
         )
         cpu.allgather([flags], [torch.tensor([int(wants_cuda)], dtype=torch.int32)]).wait(timeout)
     except RuntimeError as exc:  # a peer died or never came
@@ -357,7 +482,7 @@ def init_parallel(
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         compute = dist.ProcessGroupNCCL(
-            dist.PrefixStore("rtpcore/nccl", store), rank, world_size, options
+            dist.PrefixStore("rtpcore/nccl", store.store), rank, world_size, options
         )
         backend = "nccl"
     logger.debug("rank %d/%d joined (%s on %s)", rank, world_size, backend, local_device)

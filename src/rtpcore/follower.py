@@ -6,6 +6,10 @@ rank 0's :class:`Step` messages in lockstep until rank 0 stops it. It writes a
 failure report to the rendezvous store and exits on any exception (see
 ``rtpcore.worker_failures``); a spawned follower also exits when its parent
 process dies. Rank 0's side is ``rtpcore.workers``.
+
+A spawned follower receives the engine's secret in its :class:`StartArgs`,
+over the spawn pipe; every message it receives is checked with it before it is
+unpickled (``rtpcore.sealing``).
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from attrs import frozen
+from attrs import field, frozen
 
-from rtpcore.distributed import ParallelContext, connect_store, init_parallel
+from rtpcore.distributed import ParallelContext, Rendezvous, connect_store, init_parallel
 from rtpcore.worker_failures import report_failure
 
 __all__ = ["Factory", "Step", "execute", "follow", "resolve_factory"]
@@ -61,6 +65,7 @@ class StartArgs:
     timeout: timedelta
     idle_timeout: timedelta
     num_threads: int | None
+    secret: bytes = field(repr=False)
 
 
 def spawned_main(args: StartArgs) -> None:
@@ -68,13 +73,13 @@ def spawned_main(args: StartArgs) -> None:
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
-    store = connect_store("127.0.0.1", args.port, args.world_size, args.timeout)
+    store = connect_store("127.0.0.1", args.port, args.world_size, args.timeout, secret=args.secret)
     build = (args.factory, args.spec, args.plan)
     follow(store, args.rank, args.world_size, build, args.device, args.timeout, args.idle_timeout)
 
 
 def follow(
-    store: Any,
+    store: Rendezvous,
     rank: int,
     world_size: int,
     build: tuple[Factory, Any, Any] | None,
@@ -84,7 +89,7 @@ def follow(
 ) -> None:
     """Build this rank's local object from ``build`` = (factory, spec, plan), received
     from rank 0 when None, then execute rank 0's steps until it stops us."""
-    store.set(JOINED.format(rank), b"1")
+    store.set_flag(JOINED.format(rank))
     try:
         ctx = init_parallel(
             store, rank, world_size, device=device, timeout=timeout, idle_timeout=idle_timeout

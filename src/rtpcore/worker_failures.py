@@ -8,6 +8,11 @@ sockets break rank 0's pending collective at once. Rank 0 then reads the
 reports and raises :class:`~rtpcore.errors.WorkerError` for the first failure
 in time (a sequence number from the store orders them: a rank that fails
 because a peer died reports later than the peer).
+
+Reports are sealed with the engine's secret (``Rendezvous.put_object``) and
+checked before anything in them is unpickled: a report that fails the check
+(written into the store by some other process) becomes a WorkerError saying so,
+and none of its bytes are unpickled.
 """
 
 from __future__ import annotations
@@ -15,10 +20,15 @@ from __future__ import annotations
 import logging
 import pickle
 import signal
+import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rtpcore.errors import WorkerError
+from rtpcore.sealing import BadSeal
+
+if TYPE_CHECKING:
+    from rtpcore.distributed import Rendezvous
 
 __all__ = ["describe_exit", "read_failures", "report_failure"]
 
@@ -35,7 +45,7 @@ class RemoteTraceback(Exception):
         return "\n" + str(self.args[0])
 
 
-def report_failure(store: Any, rank: int, exc: BaseException) -> None:
+def report_failure(store: Rendezvous, rank: int, exc: BaseException) -> None:
     """Store rank's failure for rank 0; never raises (the store may be gone too)."""
     text = "".join(traceback.format_exception(exc))
     blob: bytes | None
@@ -47,16 +57,18 @@ def report_failure(store: Any, rank: int, exc: BaseException) -> None:
     try:
         seq = store.add(_ERROR_SEQ, 1)
         record = (seq, type(exc).__qualname__, str(exc), text, blob)
-        store.set(_ERROR.format(rank), pickle.dumps(record))
+        store.put_object(_ERROR.format(rank), record)
     except Exception as store_exc:  # rank 0 is gone too; our stderr is all that is left
         logger.error("rank %d could not report its failure: %s", rank, store_exc)
 
 
-def read_failures(store: Any, world_size: int) -> list[tuple[int, int, WorkerError]]:
+def read_failures(store: Rendezvous | None, world_size: int) -> list[tuple[int, int, WorkerError]]:
     """``(seq, rank, error)`` for each follower rank that reported a failure.
 
     ``error.__cause__`` is the worker's exception rebuilt here when possible,
     itself caused by a :class:`RemoteTraceback` holding the worker's traceback.
+    A report that fails authentication is a WorkerError saying so, ordered after
+    every authentic one.
     """
     if store is None:
         return []
@@ -65,7 +77,17 @@ def read_failures(store: Any, world_size: int) -> list[tuple[int, int, WorkerErr
         key = _ERROR.format(rank)
         if not store.check([key]):
             continue
-        seq, type_name, message, text, blob = pickle.loads(store.get(key))
+        try:
+            seq, type_name, message, text, blob = store.get_object(key)
+        except BadSeal:
+            forged = WorkerError(
+                f"the failure report of tensor-parallel rank {rank} in the rendezvous store "
+                f"({key!r}) failed authentication: it was not written by a rank of this "
+                "engine, and was not unpickled",
+                rank=rank,
+            )
+            reports.append((sys.maxsize, rank, forged))
+            continue
         error = WorkerError(
             f"tensor-parallel rank {rank} failed: {type_name}: {message}",
             rank=rank,

@@ -20,6 +20,12 @@ they call ``load_plugins(plan)`` (no discovery scan) before building. Under
 rank 0 gets the group and sends the others factory, spec and plan; they serve
 steps until rank 0 closes it (``python -m rtpcore.workers``).
 
+Rank 0 and the followers accept objects only from each other: every message and
+failure report is sealed with a per-engine secret and checked before it is
+unpickled (``rtpcore.sealing``). Spawned followers get the secret over the spawn
+pipe; ``env://`` ranks read the file named by ``RTPCORE_SECRET_FILE`` and,
+without one, meet on a loopback MASTER_ADDR only.
+
 Failures never hang: a follower that raises reports ``(rank, exception,
 traceback)`` through the rendezvous store (``rtpcore.worker_failures``) and exits,
 which breaks rank 0's pending collective at once (a
@@ -144,6 +150,7 @@ class WorkerGroup:
                 timeout,
                 idle_timeout,
                 threads,
+                secret=store.secret,  # travels over the spawn pipe only
             )
             processes[rank] = mp.Process(
                 target=spawned_main, args=(args,), name=f"rtpcore-tp-rank{rank}", daemon=True
@@ -291,10 +298,25 @@ class WorkerGroup:
     # -- failure and shutdown ----------------------------------------------------------
 
     def _fail(self, exc: BaseException) -> Any:
-        """Diagnose ``exc``, tear the group down and raise the right error."""
-        error = self._diagnose(exc)
-        self._broken = error or WorkerError(f"rank 0 failed: {type(exc).__name__}: {exc}", rank=0)
-        self._teardown(graceful=False)
+        """Diagnose ``exc``, tear the group down and raise the right error.
+
+        The teardown runs whatever the diagnosis does: when finding the failing
+        rank fails too (the store is gone, an interrupt), the error says so.
+        """
+        error: WorkerError | None = None
+        try:
+            error = self._diagnose(exc)
+        except Exception as diagnosis:
+            logger.debug("diagnosing %r failed", exc, exc_info=True)
+            error = WorkerError(
+                f"the tensor-parallel group failed ({type(exc).__name__}: {exc}) and finding "
+                f"the failing rank failed too ({type(diagnosis).__name__}: {diagnosis})",
+                rank=None,
+            )
+            error.__cause__ = exc
+        finally:
+            self._broken = error or WorkerError(f"rank 0 failed: {type(exc).__name__}: {exc}", rank=0)
+            self._teardown(graceful=False)
         if error is None:
             raise exc
         raise error
@@ -353,8 +375,11 @@ class WorkerGroup:
                 logger.debug("terminating tensor-parallel rank %d (pid %d)", rank, proc.pid)
                 proc.kill()
                 proc.join()
-        self.context.destroy()
-        self._store = None
+        self.local = None  # rank 0's model and KV cache go with the group
+        try:
+            self.context.destroy()
+        finally:
+            self._store = None
         if self._saved_threads is not None:
             torch.set_num_threads(self._saved_threads)
             self._saved_threads = None
