@@ -155,6 +155,31 @@ def test_check_loads_in_a_fresh_process_and_survives_a_crashing_plugin(
     assert bad.returncode == 2 and "'bad item'" in bad.stderr
 
 
+def test_check_children_never_run_code_from_the_current_directory(
+    plugin_env: PluginEnv, tmp_path: Path
+) -> None:
+    """A ./rtpcore/ package and a ./cli_good.py in the current directory, whose import would
+    create a file, never run: check's child does not put the current directory on sys.path."""
+    _install(plugin_env, tmp_path)
+    cwd, marker = tmp_path / "cwd", tmp_path / "cwd-code-ran"
+    trap = f"open({str(marker)!r}, 'w').close()\nraise SystemExit(7)\n"
+    (cwd / "rtpcore").mkdir(parents=True)
+    for name in ("rtpcore/__init__.py", "rtpcore/__main__.py", "cli_good.py"):
+        (cwd / name).write_text(trap)
+    script = Path(sys.executable).with_name("rtpcore")  # the console script users type
+    command = [str(script)] if script.exists() else [sys.executable, "-P", "-m", "rtpcore"]
+    proc = subprocess.run(
+        [*command, "plugins", "check", "cli-good"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=dict(os.environ, PYTHONPATH=str(plugin_env.site)),
+    )
+    assert not marker.exists()
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok    cli-good: good (cli-good 1.2, cli_good)")
+
+
 THROWAWAY_PYPROJECT = """\
 [build-system]
 requires = ["setuptools>=61"]

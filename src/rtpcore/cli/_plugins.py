@@ -211,7 +211,12 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 def _check(args: argparse.Namespace) -> int:
     items = [item for group in args.items for item in group]
     _allowlist(items, args.external_model_packages)  # parse-time validation, exit 2 on a bad item
-    command = [sys.executable, "-m", "rtpcore", "plugins", "list", "--json", "--requested-only"]
+    # -P (safe path): the child never puts the current directory on sys.path, so a
+    # ./rtpcore/ folder or a same-named plugin module there cannot run instead (PYTHONPATH
+    # still applies, which is how the operator points at plugins; -I would drop it and
+    # the user site, changing what "installed" means between list and check).
+    command = [sys.executable, "-P", "-m", "rtpcore", "plugins", "list", "--json"]
+    command += ["--requested-only"]
     for item in items:
         command += ["--plugins", item]
     for module in args.external_model_packages:
