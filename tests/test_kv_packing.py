@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -226,3 +227,64 @@ def test_zero_tokens_and_bf16_inputs_work() -> None:
     k = torch.ones(1, 512, dtype=torch.bfloat16)
     k2, _ = codec.unpack(codec.pack(k, torch.ones(1, 64, dtype=torch.bfloat16)), torch.bfloat16)
     assert k2.dtype == torch.bfloat16 and torch.allclose(k2.float(), k.float(), rtol=E4M3_REL)
+
+
+def test_compact_raises_its_scale_for_10x_larger_values_instead_of_clamping(
+    gen: torch.Generator,
+) -> None:
+    """A later batch 10x larger raises the derived scale by a power of two; it round-trips
+    within the e4m3 bound, and rows packed earlier, requantized, still do."""
+    codec = make_codec(spec(layout="compact"))
+    k1, v1 = torch.randn(8, 512, generator=gen), torch.randn(8, 64, generator=gen)
+    rows1 = codec.pack(k1, v1)
+    first = codec.scale
+    k2, v2 = k1 * 10, torch.randn(8, 64, generator=gen) * 10
+    rows2 = codec.pack(k2, v2)
+    assert codec.rescales == 1 and codec.clamped == 0
+    ratio = codec.scale / first
+    assert ratio >= 8 and ratio == 2.0 ** round(math.log2(ratio))
+    scale = torch.tensor(codec.scale)
+    k2b, v2b = codec.unpack(rows2, torch.float32)
+    assert ((k2b - k2).abs() <= fp8_bound(k2, scale)).all()
+    assert ((v2b - v2).abs() <= fp8_bound(v2, scale)).all()
+    codec.requantize(rows1, first)
+    k1b, v1b = codec.unpack(rows1, torch.float32)
+    twice = torch.tensor(first) + scale  # first rounding at the old scale, subnormals at the new
+    assert ((k1b - k1).abs() <= fp8_bound(k1, twice)).all()
+    assert ((v1b - v1).abs() <= fp8_bound(v1, twice)).all()
+
+
+def test_compact_pool_requantizes_its_rows_when_the_scale_grows(gen: torch.Generator) -> None:
+    """The paged fp8 pool reads back both an early batch and a 10x larger later one within the bound."""
+    from rtpcore.paged_cache import PackedLayerKVCache
+
+    s = spec(layout="compact", tokens_per_block=4)
+    cache = PackedLayerKVCache(s, num_blocks=4)
+    k1, v1 = torch.randn(4, 512, generator=gen), torch.randn(4, 64, generator=gen)
+    cache.write(torch.arange(4), k1, v1)  # block 0
+    k2, v2 = torch.randn(4, 512, generator=gen) * 10, torch.randn(4, 64, generator=gen) * 10
+    cache.write(torch.arange(4, 8), k2, v2)  # block 1
+    assert cache.codec.rescales == 1 and cache.codec.clamped == 0
+    k, v = cache.read(torch.tensor([[0], [1]]), 4)  # (2, 4, 512), (2, 4, 64)
+    bound = torch.tensor(cache.codec.scale) * 2
+    assert ((k[0] - k1).abs() <= fp8_bound(k1, bound)).all()
+    assert ((v[0] - v1).abs() <= fp8_bound(v1, bound)).all()
+    assert ((k[1] - k2).abs() <= fp8_bound(k2, bound)).all()
+    assert ((v[1] - v2).abs() <= fp8_bound(v2, bound)).all()
+
+
+def test_a_fixed_compact_scale_counts_and_logs_every_clamped_value(
+    gen: torch.Generator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a scale the caller fixed, values beyond 448 x scale are clamped, counted and logged."""
+    codec = make_codec(spec(layout="compact"), scale=0.01)
+    k = torch.randn(4, 512, generator=gen)
+    k[0, :3] = torch.tensor([10.0, -20.0, 30.0])  # beyond 4.48
+    with caplog.at_level("WARNING", logger="rtpcore.kv_packing"):
+        codec.pack(k, torch.zeros(4, 64))
+        codec.pack(k, torch.zeros(4, 64))
+    assert codec.clamped == 6 and codec.scale == 0.01 and codec.rescales == 0
+    (record,) = caplog.records  # logged once, counted always
+    assert "layers.3: 3 fp8 nope values beyond the fixed per-tensor scale range +-4.48 were clamped" in (
+        record.getMessage()
+    )

@@ -25,11 +25,19 @@ saturate) and NaN inputs are stored as 0, so nothing decodes to inf or nan. Henc
 * ``"padded"``: nope fp8 with one fp32 scale per 128 values, rope bf16.
 * MHA fp8: one fp32 scale per token per head, for K and for V.
 * ``"compact"`` (and any fp8 part without a scale region): one per-tensor scale
-  held by the codec, outside the pool (``codec.scale``, one per layer). Pass
-  ``scale=`` or set ``codec.scale`` to fix it; otherwise the first ``pack`` whose
-  fp8 values are not all zero sets it to ``amax * headroom / 448`` (headroom 2 by
-  default). Later values beyond ``448 * scale`` are clamped. A codec reading rows
-  packed by another codec (another process, a worker) needs the same scale: pass it.
+  held by the codec, outside the pool (``codec.scale``, one per layer). The first
+  ``pack`` whose fp8 values are not all zero sets it to ``amax * headroom / 448``
+  (headroom 2 by default). A later ``pack`` with a finite value beyond
+  ``448 * scale`` raises the scale by the smallest power of two that holds it
+  with the same headroom (``codec.rescales`` counts these), so nothing is
+  clamped: rows packed before then must be brought to the new scale with
+  ``codec.requantize(rows, old_scale)``, which the paged cache does for its whole
+  pool. The factor is a power of two, so requantizing is exact except for values
+  that fall below e4m3's normal range (those keep ``2**-10 * scale`` absolute
+  accuracy). A scale the caller fixed (``scale=`` or setting ``codec.scale``; a
+  codec reading rows packed by another codec, in another process, needs the
+  packer's scale) never changes: values beyond ``448 * scale``, and infinities,
+  are clamped to it, counted in ``codec.clamped`` and logged.
 
 A policy that wants its own byte format provides ``make_codec(spec)``; when such a
 policy is passed, ``make_codec`` returns what it builds.
@@ -37,6 +45,7 @@ policy is passed, ``make_codec`` returns what it builds.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -44,6 +53,8 @@ import attrs
 import torch
 
 __all__ = ["TORCH_DTYPES", "KVCodec", "make_codec"]
+
+logger = logging.getLogger(__name__)
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -95,6 +106,9 @@ class KVCodec:
         self.spec = spec
         self.headroom = headroom
         self._scale: float | None = None
+        self._fixed = False  # a scale the caller set is never changed
+        self.rescales = 0  # times pack raised the per-tensor scale
+        self.clamped = 0  # fp8 values clamped to the range of a fixed scale
         if scale is not None:
             self.scale = scale
         mla = spec.kind == "mla"
@@ -133,7 +147,8 @@ class KVCodec:
 
     @property
     def scale(self) -> float | None:
-        """The per-tensor scale of fp8 parts without scale regions (None until set)."""
+        """The per-tensor scale of fp8 parts without scale regions (None until set).
+        Setting it fixes it: pack then clamps instead of raising it."""
         return self._scale
 
     @scale.setter
@@ -142,6 +157,23 @@ class KVCodec:
         if not (math.isfinite(value) and value > 0.0):
             raise ValueError(f"scale must be a finite positive number, got {value!r}")
         self._scale = value
+        self._fixed = True
+
+    def requantize(self, rows: torch.Tensor, old_scale: float, *, chunk: int = 1 << 16) -> None:
+        """Bring ``rows`` (uint8 (N, bytes_per_token)) packed under ``old_scale`` to the
+        current per-tensor scale, in place (``chunk`` rows at a time)."""
+        new = self._scale
+        if new is None or new == old_scale:
+            return
+        ratio = old_scale / new
+        parts = [p for p in self._parts if p.per_tensor]
+        dt = TORCH_DTYPES[_FP8]
+        for start in range(0, rows.shape[0], chunk):
+            block = rows[start : start + chunk]
+            for part in parts:
+                raw = _from_bytes(block[:, part.offset : part.offset + part.nbytes], part.dtype)
+                q = raw.float().mul_(ratio).to(dt)  # (n, count); |ratio| <= 1: no clamping
+                block[:, part.offset : part.offset + part.nbytes] = _as_bytes(q)
 
     # ------------------------------------------------------------------ pack
 
@@ -150,16 +182,15 @@ class KVCodec:
         t = self._check(k, "k", self.k_shape)
         self._check(v, "v", self.v_shape, t)
         values = [  # (T, count) each, float32 buffers this call owns (nan_to_num copies)
-            torch.nan_to_num(x.reshape(t, p.count).float(), nan=0.0)
-            for x, p in zip((k, v), self._parts, strict=True)
+            x.reshape(t, p.count).float() for x, p in zip((k, v), self._parts, strict=True)
         ]
-        if self._scale is None and any(p.per_tensor for p in self._parts):
-            amax = max(
-                float(x.abs().amax()) if p.per_tensor and t else 0.0
+        if any(p.per_tensor for p in self._parts) and t and not self._fixed:
+            amax = max(  # over finite values only: an infinity is clamped, never a scale
+                float(torch.where(torch.isfinite(x), x.abs(), 0.0).amax()) if p.per_tensor else 0.0
                 for p, x in zip(self._parts, values, strict=True)
             )
-            if amax > 0.0 and math.isfinite(amax):
-                self.scale = amax * self.headroom / _FP8_MAX
+            self._fit_scale(amax)
+        values = [torch.nan_to_num(x, nan=0.0) for x in values]
         rows = torch.empty((t, self.spec.bytes_per_token), dtype=torch.uint8, device=k.device)
         for off, n in self._filler:
             rows[:, off : off + n] = 0
@@ -179,8 +210,34 @@ class KVCodec:
             rows[:, s_off : s_off + s_nbytes] = _as_bytes(stored.view(x.shape[0], s_count))
         elif part.per_tensor:
             x.mul_(1.0 / (self._scale or 1.0))
+            over = int((x.abs() > top).sum())
+            if over:
+                self._count_clamped(over, part.name)
         q = x.clamp_(-top, top).to(dt)  # (T, count)
         rows[:, part.offset : part.offset + part.nbytes] = _as_bytes(q)
+
+    def _fit_scale(self, amax: float) -> None:
+        """Set the per-tensor scale from the first non-zero batch; raise it by a power
+        of two when ``amax`` does not fit."""
+        if not (amax > 0.0 and math.isfinite(amax)):
+            return
+        want = amax * self.headroom / _FP8_MAX
+        if self._scale is None:
+            self._scale = want
+        elif amax > _FP8_MAX * self._scale:
+            old = self._scale
+            self._scale = old * 2.0 ** math.ceil(math.log2(want / old))
+            self.rescales += 1
+            logger.debug("%s: fp8 per-tensor scale raised from %g to %g", self.spec.tag, old, self._scale)
+
+    def _count_clamped(self, n: int, part: str) -> None:
+        if not self.clamped:
+            logger.warning(
+                "%s: %d fp8 %s values beyond the fixed per-tensor scale range +-%g were clamped "
+                "(codec.clamped counts every one)",
+                self.spec.tag, n, part, _FP8_MAX * (self._scale or 1.0),
+            )
+        self.clamped += n
 
     # ---------------------------------------------------------------- unpack
 

@@ -99,8 +99,15 @@ class PackedLayerKVCache:
         self.rows = torch.zeros((n, spec.bytes_per_token), dtype=torch.uint8, device=device)  # (slots, bytes)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize and store: slots (T,), k (T, *k_shape), v (T, *v_shape)."""
-        self.rows.index_copy_(0, slots, self.codec.pack(k, v))
+        """Quantize and store: slots (T,), k (T, *k_shape), v (T, *v_shape).
+
+        When packing raises the codec's per-tensor scale (``rtpcore.kv_packing``), the
+        rows already in the pool are brought to the new scale first."""
+        old = getattr(self.codec, "scale", None)
+        rows = self.codec.pack(k, v)
+        if old is not None and getattr(self.codec, "scale", None) != old:
+            self.codec.requantize(self.rows, old)
+        self.rows.index_copy_(0, slots, rows)
 
     def read(self, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantize every sequence's first ``max_len`` positions into ``compute_dtype``:
