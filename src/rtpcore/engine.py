@@ -357,17 +357,21 @@ def _physical_memory() -> int:
 
 
 def _eos_token_ids(hf: dict[str, Any], path: Path) -> tuple[int, ...]:
-    """``eos_token_id`` of generation_config.json when present (what transformers uses),
-    else of config.json; an int or a list."""
+    """``eos_token_id`` of generation_config.json when it has one (what transformers uses),
+    else of config.json: null, a token id or a list of them; anything else is a
+    ``ConfigFieldError`` naming the file."""
     import json
 
-    eos = hf.get("eos_token_id")
+    from rtpcore import config_fields
+
     gen = path / "generation_config.json"
     if gen.is_file():
         try:
-            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id", eos)
-        except (OSError, ValueError, AttributeError):
+            fields = json.loads(gen.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            fields = None
+        if not isinstance(fields, dict):
             logger.warning("ignoring unreadable %s", gen)
-    if eos is None:
-        return ()
-    return (eos,) if isinstance(eos, int) else tuple(int(e) for e in eos)
+        elif "eos_token_id" in fields:
+            return config_fields.token_ids(fields, "eos_token_id", file=gen.name)
+    return config_fields.token_ids(hf, "eos_token_id")

@@ -67,12 +67,20 @@ class ModelPlugin:
         """The indices each placeholder must cover; each pattern is expanded over
         them into the exact set of required tensor names.
 
-        The default requires ``{layer}`` for every layer when the config has a
-        ``num_hidden_layers`` attribute. A placeholder with no range matches any
-        index and requires none (optional tensors).
+        The default requires ``{layer}`` for every layer, ``range(num_hidden_layers)``,
+        whatever the config type: a mapping (``config["num_hidden_layers"]``) or any
+        object with that attribute (attrs, dataclass, ...); a layer count that is not
+        an integer >= 1 is a ``ConfigFieldError``. A config without a layer count,
+        and any placeholder with no range, matches any index and requires none
+        (optional tensors): override this to require them.
         """
-        n = getattr(config, "num_hidden_layers", None)
-        return {"layer": range(n)} if isinstance(n, int) else {}
+        from rtpcore import config_fields
+
+        fields = config if isinstance(config, Mapping) else {}
+        if not isinstance(config, Mapping) and hasattr(config, "num_hidden_layers"):
+            fields = {"num_hidden_layers": config.num_hidden_layers}
+        n = config_fields.optional_int(fields, "num_hidden_layers", None)
+        return {} if n is None else {"layer": range(n)}
 
     @classmethod
     def kv_cache_descs(cls, config: Any, **options: Any) -> Sequence[Any]:
