@@ -8,7 +8,10 @@ hooks run against a recording view, so it lands in the registry completely or no
 :func:`load_plugins` runs once per process and plan (thread-safe) and raises the first
 failure; :func:`load_report` loads as much as it can and reports every outcome.
 No discovery scan happens here: a worker process given a parent's plan reads one metadata
-folder per entry to check that the version is still the one resolved.
+folder per entry to check that the version is still the one resolved. Before an entry is
+imported, the file its module would come from must be its distribution's
+(:mod:`rtpcore.provenance`); a same-named module elsewhere on the path makes it
+``shadowed``, and that file is never executed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import pluggy
 from attrs import evolve, field, frozen
 
-from rtpcore import hooks, lookup
+from rtpcore import hooks, lookup, provenance
 from rtpcore.errors import (
     PluginConflictError,
     PluginError,
@@ -126,6 +129,7 @@ def _load(plan: Plan, *, fail_fast: bool) -> LoadReport:
         )
         try:
             _verify_version(entry)
+            provenance.check_origin(entry)
             _install(pm, registry, _import_entry(entry), entry.name, provider)
         except PluginError as exc:
             if fail_fast:
