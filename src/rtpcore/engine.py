@@ -183,7 +183,7 @@ class Engine:
             self.model_config = shard.model_config
             self.kv_cache_specs = shard.kv_cache_specs  # this rank's part of each layer
             self.model = shard.model
-            self.max_positions = int(hf.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS)
+            self.max_positions = _max_positions(hf)
             self.num_kv_blocks = _plan_blocks(self.kv_cache_specs, config, self.max_positions)
             self._group.run("allocate", self.num_kv_blocks)
             self.kv_caches = shard.kv_caches
@@ -354,6 +354,14 @@ def _physical_memory() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # not POSIX
         return 8 << 30
+
+
+def _max_positions(hf: dict[str, Any]) -> int:
+    """``max_position_embeddings`` of config.json, the longest sequence the engine admits;
+    ``DEFAULT_MAX_POSITIONS`` when missing or null."""
+    from rtpcore import config_fields
+
+    return config_fields.optional_int(hf, "max_position_embeddings", DEFAULT_MAX_POSITIONS, null_ok=True)
 
 
 def _eos_token_ids(hf: dict[str, Any], path: Path) -> tuple[int, ...]:
