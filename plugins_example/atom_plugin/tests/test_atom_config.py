@@ -129,6 +129,8 @@ V2_BAD: list[tuple[dict[str, Any], str, Any]] = [
     ({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1, "n_routed_experts": 9},
      "n_routed_experts", 9),
     ({"rope_scaling": yarn(type="yarn", rope_type=DROP, factor=[40])}, "rope_scaling.factor", [40]),
+    ({"max_position_embeddings": 0}, "max_position_embeddings", 0),  # default rope: read by the engine only
+    ({"max_position_embeddings": True}, "max_position_embeddings", True),
 ]
 
 
