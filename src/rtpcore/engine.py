@@ -7,8 +7,9 @@ in ``rtpcore.scheduler``, token choice in ``rtpcore.sampling``.
 
 KV memory: ``kv_cache_memory`` bytes when given; otherwise enough blocks for
 ``max_batch_size`` sequences of ``max_position_embeddings`` tokens each, capped
-at a quarter of physical RAM over all tensor-parallel ranks (``kv_cache_memory``
-itself is per rank). Requests are checked before anything runs: a
+at a quarter of the memory this process may use (physical RAM, or the cgroup
+memory limit when smaller: ``rtpcore.host_memory``) over all tensor-parallel
+ranks (``kv_cache_memory`` itself is per rank). Requests are checked before anything runs: a
 prompt that could not fit even in an empty cache raises
 :class:`~rtpcore.errors.KVCacheCapacityError` naming it, and the engine stays
 usable. Admitted sequences reserve their blocks, so nothing is preempted.
@@ -331,6 +332,7 @@ def _start_ranks(config: EngineConfig) -> Any:
 
 def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int) -> int:
     """Blocks per layer for ``kv_cache_memory`` or the documented default."""
+    from rtpcore.host_memory import memory_limit
     from rtpcore.kv_cache import plan_blocks
 
     block_bytes = sum(s.block_bytes for s in specs)
@@ -338,7 +340,7 @@ def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int)
     if memory is None:
         want = -(-config.max_batch_size * max_positions // config.tokens_per_block) * block_bytes
         # Every rank allocates this much; spawned ranks share this machine's RAM.
-        cap = int(_physical_memory() * RAM_FRACTION) // config.tensor_parallel_size
+        cap = int(memory_limit() * RAM_FRACTION) // config.tensor_parallel_size
         memory = min(want, cap)
     blocks = plan_blocks(specs, memory)
     if blocks < 1:
@@ -347,13 +349,6 @@ def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int)
             blocks_needed=1,
         )
     return blocks
-
-
-def _physical_memory() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # not POSIX
-        return 8 << 30
 
 
 def _max_positions(hf: dict[str, Any]) -> int:

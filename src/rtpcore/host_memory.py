@@ -1,0 +1,92 @@
+"""How much memory this process may use: physical RAM, or less under a cgroup limit.
+
+A container's memory limit is a cgroup's, not the host's RAM: a KV cache sized
+from the host's RAM gets the process killed. :func:`memory_limit` is the smaller
+of physical RAM and every limit on this process's cgroup and its ancestors:
+
+* cgroup v2: ``memory.max`` in ``<root>/<path>`` for the ``0::<path>`` line of
+  ``/proc/self/cgroup``; ``max`` means no limit.
+* cgroup v1: ``memory.limit_in_bytes`` in ``<root>/memory/<path>`` for the line
+  naming the ``memory`` controller; values of 2**60 bytes and more mean no limit
+  (the kernel writes ``PAGE_COUNTER_MAX`` pages there).
+
+``root`` (``/sys/fs/cgroup``) and ``proc_cgroup`` (``/proc/self/cgroup``) are
+parameters, so other hierarchies (and tests) can point them elsewhere. Files that
+are missing or unreadable mean no limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path, PurePosixPath
+
+__all__ = ["cgroup_memory_limit", "memory_limit", "physical_memory"]
+
+logger = logging.getLogger(__name__)
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+_V1_UNLIMITED = 1 << 60
+_FALLBACK = 8 << 30  # when the platform cannot tell its RAM
+
+
+def physical_memory() -> int:
+    """Bytes of physical RAM (8 GiB when the platform cannot tell)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        return _FALLBACK
+
+
+def memory_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
+    """The smaller of physical RAM and this process's cgroup memory limit."""
+    ram = physical_memory()
+    limit = cgroup_memory_limit(root, proc_cgroup)
+    return ram if limit is None else min(ram, limit)
+
+
+def cgroup_memory_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int | None:
+    """The tightest memory limit on this process's cgroup (v2 or v1) and its
+    ancestors, in bytes; None when there is none."""
+    try:
+        lines = proc_cgroup.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        lines = []
+    limits: list[int] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":  # cgroup v2
+            limits += _limits(root, path, "memory.max")
+        elif "memory" in controllers.split(","):  # cgroup v1
+            limits += _limits(root / "memory", path, "memory.limit_in_bytes")
+    if not lines:  # no /proc: the root's own files (inside a container, its cgroup)
+        limits += _limits(root, "/", "memory.max") + _limits(root / "memory", "/", "memory.limit_in_bytes")
+    return min(limits, default=None)
+
+
+def _limits(base: Path, path: str, name: str) -> list[int]:
+    """The limits in ``name`` of the cgroup at ``path`` under ``base`` and of its ancestors."""
+    found = []
+    folder = PurePosixPath("/", path)
+    for cgroup in (folder, *folder.parents):
+        value = _read_limit(base / str(cgroup).lstrip("/") / name)
+        if value is not None:
+            found.append(value)
+    return found
+
+
+def _read_limit(file: Path) -> int | None:
+    try:
+        text = file.read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        logger.debug("ignoring %s: %r is not a byte count", file, text)
+        return None
+    return None if value <= 0 or value >= _V1_UNLIMITED else value
