@@ -229,3 +229,25 @@ def test_workers_exit_when_the_coordinating_process_dies():
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(pid)
+
+
+def test_teardown_runs_even_when_diagnosing_the_failure_fails():
+    """With the rendezvous store gone, a dead follower still fails the step with a WorkerError
+    saying the diagnosis failed, and every other follower is stopped."""
+    g = WorkerGroup.spawn(build_toy, {"seed": 0}, 3)
+    pids = g.pids
+    server = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    gone = torch.distributed.TCPStore(
+        "127.0.0.1", server.port, 1, is_master=False, timeout=timedelta(seconds=2)
+    )
+    del server  # the store's server shuts down: every later request fails
+    g._store = gone
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while not _gone(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(WorkerError, match="finding the failing rank failed too"):
+        g.run("whoami")
+    assert _gone(pids[2])
+    with pytest.raises(WorkerError, match="broken"):
+        g.run("whoami")

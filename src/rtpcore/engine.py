@@ -13,12 +13,26 @@ ranks (``kv_cache_memory`` itself is per rank). Requests are checked before anyt
 prompt that could not fit even in an empty cache raises
 :class:`~rtpcore.errors.KVCacheCapacityError` naming it, and the engine stays
 usable. Admitted sequences reserve their blocks, so nothing is preempted.
+
+Threads: ``generate`` may be called from several threads at once. The calls
+share one block allocator (``rtpcore.scheduler``) and each runs its own
+sequences, one step at a time; a lock serializes the steps, because the model's
+forward (and every rank's collectives) is not reentrant. A call whose requests
+fit an empty cache waits for blocks the other calls hold and never fails for
+that; one whose requests could never fit fails at once.
+
+Lifetime: ``close()`` (or leaving ``with``) waits for the step in progress,
+releases the model and the KV pools on every rank and stops the worker
+processes; every later call raises :class:`~rtpcore.errors.EngineClosedError`.
+A failure while the engine is being built stops every worker it started and
+raises one :class:`~rtpcore.errors.RtpcoreError`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +40,7 @@ from typing import Any
 import attrs
 import torch
 
-from rtpcore.errors import KVCacheCapacityError, RtpcoreError
+from rtpcore.errors import EngineBuildError, EngineClosedError, KVCacheCapacityError, RtpcoreError
 from rtpcore.resolution import Plan, PlanEntry
 from rtpcore.sampling import SamplingParams, sample
 from rtpcore.scheduler import BlockAllocator, Scheduler, blocks_needed
@@ -130,6 +144,7 @@ class Engine:
     eos_token_ids: tuple[int, ...]
     _allocator: BlockAllocator
     _closed: bool
+    _step_lock: threading.Lock  # one model step at a time, and close() between steps
 
     @classmethod
     def from_pretrained(
@@ -172,12 +187,16 @@ class Engine:
         """Wire the stages, in order: plugins, model type, config, KV specs, weights, model, cache."""
         self.config = config
         self._closed = True  # until fully built
+        self._step_lock = threading.Lock()
+        self._group = None
+        self.model = None
+        self.kv_caches = []
         self.plugins = tuple(config.plan.entries)
-        # Every rank builds an EngineShard (rtpcore.shard) from the config: this process is
-        # rank 0; with tensor_parallel_size > 1, ranks 1..N-1 are worker processes that load
-        # exactly config.plan (no discovery) and build their part of the model.
-        self._group = _start_ranks(config)
         try:
+            # Every rank builds an EngineShard (rtpcore.shard) from the config: this process is
+            # rank 0; with tensor_parallel_size > 1, ranks 1..N-1 are worker processes that load
+            # exactly config.plan (no discovery) and build their part of the model.
+            self._group = _start_ranks(config)
             shard = self._group.local
             self.hf_config = hf = shard.hf_config
             self.model_type = shard.model_type
@@ -188,13 +207,18 @@ class Engine:
             self.num_kv_blocks = _plan_blocks(self.kv_cache_specs, config, self.max_positions)
             self._group.run("allocate", self.num_kv_blocks)
             self.kv_caches = shard.kv_caches
-        except BaseException:
-            self._group.close()
+            self.eos_token_ids = _eos_token_ids(hf, Path(config.checkpoint))
+            vocab = hf.get("vocab_size")
+            self.vocab_size = vocab if isinstance(vocab, int) else None
+            self._allocator = BlockAllocator(self.num_kv_blocks)
+        except BaseException as exc:
+            self._release()  # every rank's model, pools and processes
+            if isinstance(exc, Exception) and not isinstance(exc, RtpcoreError):
+                raise EngineBuildError(
+                    f"building the engine for {config.checkpoint!r} failed: {type(exc).__name__}: {exc}",
+                    checkpoint=config.checkpoint,
+                ) from exc
             raise
-        self.eos_token_ids = _eos_token_ids(hf, Path(config.checkpoint))
-        vocab = hf.get("vocab_size")
-        self.vocab_size = vocab if isinstance(vocab, int) else None
-        self._allocator = BlockAllocator(self.num_kv_blocks)
         self._closed = False
         logger.info(
             "engine ready: model_type=%s dtype=%s kv=%s, %d blocks of %d tokens",
@@ -215,9 +239,13 @@ class Engine:
     ) -> list[list[int]]:
         """New token ids for each prompt, in order. Generation of a prompt ends after
         ``max_new_tokens`` tokens or at a stop token (included in the output);
-        ``stop_token_ids`` defaults to the checkpoint's ``eos_token_id``."""
-        if self._closed:
-            raise RtpcoreError("this Engine is closed")
+        ``stop_token_ids`` defaults to the checkpoint's ``eos_token_id``.
+
+        Safe to call from several threads at once (see the module docstring): each
+        call gets the tokens it would get alone, steps of different calls take turns,
+        and a call waits for KV blocks other calls hold.
+        """
+        self._check_open()
         params = SamplingParams.create(temperature, top_k, top_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise RtpcoreError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
@@ -237,14 +265,15 @@ class Engine:
         try:
             with torch.inference_mode():
                 while not sched.done:
-                    seqs = sched.admit()
+                    seqs = sched.admit()  # waits for blocks when this call holds none
                     if seqs:
                         batch = sched.prefill_batch(seqs)
                     else:
-                        assert sched.running, "validated requests always fit an idle cache"
                         seqs = list(sched.running)
                         batch = sched.decode_batch()
-                    logits = self._group.run("forward", batch, sync=False)  # (B, vocab); every rank steps
+                    with self._step_lock:
+                        self._check_open()
+                        logits = self._group.run("forward", batch, sync=False)  # (B, vocab); every rank steps
                     sched.record(seqs, sample(logits, params, generator))
         finally:
             sched.release_all()
@@ -287,16 +316,34 @@ class Engine:
     @property
     def num_free_kv_blocks(self) -> int:
         """Blocks per layer not reserved by a running sequence (all of them between calls)."""
+        self._check_open()
         return self._allocator.num_free
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this Engine is closed: its model and KV cache are released")
 
     # -- lifetime --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Drop the model and the KV cache; the engine cannot generate afterwards."""
-        self._closed = True
+        """Release the model and the KV cache on every rank and stop the worker
+        processes; idempotent. Waits for the step in progress; calls waiting for KV
+        blocks, and every later call, raise EngineClosedError."""
+        with self._step_lock:
+            self._closed = True
+            allocator = getattr(self, "_allocator", None)
+            if allocator is not None:
+                allocator.close()  # calls waiting for blocks raise EngineClosedError
+            self._release()
+
+    def _release(self) -> None:
+        """Drop this process's model and KV cache and close the worker group (every
+        rank's shard, pools and processes); safe to call more than once."""
         self.model = None
         self.kv_caches = []
-        self._group.close()  # stops the worker processes, if any
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()  # stops the worker processes, if any
 
     def __enter__(self) -> Engine:
         return self

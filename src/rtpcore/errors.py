@@ -14,6 +14,9 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "ConfigFieldError",
+    "EngineBuildError",
+    "EngineClosedError",
+    "KVBlockError",
     "KVCacheCapacityError",
     "KVCacheSpecError",
     "MissingTensorsError",
@@ -248,3 +251,28 @@ class WorkerError(RtpcoreError):
         self.rank = rank
         self.exitcode = exitcode
         self.cause_type = cause_type
+
+
+class EngineBuildError(RtpcoreError):
+    """Building an engine failed for a reason that is not already an RtpcoreError
+    (a plugin's or model's own exception). Every worker process it started is
+    stopped first. ``.checkpoint`` names the checkpoint; ``__cause__`` is the
+    original exception."""
+
+    def __init__(self, message: str, *, checkpoint: str):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class EngineClosedError(RtpcoreError):
+    """The engine was closed: its model and KV cache are released."""
+
+
+class KVBlockError(RtpcoreError):
+    """A KV block allocator invariant was broken: a block freed twice or never
+    handed out, or more blocks taken than are free. ``.blocks`` lists the blocks
+    concerned (empty for a count)."""
+
+    def __init__(self, message: str, *, blocks: Sequence[int] = ()):
+        super().__init__(message)
+        self.blocks = tuple(blocks)

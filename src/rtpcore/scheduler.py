@@ -8,12 +8,20 @@ finishes; the others wait, first come first served, until a finishing sequence
 returns its blocks. A request that cannot fit even in an empty cache is
 rejected by the engine before anything runs.
 
+One :class:`BlockAllocator` is shared by every ``generate`` call of an engine,
+from any thread. A call with running sequences only *tries* to admit more; a
+call with none *waits* (:meth:`BlockAllocator.allocate_wait`) until the blocks
+its next prompt needs are free, in arrival order. While a call waits, the others
+admit nothing new, so their running sequences finish, free their blocks and the
+waiter is served: a prompt that fits an empty cache always runs eventually.
+
 Each step is either one batched prefill of the newly admitted prompts (ragged)
 or one decode step of every running sequence.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -21,6 +29,7 @@ import attrs
 import torch
 
 from rtpcore.batch import ForwardBatch
+from rtpcore.errors import EngineClosedError, KVBlockError
 
 __all__ = ["BlockAllocator", "RunningSequence", "Scheduler", "blocks_needed"]
 
@@ -32,25 +41,100 @@ def blocks_needed(prompt_len: int, max_new_tokens: int, tokens_per_block: int) -
 
 
 class BlockAllocator:
-    """A free list of block ids; lowest ids are handed out first."""
+    """The free list of an engine's KV blocks; lowest ids are handed out first.
+
+    Thread-safe. Every invariant is checked with a :class:`~rtpcore.errors.KVBlockError`:
+    a block is handed out at most once until it is freed, only handed-out blocks
+    can be freed, and nobody takes more blocks than are free.
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._used: set[int] = set()
+        self._cond = threading.Condition()
+        self._queue: deque[object] = deque()  # waiting callers, first come first served
+        self._closed = False
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
-        assert n <= len(self._free), "caller checks num_free first"
-        out = self._free[-n:][::-1] if n else []
-        del self._free[len(self._free) - n :]
-        return out
+        """``n`` free blocks now; a KVBlockError when fewer are free."""
+        with self._cond:
+            self._check_open()
+            if n > len(self._free):
+                raise KVBlockError(f"cannot allocate {n} KV blocks: only {len(self._free)} of {self.num_blocks} are free")
+            return self._take(n)
+
+    def try_allocate(self, n: int) -> list[int] | None:
+        """``n`` free blocks, or None when fewer are free or another caller waits
+        (it is served first)."""
+        with self._cond:
+            self._check_open()
+            if self._queue or n > len(self._free):
+                return None
+            return self._take(n)
+
+    def allocate_wait(self, n: int) -> list[int]:
+        """``n`` blocks, waiting in arrival order until they are free. The caller must
+        hold no blocks (or they may never come back). EngineClosedError when the
+        allocator is closed while waiting."""
+        if n > self.num_blocks:
+            raise KVBlockError(f"cannot allocate {n} KV blocks: the cache holds only {self.num_blocks}")
+        ticket = object()
+        with self._cond:
+            self._check_open()
+            self._queue.append(ticket)
+            try:
+                self._cond.wait_for(
+                    lambda: self._closed or (self._queue[0] is ticket and n <= len(self._free))
+                )
+                self._check_open()
+                return self._take(n)
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()  # the next waiter may be served now
 
     def free(self, blocks: Iterable[int]) -> None:
-        self._free.extend(sorted(blocks, reverse=True))
-        assert len(self._free) <= self.num_blocks, "a block was freed twice"
+        """Return handed-out blocks; freeing one twice (or one never handed out) is a
+        KVBlockError and frees none of them. After :meth:`close`, a no-op."""
+        blocks = list(blocks)
+        with self._cond:
+            if self._closed:
+                return
+            bad = [b for b in blocks if b not in self._used]
+            if bad or len(set(blocks)) != len(blocks):
+                bad = bad or sorted(b for b in set(blocks) if blocks.count(b) > 1)
+                raise KVBlockError(
+                    f"KV blocks {bad} are not handed out (freed twice, or never allocated "
+                    f"from this cache of {self.num_blocks} blocks)",
+                    blocks=bad,
+                )
+            self._used.difference_update(blocks)
+            self._free.extend(sorted(blocks, reverse=True))
+            self._free.sort(reverse=True)  # lowest ids first, whatever order they came back in
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Refuse every later call; callers waiting in :meth:`allocate_wait` raise
+        EngineClosedError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _take(self, n: int) -> list[int]:
+        if n < 0:
+            raise KVBlockError(f"cannot allocate {n} KV blocks: the count must be >= 0")
+        out = self._free[len(self._free) - n :][::-1]
+        del self._free[len(self._free) - n :]
+        self._used.update(out)
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this Engine is closed: its KV cache is released")
 
 
 @attrs.define
@@ -99,16 +183,25 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def admit(self) -> list[RunningSequence]:
-        """Move waiting prompts into the running set while slots and blocks allow."""
+        """Move waiting prompts into the running set while slots and blocks allow.
+
+        With nothing running, waits for the next prompt's blocks (other calls on
+        the same allocator hold them), so this returns at least one sequence
+        whenever any is waiting.
+        """
         new: list[RunningSequence] = []
         while self.waiting and len(self.running) + len(new) < self.max_batch_size:
             i = self.waiting[0]
             need = blocks_needed(len(self.prompts[i]), self.max_new_tokens, self.tpb)
-            if need > self.allocator.num_free:
-                break
+            if self.running or new:
+                blocks = self.allocator.try_allocate(need)
+                if blocks is None:
+                    break
+            else:  # holding no blocks: safe to wait for them
+                blocks = self.allocator.allocate_wait(need)
             self.waiting.popleft()
             prompt = list(self.prompts[i])
-            new.append(RunningSequence(i, prompt, len(prompt), self.allocator.allocate(need)))
+            new.append(RunningSequence(i, prompt, len(prompt), blocks))
         self.running += new
         return new
 

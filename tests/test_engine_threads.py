@@ -1,0 +1,130 @@
+"""Engine.generate from several threads at once: each call gets its solo tokens, calls wait for blocks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from rtpcore import Engine
+from rtpcore.errors import EngineClosedError, KVCacheCapacityError
+from test_llama import make_checkpoint
+
+PROMPTS = [[5, 9, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [100], [7, 7], [3, 1, 4, 1, 5, 9]]
+# one call per thread: different prompts, lengths and batch sizes
+CALLS = [PROMPTS[i:] + PROMPTS[:i] for i in range(len(PROMPTS))] + [[p] for p in PROMPTS[:3]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def solo(ckpt: Path) -> list[list[list[int]]]:
+    """Each call's tokens when it runs alone."""
+    with Engine.from_pretrained(ckpt, tokens_per_block=4) as e:
+        return [e.generate(c, max_new_tokens=NEW, stop_token_ids=[]) for c in CALLS]
+
+
+def run_threads(targets: list[Callable[[], Any]]) -> list[Any]:
+    """Start every target at once on its own thread; each result or exception, in order."""
+    results: list[Any] = [None] * len(targets)
+    start = threading.Barrier(len(targets))
+
+    def body(i: int) -> None:
+        start.wait()
+        try:
+            results[i] = targets[i]()
+        except BaseException as exc:  # collected for the test to assert on
+            results[i] = exc
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(targets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a generate call did not finish"
+    return results
+
+
+def test_concurrent_calls_give_each_call_its_solo_tokens(ckpt: Path, solo: list[list[list[int]]]) -> None:
+    """Eight threads generating at once get exactly what each call gets alone; every block comes back."""
+    with Engine.from_pretrained(ckpt, tokens_per_block=4) as e:
+        outs = run_threads([lambda c=c: e.generate(c, max_new_tokens=NEW, stop_token_ids=[]) for c in CALLS])
+        assert outs == solo
+        assert e.num_free_kv_blocks == e.num_kv_blocks
+
+
+def test_calls_wait_for_blocks_other_calls_hold_and_never_fail_for_that(
+    ckpt: Path, solo: list[list[list[int]]]
+) -> None:
+    """With blocks for one long prompt only, concurrent calls wait their turn and all finish correctly."""
+    with Engine.from_pretrained(ckpt, tokens_per_block=4) as probe:
+        block_bytes = sum(s.block_bytes for s in probe.kv_cache_specs)
+    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes) as e:
+        assert e.num_kv_blocks == 8  # the longest prompt needs 7: demand is several times the pool
+        outs = run_threads([lambda c=c: e.generate(c, max_new_tokens=NEW, stop_token_ids=[]) for c in CALLS])
+        assert outs == solo
+        assert e.num_free_kv_blocks == 8
+
+
+def test_a_call_that_can_never_fit_fails_at_once_while_others_hold_blocks(ckpt: Path) -> None:
+    """A prompt larger than the whole cache raises KVCacheCapacityError at once, even while another call runs."""
+    with Engine.from_pretrained(ckpt, tokens_per_block=4) as probe:
+        block_bytes = sum(s.block_bytes for s in probe.kv_cache_specs)
+    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes) as e:
+        busy = threading.Event()
+        done = threading.Event()
+
+        def long_call() -> Any:
+            busy.set()
+            try:
+                return e.generate([PROMPTS[1]], max_new_tokens=12, stop_token_ids=[])
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=long_call)
+        worker.start()
+        busy.wait(10)
+        start = time.monotonic()
+        with pytest.raises(KVCacheCapacityError) as excinfo:
+            e.generate([list(range(1, 40))], max_new_tokens=4)
+        assert time.monotonic() - start < 1.0
+        assert excinfo.value.blocks_needed == 11 and excinfo.value.blocks_available == 8
+        worker.join(60)
+
+
+def test_close_makes_running_and_waiting_calls_raise_engine_closed_error(ckpt: Path) -> None:
+    """Closing the engine while one call runs and another waits for its blocks ends both with EngineClosedError."""
+    with Engine.from_pretrained(ckpt, tokens_per_block=4) as probe:
+        block_bytes = sum(s.block_bytes for s in probe.kv_cache_specs)
+    e = Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes)
+    long = [1, 2, 3, 4]  # 4 + 24 - 1 tokens: 7 of the 8 blocks, for 24 steps
+    errors: list[BaseException | None] = [None, None]
+
+    def call(i: int) -> None:
+        try:
+            e.generate([long], max_new_tokens=24, stop_token_ids=[])
+        except BaseException as exc:  # collected for the test to assert on
+            errors[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while e._allocator.num_free == 8 and time.monotonic() < deadline:  # one call holds its blocks
+        time.sleep(0.001)
+    e.close()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(err, EngineClosedError) for err in errors), errors
