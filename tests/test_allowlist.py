@@ -186,11 +186,11 @@ def test_an_item_with_a_forbidden_piece_is_rejected_by_name(name: str, at: int, 
 )
 def test_a_module_path_with_a_keyword_part_is_rejected(parts: list[str], kw: str) -> None:
     """A keyword anywhere in a dotted path is rejected; without it the path round-trips."""
-    good = ".".join(p for p in parts if not keyword.iskeyword(p))
+    good = [p for p in parts if not keyword.iskeyword(p)]
     if good:
-        assert parse_external_model_packages([good]) == (good,)
+        assert parse_external_model_packages([".".join(good)]) == (".".join(good),)
     with pytest.raises(AllowlistError) as excinfo:
-        parse_external_model_packages([".".join([*parts, kw])])
+        parse_external_model_packages([".".join([*good, kw])])
     assert excinfo.value.rule == f"{kw!r} is a Python keyword"
 
 
