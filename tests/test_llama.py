@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 from rtpcore import Engine  # noqa: E402
 from rtpcore.batch import ForwardBatch  # noqa: E402
-from rtpcore.errors import CheckpointError  # noqa: E402
+from rtpcore.errors import CheckpointError, RtpcoreError  # noqa: E402
+from rtpcore.layers import Linear, packed_linear_supported  # noqa: E402
 from rtpcore.models.llama import LlamaPlugin  # noqa: E402
 
 SMALL = dict(
@@ -116,18 +117,30 @@ def teacher_forced_logits(model: Any, caches: list[Any], seqs: list[list[int]], 
     return [torch.stack(o) for o in out]
 
 
-@pytest.mark.parametrize(("variant", "dtype", "tol"), [
-    ("llama-gqa", torch.float32, 1e-4),
-    ("qwen2-bias", torch.float32, 1e-4),
-    ("llama-gqa", torch.bfloat16, 0.05),
+@pytest.mark.parametrize(("variant", "dtype", "tol", "fp32_batched"), [
+    ("llama-gqa", torch.float32, 1e-4, None),
+    ("qwen2-bias", torch.float32, 1e-4, None),
+    ("llama-gqa", torch.bfloat16, 0.05, False),
+    ("llama-gqa", torch.bfloat16, 0.05, True),
+    ("qwen2-bias", torch.bfloat16, 0.05, True),
 ])
-def test_logits_match_transformers(tmp_path: Path, variant: str, dtype: torch.dtype, tol: float) -> None:
+def test_logits_match_transformers(
+    tmp_path: Path, variant: str, dtype: torch.dtype, tol: float, fp32_batched: bool | None
+) -> None:
     """Ragged prefill and decode logits equal transformers' within 1e-4 (float32), and within
-    5% of the logits' range in bfloat16 (different summation orders round differently)."""
+    5% of the logits' range in bfloat16 (different summation orders round differently), with
+    either bf16 kernel family (fp32_batched_linear: a float32 copy for several-row inputs or not)."""
     hf = make_checkpoint(tmp_path, variant).to(dtype)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (40, 31, 20)]
-    engine = Engine.from_pretrained(tmp_path, dtype=str(dtype).removeprefix("torch."), tokens_per_block=4)
+    engine = Engine.from_pretrained(
+        tmp_path, dtype=str(dtype).removeprefix("torch."), tokens_per_block=4, fp32_batched_linear=fp32_batched
+    )
+    kernels = {m.kernel for m in engine.model.modules() if isinstance(m, Linear)}
+    if dtype == torch.float32:
+        assert kernels == {"plain"}
+    elif packed_linear_supported(dtype):
+        assert kernels == {"packed+fp32" if fp32_batched else "packed"}
     ours = teacher_forced_logits(engine.model, engine.kv_caches, seqs, prefill=[13, 7, 20])
     for s, got, n in zip(seqs, ours, [13, 7, 20], strict=True):
         with torch.no_grad():
@@ -203,16 +216,8 @@ def test_rope_tables_grow_past_their_initial_size(tmp_path: Path, monkeypatch: p
         assert engine.model.cos.shape[0] >= 14 + 24 - 1
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_linear_is_bit_exact_with_f_linear(dtype: torch.dtype) -> None:
-    """The model's Linear (prepacked oneDNN for bf16 where available) gives F.linear's exact bits."""
-    from rtpcore.models._linear import Linear
-
-    gen = torch.Generator().manual_seed(0)
-    w, b = torch.randn(96, 64, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype)
-    layer = Linear(w.clone(), b.clone())
-    for rows in (1, 5, 37):
-        x = torch.randn(rows, 64, generator=gen).to(dtype)
-        assert torch.equal(layer(x), torch.nn.functional.linear(x, w, b))
-    if dtype == torch.float32:
-        assert not layer.packed  # float32 stays on F.linear, the kernel transformers uses
+def test_fp32_batched_linear_takes_only_none_true_or_false(tmp_path: Path) -> None:
+    """A value other than None/True/False for fp32_batched_linear is refused before anything loads."""
+    make_checkpoint(tmp_path)
+    with pytest.raises(RtpcoreError, match=r"fp32_batched_linear must be None \(automatic\), True or False, got 'yes'"):
+        Engine.from_pretrained(tmp_path, dtype="bfloat16", fp32_batched_linear="yes")  # type: ignore[arg-type]

@@ -75,6 +75,9 @@ class EngineConfig:
     kv_cache_memory: int | None
     max_batch_size: int
     tensor_parallel_size: int
+    # Whether bf16/fp16 linear layers keep a float32 copy for several-row inputs
+    # (rtpcore.layers, kernel "packed+fp32"); None: automatic, see rtpcore.shard.
+    fp32_batched_linear: bool | None = None
 
     @classmethod
     def create(
@@ -91,6 +94,7 @@ class EngineConfig:
         kv_cache_memory: int | None = None,
         max_batch_size: int = 8,
         tensor_parallel_size: int = 1,
+        fp32_batched_linear: bool | None = None,
     ) -> EngineConfig:
         """Validate the arguments and resolve the allowlist (imports no plugin)."""
         from rtpcore.allowlist import Allowlist
@@ -104,6 +108,8 @@ class EngineConfig:
         if kv_cache_memory is not None:
             _positive_int("kv_cache_memory", kv_cache_memory)
         _positive_int("tensor_parallel_size", tensor_parallel_size)
+        if fp32_batched_linear not in (None, True, False):
+            raise RtpcoreError(f"fp32_batched_linear must be None (automatic), True or False, got {fp32_batched_linear!r}")
         if isinstance(plugins, str) or isinstance(external_model_packages, str):
             raise RtpcoreError("plugins and external_model_packages take a sequence of strings, not one string")
         plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages).resolve()
@@ -118,6 +124,7 @@ class EngineConfig:
             kv_cache_memory=kv_cache_memory,
             max_batch_size=max_batch_size,
             tensor_parallel_size=tensor_parallel_size,
+            fp32_batched_linear=fp32_batched_linear,
         )
 
     @property
@@ -160,6 +167,7 @@ class Engine:
         kv_cache_memory: int | None = None,
         max_batch_size: int = 8,
         tensor_parallel_size: int = 1,
+        fp32_batched_linear: bool | None = None,
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
         preallocate the KV cache (see the module docstring for its default size)."""
@@ -175,6 +183,7 @@ class Engine:
             kv_cache_memory=kv_cache_memory,
             max_batch_size=max_batch_size,
             tensor_parallel_size=tensor_parallel_size,
+            fp32_batched_linear=fp32_batched_linear,
         )
         return cls.from_config(config)
 

@@ -23,12 +23,15 @@ rank's :class:`~rtpcore.distributed.ParallelContext`, whose ``all_reduce`` /
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from rtpcore.distributed import ParallelContext
 from rtpcore.errors import RtpcoreError
+from rtpcore.host_memory import memory_limit
+from rtpcore.layers import linear_kernels
 
 __all__ = ["EngineShard", "build_shard"]
 
@@ -82,7 +85,8 @@ class EngineShard:
         options: dict[str, Any] = {"dtype": config.torch_dtype, "device": ctx.device}
         if ctx.world_size > 1:
             options["parallel"] = ctx
-        self.model = plugin.build_model(self.local_config, weights, **options)
+        with linear_kernels(batched_fp32=_fp32_batched_linear(config, weights, ctx.device)):
+            self.model = plugin.build_model(self.local_config, weights, **options)
         del weights
         if isinstance(self.model, torch.nn.Module):
             self.model.eval()
@@ -144,3 +148,26 @@ def _shard(
     except NotImplementedError:  # the ModelPlugin default
         raise unsupported from None
     return local, dict(slices)
+
+
+# The float32 copies of "packed+fp32" linear layers may take at most this share of the
+# memory limit; beyond it a model keeps its reduced-precision weights only.
+FP32_COPY_MEMORY_FRACTION = 0.25
+
+
+def _fp32_batched_linear(config: Any, weights: Mapping[str, torch.Tensor], device: Any) -> bool | None:
+    """The engine's ``fp32_batched_linear``; when automatic (None), False if float32 copies
+    of this rank's bf16/fp16 weights would take more than FP32_COPY_MEMORY_FRACTION of the
+    memory limit, else None (each Linear decides by the CPU's instructions, rtpcore.layers)."""
+    choice = config.fp32_batched_linear
+    if choice is not None or torch.device(device or "cpu").type != "cpu":
+        return choice
+    reduced = sum(t.numel() for t in weights.values() if t.dtype in (torch.bfloat16, torch.float16))
+    budget = int(memory_limit() * FP32_COPY_MEMORY_FRACTION) // max(1, config.tensor_parallel_size)
+    if 4 * reduced > budget:
+        logger.info(
+            "bf16/fp16 linear layers keep no float32 copies: %.1f GB would exceed %.0f%% of the memory limit",
+            4 * reduced / 1e9, 100 * FP32_COPY_MEMORY_FRACTION,
+        )
+        return False
+    return None
