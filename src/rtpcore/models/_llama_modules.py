@@ -43,11 +43,20 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query attention: q (B, H, Tq, D), k/v (B, Hkv, L, D), mask (B, 1, Tq, L) bool -> (B, H, Tq, D).
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention: q (B, H, Tq, D), k/v (B, Hkv, L, D) in any float dtype (the
+    cache's), mask (B, 1, Tq, L) bool or None (every key visible) -> (B, H, Tq, D), q's dtype.
 
-    torch's fused kernel, as transformers' default ("sdpa") uses: bf16 results match it bit for bit.
+    torch's fused kernel, as transformers' default ("sdpa") uses; float32 gives its bits. On
+    the CPU, bf16/fp16 inputs are attended in float32 (the kernel is about 4x faster there, and
+    it accumulates in float32 either way): within rounding of transformers, not its bits.
     """
+    if q.dtype != torch.float32 and q.device.type == "cpu":
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.to(q.dtype)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -78,16 +87,17 @@ class LlamaLayer(nn.Module):
         sin: torch.Tensor,  # (T, 1, D)
         batch: ForwardBatch,
         cache: LayerKVCache,
-        mask: torch.Tensor,  # (B, 1, Tq, L) bool
+        mask: torch.Tensor | None,  # (B, 1, Tq, L) bool, None: every cached key visible
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(rms_norm(x, self.norm1, self.eps))  # (T, q + 2 kv)
         qk = rotate(qkv[:, : self.qk_size].view(t, self.heads + self.kv_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)  # (T, H, D), (T, Hkv, D)
         cache.write(batch.slots, k, qkv[:, self.qk_size :].view(t, self.kv_heads, self.head_dim))
-        kc, vc = cache.read(batch.block_tables, mask.shape[-1])  # (B, L, Hkv, D) each
+        max_len = batch.max_context_len if mask is None else mask.shape[-1]
+        kc, vc = cache.read(batch.block_tables, max_len)  # (B, L, Hkv, D) each
         qp = batch.to_padded(q).transpose(1, 2)  # (B, H, Tq, D)
-        kc, vc = kc.to(q.dtype).transpose(1, 2), vc.to(q.dtype).transpose(1, 2)  # (B, Hkv, L, D)
+        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # (B, Hkv, L, D), the cache's dtype
         out = attend(qp, kc, vc, mask, self.scale).transpose(1, 2)  # (B, Tq, H, D)
         x = x + self.o(batch.from_padded(out).reshape(t, -1))  # (T, E)
         gate, up = self.gate_up(rms_norm(x, self.norm2, self.eps)).chunk(2, dim=-1)  # (T, I) each
@@ -144,7 +154,7 @@ class LlamaModel(nn.Module):
         x = F.embedding(batch.input_ids, self.embed)  # (T, E)
         cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
         sin = self.sin[batch.positions].unsqueeze(1)
-        masks: dict[int | None, torch.Tensor] = {}
+        masks: dict[int | None, torch.Tensor | None] = {}
         for layer, cache, window in zip(self.layers, kv_caches, self.config.sliding_windows, strict=True):
             if window not in masks:
                 masks[window] = _mask(batch, window)
@@ -155,8 +165,11 @@ class LlamaModel(nn.Module):
         return self.lm_head(x)  # (B, V)
 
 
-def _mask(batch: ForwardBatch, window: int | None) -> torch.Tensor:
-    """(B, 1, Tq, L) bool: causal, within the context, and within ``window`` when set."""
+def _mask(batch: ForwardBatch, window: int | None) -> torch.Tensor | None:
+    """(B, 1, Tq, L) bool: causal, within the context, and within ``window`` when set; None
+    when every cached key is visible (one sequence decoding without a window)."""
+    if batch.is_decode and window is None and batch.num_seqs == 1:
+        return None
     if batch.is_decode and window is None:
         kpos = torch.arange(batch.max_context_len, device=batch.context_lens.device)
         return (kpos[None, :] < batch.context_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
