@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import tempfile
 import time
@@ -29,6 +30,32 @@ from typing import Any
 import torch
 
 HERE = Path(__file__).resolve().parent
+
+
+def cpu_line() -> str:
+    """The CPU model, its bf16/AMX features, the oneDNN ISA limit and the bf16 linear kernel:
+    figures from CPUs with and without bf16 instructions are not comparable."""
+    from rtpcore.layers import Linear, cpu_has_native_dot
+
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    feats = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16") if f in flags]
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
+    kernel = Linear(torch.zeros(8, 8, dtype=torch.bfloat16)).kernel
+    return (
+        f"CPU: {model}; features: {' '.join(feats) or 'none of avx512/bf16/amx'}; "
+        f"native bf16 dot: {'yes' if cpu_has_native_dot(torch.bfloat16) else 'no'}"
+        f"{f' (ONEDNN_MAX_CPU_ISA={isa})' if isa else ''}; bf16 Linear kernel: {kernel}"
+    )
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -127,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(cpu_line())
     if args.model == "llama":
         bench_llama(args)
         return 0
