@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rtpcore.cli import main
+from rtpcore.errors import EngineBuildError
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -178,9 +179,11 @@ def test_a_foreign_exception_from_a_plugin_is_one_line_naming_its_type(
     code, out, err = run(capsys, *argv)
     assert code == 1 and out == ""
     lines = err.strip().splitlines()
-    assert lines[-1] == (
-        "rtpcore: error: RuntimeError: kernel library missing (run with --debug for the traceback)"
+    assert lines[-1].startswith("rtpcore: error: building the engine for ")
+    assert lines[-1].endswith(
+        "failed: RuntimeError: kernel library missing (run with --debug for the traceback)"
     )
     assert "Traceback" not in err
-    with pytest.raises(RuntimeError, match="kernel library missing"):
+    with pytest.raises(EngineBuildError, match="kernel library missing") as excinfo:
         main(["--debug", "generate", *argv])
+    assert isinstance(excinfo.value.__cause__, RuntimeError)

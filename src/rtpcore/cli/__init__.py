@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from rtpcore.errors import AllowlistError, RtpcoreError
+from rtpcore.errors import AllowlistError, EngineBuildError, RtpcoreError
 
 __all__ = ["main"]
 
@@ -88,7 +88,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        if isinstance(exc, RtpcoreError | OSError | ValueError):
+        if isinstance(exc, EngineBuildError):  # wraps a plugin's own exception: where is in the traceback
+            message = f"{exc} (run with --debug for the traceback)"
+        elif isinstance(exc, RtpcoreError | OSError | ValueError):
             message = str(exc)
         else:  # not ours to explain: say what it is and how to see where it came from
             message = f"{type(exc).__name__}: {exc} (run with --debug for the traceback)"
