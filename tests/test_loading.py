@@ -1,4 +1,4 @@
-"""load_plugins against real dist-info folders and real modules: every outcome of DESIGN §3."""
+"""load_plugins against real dist-info folders and real modules: every outcome of docs/design.md §3."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def mha(dtype: str = "fp8_e4m3", heads: int = 8, head_dim: int = 128, **kw: Any)
 
 # ------------------------------------------------------------------ contract vectors
 
-CONTRACT = [  # (kv_lora_rank, rope, bf16, fp8 padded, fp8 compact): DESIGN.md §5
+CONTRACT = [  # (kv_lora_rank, rope, bf16, fp8 padded, fp8 compact): docs/design.md §5
     (512, 64, 1152, 656, 576),
     (512, 32, 1088, 592, 544),
     (256, 64, 640, 392, 320),

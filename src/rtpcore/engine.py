@@ -1,7 +1,7 @@
 """``Engine``: a checkpoint, the plugin that serves it, a paged KV cache, and ``generate``.
 
 :meth:`Engine.from_pretrained` is the one place that wires the stages of
-DESIGN §1 together: allowlist -> plan -> plugins -> model type -> config ->
+docs/design.md §1 together: allowlist -> plan -> plugins -> model type -> config ->
 pruned checkpoint -> model -> KV specs -> preallocated cache. Scheduling lives
 in ``rtpcore.scheduler``, token choice in ``rtpcore.sampling``.
 

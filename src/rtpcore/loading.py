@@ -50,7 +50,7 @@ _loaded: dict[Plan, ModelRegistry | PluginError] = {}
 @frozen
 class LoadOutcome:
     """The outcome of one requested item: ``state`` is ``loaded`` or a failure state of
-    DESIGN §3; ``models``, ``architectures`` and ``layouts`` are what it registered."""
+    docs/design.md §3; ``models``, ``architectures`` and ``layouts`` are what it registered."""
 
     request: str
     state: str

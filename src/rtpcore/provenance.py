@@ -1,5 +1,5 @@
 """Where a plugin's module would be imported from, found without importing it, and
-whether that file belongs to the plugin's distribution (DESIGN §11).
+whether that file belongs to the plugin's distribution (docs/design.md §11).
 
 A plan names a distribution; Python imports a module *name*. A same-named module
 earlier on ``sys.path`` (or a folder in the current directory, which ``python -m``
