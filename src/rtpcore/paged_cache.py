@@ -150,8 +150,11 @@ def allocate_kv_caches(
 def gather_blocks(pool: torch.Tensor, block_tables: torch.Tensor, max_len: int, tokens_per_block: int) -> torch.Tensor:
     """(slots, *row) pool -> (B, max_len, *row): whole blocks are gathered, then trimmed."""
     nblocks = -(-max_len // tokens_per_block)
-    blocks = pool.view(-1, tokens_per_block, *pool.shape[1:])[block_tables[:, :nblocks]]  # (B, nb, tpb, *row)
-    return blocks.flatten(1, 2)[:, :max_len]
+    b = block_tables.shape[0]
+    ids = block_tables[:, :nblocks].reshape(-1)  # (B * nb,)
+    # index_select, not pool[ids]: the same gather at a fraction of advanced indexing's overhead
+    blocks = torch.index_select(pool.view(-1, tokens_per_block, *pool.shape[1:]), 0, ids)  # (B*nb, tpb, *row)
+    return blocks.view(b, nblocks * tokens_per_block, *pool.shape[1:])[:, :max_len]
 
 
 def slot_index(block_tables: torch.Tensor, max_len: int, tokens_per_block: int) -> torch.Tensor:
