@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 def cpu_line() -> str:
     """The CPU model, its bf16/AMX features, the oneDNN ISA limit and the bf16 linear kernel:
     figures from CPUs with and without bf16 instructions are not comparable."""
-    from rtpcore.layers import Linear, cpu_has_native_dot
+    from rtpcore.models.layers import Linear, cpu_has_native_dot
 
     model, flags = "unknown CPU", set()
     try:

@@ -3,7 +3,7 @@
 1. Specs built per second: ``rtpcore_native.build_kv_cache_spec`` versus the
    pure-Python reference formula (``rtpcore.kv_reference``), measured in the same run.
 2. Pack and unpack throughput in MB/s of cache rows for each layout
-   (``rtpcore.kv_packing``), on the CPU or ``--device``.
+   (``rtpcore.kv.codecs``), on the CPU or ``--device``.
 
     python benchmarks/bench_kv_spec.py [--tokens 4096] [--seconds 0.5] [--device cpu]
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from rtpcore.kv_packing import make_codec
-from rtpcore.kv_reference import reference_regions, reference_spec
+from kv_reference import reference_regions, reference_spec
+from rtpcore.kv.codecs import make_codec
 from rtpcore_native import Fp8LayoutPolicy, KVCacheSpecDesc, build_kv_cache_spec
 
 

@@ -11,8 +11,8 @@ measurement runs in a fresh interpreter:
 
 Two figures per measurement, the best of ``--repeat`` runs: ``call``, the first call in
 the fresh process (its modules imported before the clock starts, no cache warmed), and
-``+imports``, the same call including the imports it needs (``rtpcore.allowlist`` and
-``rtpcore.resolution`` with importlib-metadata, packaging and attrs; or
+``+imports``, the same call including the imports it needs (``rtpcore.plugins.allowlist`` and
+``rtpcore.plugins.resolution`` with importlib-metadata, packaging and attrs; or
 ``importlib.metadata``). The targets apply to ``call``: resolve at 2000 within 1.5x of resolve
 at 100, and under a quarter of the scan at 2000.
 
@@ -33,8 +33,8 @@ RESOLVE = """
 import sys, time
 sys.path.insert(0, {site!r})
 t0 = time.perf_counter()
-from rtpcore.allowlist import Allowlist
-import rtpcore.resolution
+from rtpcore.plugins.allowlist import Allowlist
+import rtpcore.plugins.resolution
 t1 = time.perf_counter()
 plan = Allowlist.from_cli(plugins=[{target!r}]).resolve()
 t2 = time.perf_counter()

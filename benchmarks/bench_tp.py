@@ -92,7 +92,7 @@ def _probe(ctx: Any, hidden: int) -> _Probe:
 
 
 def overheads(sizes: list[int], hidden: int, repeats: int = 200) -> dict[int, tuple[float, float]]:
-    from rtpcore.workers import WorkerGroup
+    from rtpcore.parallel.leader import WorkerGroup
 
     out = {}
     for n in sizes:

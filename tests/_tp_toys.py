@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpcore.distributed import ParallelContext
-from rtpcore.parallel_layers import GatherColumns, row_parallel
-from rtpcore.sharding import column_shard, row_shard
+from rtpcore.parallel.context import ParallelContext
+from rtpcore.parallel.layers import GatherColumns, row_parallel
+from rtpcore.parallel.sharding import column_shard, row_shard
 
 IN, HIDDEN, OUT = 8, 12, 6
 
@@ -116,7 +116,7 @@ class Toy(ShardedMLP):
 
     def models(self, plan: Any) -> list[str]:
         """Model types of the registry ``plan`` loaded in this process (already loaded: no import)."""
-        from rtpcore.loading import load_plugins
+        from rtpcore.plugins.loading import load_plugins
 
         return sorted(r.model_type for r in load_plugins(plan).records())
 
@@ -182,8 +182,8 @@ def fail_on_follower(ctx: ParallelContext, spec: Any) -> Toy:
 
 
 def collective_follower(port: int, secret: bytes) -> None:
-    """Rank 1 of a 2-rank group built with rtpcore.distributed alone; sends rank 0 what it saw."""
-    from rtpcore.distributed import connect_store, init_parallel
+    """Rank 1 of a 2-rank group built with rtpcore.parallel.context alone; sends rank 0 what it saw."""
+    from rtpcore.parallel.context import connect_store, init_parallel
 
     ctx = init_parallel(connect_store("127.0.0.1", port, 2, secret=secret), 1, 2, device="cpu")
     ctx.gather_objects(collectives(ctx))
@@ -193,8 +193,8 @@ def collective_follower(port: int, secret: bytes) -> None:
 def refusing_follower(port: int, secret: bytes, out: str) -> None:
     """Rank 1 of a 2-rank group: waits for one broadcast object and writes to ``out``
     what happened (the object's repr, or the error that refused it)."""
-    from rtpcore.distributed import connect_store, init_parallel
     from rtpcore.errors import CollectiveError
+    from rtpcore.parallel.context import connect_store, init_parallel
 
     ctx = init_parallel(connect_store("127.0.0.1", port, 2, secret=secret), 1, 2, device="cpu")
     try:
@@ -229,7 +229,7 @@ def _orphan_main() -> int:
     """Start a group, print the follower's pid, then die without closing anything."""
     import signal
 
-    from rtpcore.workers import WorkerGroup
+    from rtpcore.parallel.leader import WorkerGroup
 
     group = WorkerGroup.spawn(build_toy, {"seed": 0}, 2)
     print(group.pids[1], flush=True)
@@ -238,7 +238,7 @@ def _orphan_main() -> int:
 
 
 def _node_main() -> int:
-    from rtpcore.workers import WorkerGroup
+    from rtpcore.parallel.leader import WorkerGroup
 
     group = WorkerGroup.join_env("_tp_toys:build_toy", {"seed": 3}, device="cpu")
     assert group is not None, "run this script as RANK=0 only"

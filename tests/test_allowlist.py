@@ -12,14 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rtpcore.allowlist import (
+from rtpcore.errors import AllowlistError
+from rtpcore.plugins.allowlist import (
     Allowlist,
     PluginRequest,
     add_allowlist_arguments,
     parse_external_model_packages,
     parse_plugins,
 )
-from rtpcore.errors import AllowlistError
 
 
 def test_an_item_has_a_distribution_an_entry_point_and_a_specifier() -> None:

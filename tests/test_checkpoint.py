@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from rtpcore.checkpoint import LoadedWeights, WeightSelection, load_checkpoint, read_hf_config
-from rtpcore.checkpoint_index import INDEX_NAME
+from rtpcore.checkpoint.index import INDEX_NAME
 from rtpcore.errors import CheckpointError, MissingTensorsError
 
 LLAMA_PATTERNS = [
@@ -146,7 +146,7 @@ def test_every_dtype_and_odd_shape_reads_like_safetensors(tmp_path):
     safetensors' own reader, both from owned reads and from lazy mapped views."""
     from safetensors.torch import load_file
 
-    from rtpcore.checkpoint_index import DTYPES
+    from rtpcore.checkpoint.index import DTYPES
 
     gen = torch.Generator().manual_seed(0)
     tensors = {}
@@ -395,9 +395,9 @@ def test_device_meta(hf_llama):
 def test_one_log_line_and_no_progress_bar_off_terminal(hf_llama, caplog, capfd):
     """Off a terminal: one INFO line "loaded X tensors (Y MB) from M of N shards", stderr silent."""
     path, _ = hf_llama
-    with caplog.at_level(logging.INFO, logger="rtpcore.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="rtpcore.checkpoint.loader"):
         w = load_checkpoint(path, ["model.norm.weight", "lm_head.weight"], {})
-    lines = [r.getMessage() for r in caplog.records if r.name == "rtpcore.checkpoint"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "rtpcore.checkpoint.loader"]
     n = len(w.stats.files_opened)
     assert lines == [f"loaded 2 tensors (0.0 MB) from {n} of {w.stats.shards_total} shards"]
     assert capfd.readouterr().err == ""

@@ -23,7 +23,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save, save_file
 
 from rtpcore.checkpoint import load_checkpoint
-from rtpcore.checkpoint_index import DTYPES, INDEX_NAME, parse_header
+from rtpcore.checkpoint.index import DTYPES, INDEX_NAME, parse_header
 from rtpcore.errors import CheckpointError
 
 FUZZ = settings(max_examples=300, deadline=None, database=None)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from rtpcore import Engine
 from rtpcore.checkpoint import load_checkpoint
-from rtpcore.checkpoint_quant import Fp8BlockQuantization, dequantize_fp8_blocks
+from rtpcore.checkpoint.quantized import Fp8BlockQuantization, dequantize_fp8_blocks
 from rtpcore.errors import CheckpointError
 
 FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}

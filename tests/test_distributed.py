@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from _tp_toys import collective_follower, collectives, mlp_reference, mlp_weights, toy_inputs
-from rtpcore.distributed import ParallelContext, env_store, init_parallel, local_store
 from rtpcore.errors import RtpcoreError
+from rtpcore.parallel.context import ParallelContext, env_store, init_parallel, local_store
 
 TOYS = Path(__file__).with_name("_tp_toys.py")
 
@@ -64,10 +64,10 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_nodes_of_one_process_each_meet_over_env_rendezvous():
-    """Rank 0 runs a script; rank 1 runs `python -m rtpcore.workers` and learns from rank 0
+    """Rank 0 runs a script; rank 1 runs `python -m rtpcore.parallel.leader` and learns from rank 0
     what to build."""
     port = _free_port()
-    commands = ([sys.executable, str(TOYS)], [sys.executable, "-m", "rtpcore.workers"])
+    commands = ([sys.executable, str(TOYS)], [sys.executable, "-m", "rtpcore.parallel.leader"])
     nodes = []
     for rank, command in enumerate(commands):
         env = dict(

@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import Engine
+from rtpcore.engine.sampling import SamplingParams, sample
 from rtpcore.errors import KVCacheCapacityError, KVCacheSpecError, RtpcoreError
-from rtpcore.paged_cache import LayerKVCache, PackedLayerKVCache
-from rtpcore.sampling import SamplingParams, sample
+from rtpcore.kv.pools import LayerKVCache, PackedLayerKVCache
 from test_llama import make_checkpoint, teacher_forced_logits
 
 PROMPTS = [[5, 9, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [100], [7, 7], [3, 1, 4, 1, 5, 9]]

@@ -1,10 +1,10 @@
-"""rtpcore.host_memory: the default KV cap honours cgroup memory limits (real files in a temp folder)."""
+"""rtpcore.engine.memory: the default KV cap honours cgroup memory limits (real files in a temp folder)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rtpcore.host_memory import cgroup_memory_limit, memory_limit, physical_memory
+from rtpcore.engine.memory import cgroup_memory_limit, memory_limit, physical_memory
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""rtpcore.kv_cache: specs from a plugin's descriptors, layouts by name, errors with the layer tag."""
+"""rtpcore.kv.specs: specs from a plugin's descriptors, layouts by name, errors with the layer tag."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import pytest
 
 from rtpcore.errors import KVCacheSpecError, PluginConflictError
-from rtpcore.kv_cache import (
+from rtpcore.kv.specs import (
     build_specs,
     kv_cache_specs,
     layout_names,
@@ -16,9 +16,9 @@ from rtpcore.kv_cache import (
     resolve_kv_cache_dtype,
     summarize,
 )
-from rtpcore.plugin import ModelPlugin
-from rtpcore.recording import Provider
-from rtpcore.registry import ModelRegistry
+from rtpcore.plugins.model_plugin import ModelPlugin
+from rtpcore.plugins.registration import Provider
+from rtpcore.plugins.registry import ModelRegistry
 from rtpcore_native import Fp8LayoutPolicy, KVCacheSpecDesc
 
 
@@ -221,9 +221,9 @@ def test_bad_options_and_descriptors_are_kv_cache_spec_errors() -> None:
 
 def test_one_log_line_summarizes_the_layouts_of_a_model(caplog: pytest.LogCaptureFixture) -> None:
     """Building a model's specs logs exactly one INFO line with runs of equal layers."""
-    with caplog.at_level(logging.INFO, logger="rtpcore.kv_cache"):
+    with caplog.at_level(logging.INFO, logger="rtpcore.kv.specs"):
         build_specs([mla(0), mla(1), mla(2, "bf16")], model_type="deepseek_v3")
-    lines = [r.getMessage() for r in caplog.records if r.name == "rtpcore.kv_cache"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "rtpcore.kv.specs"]
     assert lines == [
         "KV cache of deepseek_v3: 3 layers, 2 x mla fp8_e4m3 padded 656 B/token + 1 x mla bf16 1152 B/token; "
         f"{(2 * 656 + 1152) * 16} bytes per block across layers"

@@ -1,4 +1,4 @@
-"""rtpcore.kv_packing: tokens packed into exactly the spec's bytes, and back within fp8 bounds."""
+"""rtpcore.kv.codecs: tokens packed into exactly the spec's bytes, and back within fp8 bounds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from rtpcore.kv_packing import make_codec
+from rtpcore.kv.codecs import make_codec
 from rtpcore_native import Fp8LayoutPolicy, KVCacheSpecDesc, build_kv_cache_spec
 
 FP8 = torch.float8_e4m3fn
@@ -256,7 +256,7 @@ def test_compact_raises_its_scale_for_10x_larger_values_instead_of_clamping(
 
 def test_compact_pool_requantizes_its_rows_when_the_scale_grows(gen: torch.Generator) -> None:
     """The paged fp8 pool reads back both an early batch and a 10x larger later one within the bound."""
-    from rtpcore.paged_cache import PackedLayerKVCache
+    from rtpcore.kv.pools import PackedLayerKVCache
 
     s = spec(layout="compact", tokens_per_block=4)
     cache = PackedLayerKVCache(s, num_blocks=4)
@@ -280,7 +280,7 @@ def test_a_fixed_compact_scale_counts_and_logs_every_clamped_value(
     codec = make_codec(spec(layout="compact"), scale=0.01)
     k = torch.randn(4, 512, generator=gen)
     k[0, :3] = torch.tensor([10.0, -20.0, 30.0])  # beyond 4.48
-    with caplog.at_level("WARNING", logger="rtpcore.kv_packing"):
+    with caplog.at_level("WARNING", logger="rtpcore.kv.codecs"):
         codec.pack(k, torch.zeros(4, 64))
         codec.pack(k, torch.zeros(4, 64))
     assert codec.clamped == 6 and codec.scale == 0.01 and codec.rescales == 0

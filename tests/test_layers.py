@@ -1,4 +1,4 @@
-"""``rtpcore.layers.Linear``: F.linear's exact bits in float32, one rounding step of it in bf16/fp16, and which kernel runs."""
+"""``rtpcore.models.layers.Linear``: F.linear's exact bits in float32, one rounding step of it in bf16/fp16, and which kernel runs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rtpcore.layers import Linear, cpu_has_native_dot, linear_kernels, packed_linear_supported
-from rtpcore.parallel_layers import row_parallel
+from rtpcore.models.layers import (
+    Linear,
+    cpu_has_native_dot,
+    linear_kernels,
+    packed_linear_supported,
+)
+from rtpcore.parallel.layers import row_parallel
 
 DTYPES = [torch.bfloat16, torch.float32]
 REDUCED = [torch.bfloat16, torch.float16]
@@ -150,11 +155,14 @@ def test_bad_shapes_are_refused_with_the_rule() -> None:
         Linear(torch.randn(4, 3), torch.randn(3))
 
 
-def test_old_import_path_and_row_parallel_factory() -> None:
-    """``rtpcore.models._linear`` re-exports the public layer; unsharded row_parallel returns it as is."""
-    from rtpcore.models._linear import Linear as OldLinear
+def test_public_paths_and_row_parallel_factory() -> None:
+    """The public paths ``rtpcore.layers`` and ``rtpcore.batch`` re-export the classes that moved
+    to their stages; unsharded row_parallel returns the layer as is."""
+    from rtpcore.batch import ForwardBatch as PublicForwardBatch
+    from rtpcore.engine.batch import ForwardBatch
+    from rtpcore.layers import Linear as PublicLinear
 
-    assert OldLinear is Linear
+    assert PublicLinear is Linear and PublicForwardBatch is ForwardBatch
     w, b = torch.randn(6, 4), torch.randn(6)
     layer = row_parallel(Linear, w, b, None)
     assert isinstance(layer, Linear)

@@ -12,9 +12,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from rtpcore import Engine  # noqa: E402
-from rtpcore.batch import ForwardBatch  # noqa: E402
+from rtpcore.engine.batch import ForwardBatch  # noqa: E402
 from rtpcore.errors import CheckpointError, RtpcoreError  # noqa: E402
-from rtpcore.layers import Linear, packed_linear_supported  # noqa: E402
+from rtpcore.models.layers import Linear, packed_linear_supported  # noqa: E402
 from rtpcore.models.llama import LlamaPlugin  # noqa: E402
 
 SMALL = dict(
@@ -206,7 +206,7 @@ def test_unsupported_config_is_a_clear_error(change: dict[str, Any], needle: str
 
 def test_rope_tables_grow_past_their_initial_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Positions beyond the precomputed RoPE table are computed on demand, still matching transformers."""
-    import rtpcore.models._llama_modules as modules
+    import rtpcore.models.llama_modules as modules
 
     monkeypatch.setattr(modules, "ROPE_TABLE_START", 8)
     hf = make_checkpoint(tmp_path, "llama3-rope")

@@ -16,7 +16,7 @@ from rtpcore.errors import (
     PluginNotFoundError,
     PluginVersionError,
 )
-from rtpcore.loading import load_report
+from rtpcore.plugins.loading import load_report
 
 
 def _plan(*items: str, modules: tuple[str, ...] = (), strict: bool = True) -> Plan:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rtpcore.kv_reference import reference_regions, reference_spec
+from kv_reference import reference_regions, reference_spec
 from rtpcore_native import (
     BUILTIN_LAYOUTS,
     Fp8LayoutPolicy,

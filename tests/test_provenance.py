@@ -15,8 +15,8 @@ import pytest
 from plugin_env import PluginEnv, hooks_source
 from rtpcore import Allowlist, load_plugins
 from rtpcore.errors import PluginConflictError
-from rtpcore.loading import load_report
-from rtpcore.provenance import module_origins
+from rtpcore.plugins.loading import load_report
+from rtpcore.plugins.provenance import module_origins
 
 
 def _trap(marker: Path) -> str:

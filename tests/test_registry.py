@@ -17,7 +17,7 @@ from rtpcore.errors import (
     UnknownArchitectureError,
     UnknownModelTypeError,
 )
-from rtpcore.registry import Provider
+from rtpcore.plugins.registry import Provider
 
 BUILTIN = Provider(
     plugin="rtpcore.models", module="rtpcore.models", distribution="rtpcore", builtin=True
@@ -118,7 +118,7 @@ def test_an_external_plugin_takes_a_builtin_architecture_only_through_replaces(
     """With replaces the takeover is logged; the built-in keeps its other architectures."""
     registry = ModelRegistry()
     _commit(registry, BUILTIN, Llamaish)
-    with caplog.at_level(logging.INFO, logger="rtpcore.registry"):
+    with caplog.at_level(logging.INFO, logger="rtpcore.plugins.registry"):
         _commit(registry, ALPHA, Fast)
     assert registry.infer_model_type({"architectures": ["LlamaishForCausalLM"]}) == "fast_llamaish"
     assert registry.record("llamaish").architectures == ("OtherForCausalLM",)

@@ -11,7 +11,7 @@ import pytest
 from plugin_env import PluginEnv
 from rtpcore import Allowlist, Plan
 from rtpcore.errors import PluginConflictError, PluginNotFoundError, PluginVersionError
-from rtpcore.lookup import find
+from rtpcore.plugins.metadata import find
 
 RAISES = "raise RuntimeError('imported!')\n"
 

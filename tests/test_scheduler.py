@@ -1,4 +1,4 @@
-"""rtpcore.scheduler.BlockAllocator: invariants are errors, and waiting callers are served in turn (real threads)."""
+"""rtpcore.engine.scheduler.BlockAllocator: invariants are errors, and waiting callers are served in turn (real threads)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from rtpcore.engine.scheduler import BlockAllocator
 from rtpcore.errors import EngineClosedError, KVBlockError, RtpcoreError
-from rtpcore.scheduler import BlockAllocator
 
 
 def test_lowest_blocks_come_first_and_come_back_in_order() -> None:

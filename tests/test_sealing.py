@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from _tp_toys import Booby, build_toy, mlp_reference, mlp_weights, refusing_follower, toy_inputs
-from rtpcore.distributed import Rendezvous, env_store, init_parallel, local_store
 from rtpcore.errors import RtpcoreError, WorkerError
-from rtpcore.sealing import (
+from rtpcore.parallel.context import Rendezvous, env_store, init_parallel, local_store
+from rtpcore.parallel.leader import WorkerGroup
+from rtpcore.parallel.sealing import (
     BadSeal,
     env_secret,
     new_secret,
@@ -28,7 +29,6 @@ from rtpcore.sealing import (
     seal_object,
     unseal_object,
 )
-from rtpcore.workers import WorkerGroup
 
 TOYS = Path(__file__).with_name("_tp_toys.py")
 ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "RTPCORE_SECRET_FILE")
@@ -215,10 +215,10 @@ def _free_port() -> int:
 
 
 def _two_nodes(tmp_path: Path, secrets: tuple[Path, Path]) -> list[tuple[int, str, str]]:
-    """Rank 0 runs the toy script, rank 1 `python -m rtpcore.workers`, each with its
+    """Rank 0 runs the toy script, rank 1 `python -m rtpcore.parallel.leader`, each with its
     secret file; (returncode, stdout, stderr) of each."""
     port = _free_port()
-    commands = ([sys.executable, str(TOYS)], [sys.executable, "-m", "rtpcore.workers"])
+    commands = ([sys.executable, str(TOYS)], [sys.executable, "-m", "rtpcore.parallel.leader"])
     nodes = []
     for rank, command in enumerate(commands):
         env = dict(

@@ -10,7 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rtpcore.errors import ShardingError
-from rtpcore.sharding import Shard, column_shard, head_shard, kv_head_shard, row_shard, split_range
+from rtpcore.parallel.sharding import (
+    Shard,
+    column_shard,
+    head_shard,
+    kv_head_shard,
+    row_shard,
+    split_range,
+)
 
 
 @given(st.integers(1, 8), st.integers(1, 64), st.integers(1, 16))

@@ -88,7 +88,7 @@ with Engine.from_pretrained(sys.argv[1], tokens_per_block=4, tensor_parallel_siz
 
 
 def test_an_engine_spans_two_nodes_over_env_rendezvous(tmp_path):
-    """Rank 0 builds the engine in its script; rank 1 runs `python -m rtpcore.workers`,
+    """Rank 0 builds the engine in its script; rank 1 runs `python -m rtpcore.parallel.leader`,
     receives the config (with the plugin plan) from rank 0 and builds its shard."""
     make_checkpoint(tmp_path, "llama-gqa")
     with Engine.from_pretrained(tmp_path, tokens_per_block=4) as engine:
@@ -98,7 +98,7 @@ def test_an_engine_spans_two_nodes_over_env_rendezvous(tmp_path):
         port = s.getsockname()[1]
     commands = (
         [sys.executable, "-c", RANK0_SCRIPT, str(tmp_path), json.dumps(PROMPTS)],
-        [sys.executable, "-m", "rtpcore.workers"],
+        [sys.executable, "-m", "rtpcore.parallel.leader"],
     )
     nodes = []
     for rank, command in enumerate(commands):

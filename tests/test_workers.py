@@ -24,7 +24,7 @@ from _tp_toys import (
 )
 from plugin_env import hooks_source
 from rtpcore.errors import PluginVersionError, WorkerError
-from rtpcore.workers import WorkerGroup
+from rtpcore.parallel.leader import WorkerGroup
 
 pytestmark = pytest.mark.slow
 

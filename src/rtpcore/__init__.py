@@ -14,13 +14,13 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from rtpcore import errors
-    from rtpcore.allowlist import Allowlist
     from rtpcore.engine import Engine, EngineConfig
-    from rtpcore.hooks import hookimpl
-    from rtpcore.loading import load_plugins
-    from rtpcore.plugin import ModelPlugin
-    from rtpcore.registry import ModelRegistry
-    from rtpcore.resolution import Plan, PlanEntry
+    from rtpcore.plugins.allowlist import Allowlist
+    from rtpcore.plugins.hooks import hookimpl
+    from rtpcore.plugins.loading import load_plugins
+    from rtpcore.plugins.model_plugin import ModelPlugin
+    from rtpcore.plugins.registry import ModelRegistry
+    from rtpcore.plugins.resolution import Plan, PlanEntry
 
 __all__ = [
     "Allowlist",
@@ -37,15 +37,15 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Allowlist": "rtpcore.allowlist",
-    "Engine": "rtpcore.engine",
-    "EngineConfig": "rtpcore.engine",
-    "ModelPlugin": "rtpcore.plugin",
-    "ModelRegistry": "rtpcore.registry",
-    "Plan": "rtpcore.resolution",
-    "PlanEntry": "rtpcore.resolution",
-    "hookimpl": "rtpcore.hooks",
-    "load_plugins": "rtpcore.loading",
+    "Allowlist": "rtpcore.plugins.allowlist",
+    "Engine": "rtpcore.engine.engine",
+    "EngineConfig": "rtpcore.engine.engine",
+    "ModelPlugin": "rtpcore.plugins.model_plugin",
+    "ModelRegistry": "rtpcore.plugins.registry",
+    "Plan": "rtpcore.plugins.resolution",
+    "PlanEntry": "rtpcore.plugins.resolution",
+    "hookimpl": "rtpcore.plugins.hooks",
+    "load_plugins": "rtpcore.plugins.loading",
 }
 
 

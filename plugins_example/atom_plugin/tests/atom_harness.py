@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from rtpcore.batch import ForwardBatch
-from rtpcore.paged_cache import allocate_kv_caches
+from rtpcore.engine.batch import ForwardBatch
+from rtpcore.kv.pools import allocate_kv_caches
 
 TINY: dict[str, Any] = {
     "vocab_size": 128,

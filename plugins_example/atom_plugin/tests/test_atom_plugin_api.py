@@ -18,7 +18,7 @@ from atom_plugin.deepseek import DeepseekV2Plugin, DeepseekV3Plugin
 from atom_plugin.layouts import Ue8m0Layout
 from rtpcore.checkpoint import load_checkpoint
 from rtpcore.errors import MissingTensorsError
-from rtpcore.plugin import model_plugin_problems
+from rtpcore.plugins.model_plugin import model_plugin_problems
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from rtpcore import Engine
 from rtpcore.checkpoint import read_hf_config
 from rtpcore.engine import EngineConfig
 from rtpcore.errors import ShardingError
-from rtpcore.workers import WorkerGroup
+from rtpcore.parallel.leader import WorkerGroup
 
 PROMPTS = [[5, 9, 33, 7, 2, 90, 17], [100, 3, 4], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]
 N_NEW = 16
@@ -77,7 +77,7 @@ def _greedy(ckpt: Path, world_size: int) -> tuple[list[list[int]], list[int], li
     """Greedy tokens of the batched prompts and of the first prompt alone (batch-1 decode),
     and every rank's stats, from ``world_size`` ranks built like an engine's."""
     config = EngineConfig.create(ckpt, plugins=("atom-plugin",))
-    with WorkerGroup.spawn("rtpcore.shard:build_shard", config, world_size, plan=config.plan) as group:
+    with WorkerGroup.spawn("rtpcore.engine.rank:build_shard", config, world_size, plan=config.plan) as group:
         group.run("allocate", BLOCKS)
         runner = PagedRunner(GroupModel(group), group.local.kv_cache_specs)
         batched, _ = runner.run(PROMPTS, N_NEW)

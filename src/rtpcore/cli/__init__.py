@@ -56,7 +56,7 @@ def _show_warning(
     line: str | None = None,
 ) -> None:
     """Print rtpcore's own warnings (e.g. an ignored environment variable) as one line."""
-    from rtpcore.allowlist import IgnoredEnvironmentWarning
+    from rtpcore.plugins.allowlist import IgnoredEnvironmentWarning
 
     if issubclass(category, IgnoredEnvironmentWarning):
         print(f"rtpcore: warning: {message}", file=sys.stderr)
@@ -68,7 +68,7 @@ _default_show_warning: Any = warnings.showwarning
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rtpcore.allowlist import IgnoredEnvironmentWarning
+    from rtpcore.plugins.allowlist import IgnoredEnvironmentWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("always", IgnoredEnvironmentWarning)  # allowlist already dedups

@@ -1,7 +1,7 @@
 """``rtpcore generate``: run a checkpoint (or a demo model) on one prompt.
 
 A thin shell over :meth:`rtpcore.Engine.from_pretrained` and
-:func:`rtpcore.demo.demo_checkpoint`. torch is imported only when the command runs.
+:func:`rtpcore.cli.demo.demo_checkpoint`. torch is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rtpcore.allowlist import Allowlist, add_allowlist_arguments
 from rtpcore.errors import RtpcoreError
+from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
 __all__ = ["add_parser"]
 
@@ -70,7 +70,7 @@ def _load_tokenizer(path: Path, demo: bool) -> Any | None:
         else:
             return Tokenizer.from_file(str(file))
     if demo:
-        from rtpcore.demo import ByteTokenizer
+        from rtpcore.cli.demo import ByteTokenizer
 
         return ByteTokenizer()
     return None
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     allow = Allowlist.from_args(args)  # validates before anything is imported
-    from rtpcore.demo import NOTICE, demo_checkpoint
+    from rtpcore.cli.demo import NOTICE, demo_checkpoint
     from rtpcore.engine import Engine
 
     plugins = [str(r) for r in allow.plugins]

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from rtpcore.allowlist import Allowlist, add_allowlist_arguments
+from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
 __all__ = ["add_parser", "parse_bytes"]
 
@@ -88,8 +88,8 @@ def add_parser(subparsers: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from rtpcore.checkpoint import read_hf_config
-    from rtpcore.kv_cache import kv_cache_specs, plan_blocks, resolve_kv_cache_dtype
-    from rtpcore.loading import load_plugins
+    from rtpcore.kv.specs import kv_cache_specs, plan_blocks, resolve_kv_cache_dtype
+    from rtpcore.plugins.loading import load_plugins
 
     allowlist = Allowlist.from_args(args)
     registry = load_plugins(allowlist.resolve())

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
-from rtpcore.allowlist import (
+from rtpcore.plugins.allowlist import (
     Allowlist,
     add_allowlist_arguments,
     external_model_packages_arg,
@@ -81,8 +81,8 @@ def report_rows(allowlist: Allowlist, *, requested_only: bool = False) -> list[d
     other installed plugin (state ``not-requested``, or ``shadowed``), never imported."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from rtpcore.discovery import installed_plugins
-    from rtpcore.loading import BUILTIN_PLUGIN, load_report
+    from rtpcore.plugins.discovery import installed_plugins
+    from rtpcore.plugins.loading import BUILTIN_PLUGIN, load_report
 
     report = load_report(allowlist.resolve(strict=False))
     installed = installed_plugins()

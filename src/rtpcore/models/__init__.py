@@ -1,10 +1,17 @@
-"""The built-in models, registered through the same hook path as any external plugin."""
+"""The built-in models and the layers model authors reuse.
+
+``llama`` is the built-in Llama family's ModelPlugin (``llama_config`` its checked
+config, ``llama_modules`` its torch forward over the paged KV cache); ``layers``
+holds :class:`~rtpcore.models.layers.Linear`. The built-ins are registered here,
+through the same hook path as any external plugin; the engine reaches them only
+through the registry.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rtpcore.hooks import hookimpl
+from rtpcore.plugins.hooks import hookimpl
 
 
 @hookimpl

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from atom_plugin.config import DeepseekConfig
-from rtpcore.plugin import ModelPlugin
+from rtpcore.plugins.model_plugin import ModelPlugin
 
 __all__ = ["DeepseekV2Plugin", "DeepseekV3Plugin"]
 
@@ -168,7 +168,7 @@ class DeepseekV3Plugin(ModelPlugin):
     ) -> Any:
         """The torch module (see :mod:`atom_plugin.model` for the forward contract).
 
-        ``parallel`` (an ``rtpcore.distributed.ParallelContext``): build this
+        ``parallel`` (an ``rtpcore.parallel.context.ParallelContext``): build this
         rank's shard from the config and weight slices of
         :meth:`tensor_parallel_shard`.
         """

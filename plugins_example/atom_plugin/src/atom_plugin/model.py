@@ -1,11 +1,11 @@
 """``DeepseekModel``: the decoder stack, following rtpcore's forward contract.
 
-``logits = model(batch, kv_caches)``: ``batch`` is an ``rtpcore.batch.ForwardBatch``
-(T new tokens of B sequences), ``kv_caches`` one ``rtpcore.paged_cache.LayerKVCache``
+``logits = model(batch, kv_caches)``: ``batch`` is an ``rtpcore.engine.batch.ForwardBatch``
+(T new tokens of B sequences), ``kv_caches`` one ``rtpcore.kv.pools.LayerKVCache``
 per layer (MLA: k = latent ``c_kv``, v = roped ``k_pe``), logits are (B, vocab)
 float32, one row per sequence after its last new token.
 
-Built with ``parallel`` (an ``rtpcore.distributed.ParallelContext`` of more
+Built with ``parallel`` (an ``rtpcore.parallel.context.ParallelContext`` of more
 than one rank) from a sharded config and its weight slices (see
 :mod:`atom_plugin.tensor_parallel`), every rank runs this same forward on its
 shard and returns the full logits.
@@ -32,7 +32,7 @@ from atom_plugin.layers import (
     rope_inv_freq,
 )
 from atom_plugin.mla import MLAttention, StepTensors
-from rtpcore.parallel_layers import GatherColumns
+from rtpcore.parallel.layers import GatherColumns
 
 __all__ = ["DecoderLayer", "DeepseekModel"]
 

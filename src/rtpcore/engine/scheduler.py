@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
-from rtpcore.batch import ForwardBatch
+from rtpcore.engine.batch import ForwardBatch
 from rtpcore.errors import EngineClosedError, KVBlockError
 
 __all__ = ["BlockAllocator", "RunningSequence", "Scheduler", "blocks_needed"]

@@ -14,7 +14,7 @@ Where the secret comes from:
 * Ranks spawned by the engine (one machine): rank 0 draws a fresh one with
   :func:`secrets.token_bytes` and hands it to each rank in its start arguments,
   over the multiprocessing spawn pipe.
-* Ranks launched separately (``env://``, ``python -m rtpcore.workers``): every
+* Ranks launched separately (``env://``, ``python -m rtpcore.parallel.leader``): every
   rank reads the file named by the environment variable ``RTPCORE_SECRET_FILE``
   (an environment variable because launchers such as ``torchrun`` pass the same
   environment to every rank; it names a secret, it is not plugin configuration).

@@ -1,6 +1,6 @@
 """The Llama-family forward over a paged KV cache (torch modules).
 
-Follows the forward contract of ``rtpcore.plugin``: ``model(batch, kv_caches)``
+Follows the forward contract of ``rtpcore.plugins.model_plugin``: ``model(batch, kv_caches)``
 returns (B, vocab) logits of each sequence's last new token. Numerics mirror
 Hugging Face transformers (RMSNorm in float32, RoPE tables computed in float32
 then cast, softmax in float32). Shapes: T flat tokens, B sequences, Tq padded
@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpcore.layers import Linear
-from rtpcore.models.llama import LlamaConfig, rope_inv_freq
-from rtpcore.parallel_layers import GatherColumns, row_parallel
+from rtpcore.models.layers import Linear
+from rtpcore.models.llama_config import LlamaConfig, rope_inv_freq
+from rtpcore.parallel.layers import GatherColumns, row_parallel
 
 if TYPE_CHECKING:
-    from rtpcore.batch import ForwardBatch
-    from rtpcore.paged_cache import LayerKVCache
+    from rtpcore.engine.batch import ForwardBatch
+    from rtpcore.kv.pools import LayerKVCache
 
 __all__ = ["LlamaModel"]
 

@@ -14,7 +14,7 @@ Rendezvous goes through a ``torch.distributed.TCPStore``, either
   environment, as ``torchrun`` sets them (:func:`env_store`, ``env://``).
 
 Either way the store comes as a :class:`Rendezvous`, which pairs it with the
-engine's secret (``rtpcore.sealing``): a fresh one for spawned ranks, handed to
+engine's secret (``rtpcore.parallel.sealing``): a fresh one for spawned ranks, handed to
 them in their start arguments; for ``env://`` the file named by
 ``RTPCORE_SECRET_FILE``, without which ``MASTER_ADDR`` must be a loopback
 address. Every object a context sends (``broadcast_object``, ``gather_objects``)
@@ -31,7 +31,7 @@ several contexts, e.g. two engines, can live in one process):
               step, which has the long ``idle_timeout``.
 ``compute``   the tensor collectives: nccl when every rank has CUDA, else ``cpu``.
 
-The store also carries failure reports (see ``rtpcore.workers``), so it is kept
+The store also carries failure reports (see ``rtpcore.parallel.leader``), so it is kept
 on the context.
 """
 
@@ -50,7 +50,14 @@ import torch.distributed as dist
 from attrs import field, frozen
 
 from rtpcore.errors import CollectiveError, RtpcoreError
-from rtpcore.sealing import BadSeal, env_secret, is_loopback, new_secret, seal_object, unseal_object
+from rtpcore.parallel.sealing import (
+    BadSeal,
+    env_secret,
+    is_loopback,
+    new_secret,
+    seal_object,
+    unseal_object,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -396,7 +403,7 @@ def env_store(timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[Rendezvous, int, in
 
     The secret comes from the file named by ``RTPCORE_SECRET_FILE``; without it,
     MASTER_ADDR must be a loopback address (RtpcoreError otherwise) and rank 0's
-    store listens on that address only (see ``rtpcore.sealing``).
+    store listens on that address only (see ``rtpcore.parallel.sealing``).
     """
     values = {}
     for name in _ENV_VARS:

@@ -4,7 +4,7 @@ Every rank of an engine holds one :class:`EngineShard`, built from the engine's
 resolved, picklable :class:`~rtpcore.engine.EngineConfig` (which carries the
 plugin plan). Rank 0 is the engine's own process; with
 ``tensor_parallel_size > 1`` ranks 1..N-1 are worker processes that build the
-same object from the config they received at start (see ``rtpcore.workers``),
+same object from the config they received at start (see ``rtpcore.parallel.leader``),
 so a worker never discovers plugins: it loads the parent's plan.
 
 Tensor parallelism is the model plugin's business, through one optional
@@ -16,7 +16,7 @@ classmethod::
 it is what ``kv_cache_descs`` and ``build_model`` receive. ``slices`` maps
 weight patterns to ``(dim, start, stop)``: the checkpoint reader loads only
 those parts of those tensors. ``build_model`` also receives ``parallel``, the
-rank's :class:`~rtpcore.distributed.ParallelContext`, whose ``all_reduce`` /
+rank's :class:`~rtpcore.parallel.context.ParallelContext`, whose ``all_reduce`` /
 ``all_gather`` finish row-parallel and vocabulary-parallel layers.
 """
 
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from rtpcore.distributed import ParallelContext
+from rtpcore.engine.memory import memory_limit
 from rtpcore.errors import RtpcoreError
-from rtpcore.host_memory import memory_limit
-from rtpcore.layers import linear_kernels
+from rtpcore.models.layers import linear_kernels
+from rtpcore.parallel.context import ParallelContext
 
 __all__ = ["EngineShard", "build_shard"]
 
@@ -47,9 +47,9 @@ class EngineShard:
 
     def __init__(self, ctx: ParallelContext, config: Any):
         from rtpcore.checkpoint import load_checkpoint, read_hf_config
-        from rtpcore.checkpoint_quant import Fp8BlockQuantization
-        from rtpcore.kv_cache import kv_cache_specs
-        from rtpcore.loading import load_plugins
+        from rtpcore.checkpoint.quantized import Fp8BlockQuantization
+        from rtpcore.kv.specs import kv_cache_specs
+        from rtpcore.plugins.loading import load_plugins
 
         self.ctx = ctx
         self.config = config
@@ -94,7 +94,7 @@ class EngineShard:
 
     def allocate(self, num_blocks: int) -> None:
         """Preallocate ``num_blocks`` KV blocks per layer (rank 0 decides the number)."""
-        from rtpcore.paged_cache import allocate_kv_caches
+        from rtpcore.kv.pools import allocate_kv_caches
 
         self.kv_caches = []  # free the old pools before allocating new ones
         self.kv_caches = allocate_kv_caches(
@@ -127,7 +127,7 @@ class EngineShard:
 
 
 def build_shard(ctx: ParallelContext, config: Any) -> EngineShard:
-    """The worker-group factory of an engine (``"rtpcore.shard:build_shard"``)."""
+    """The worker-group factory of an engine (``"rtpcore.engine.rank:build_shard"``)."""
     return EngineShard(ctx, config)
 
 
@@ -158,7 +158,7 @@ FP32_COPY_MEMORY_FRACTION = 0.25
 def _fp32_batched_linear(config: Any, weights: Mapping[str, torch.Tensor], device: Any) -> bool | None:
     """The engine's ``fp32_batched_linear``; when automatic (None), False if float32 copies
     of this rank's bf16/fp16 weights would take more than FP32_COPY_MEMORY_FRACTION of the
-    memory limit, else None (each Linear decides by the CPU's instructions, rtpcore.layers)."""
+    memory limit, else None (each Linear decides by the CPU's instructions, rtpcore.models.layers)."""
     choice = config.fp32_batched_linear
     if choice is not None or torch.device(device or "cpu").type != "cpu":
         return choice

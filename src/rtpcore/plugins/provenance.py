@@ -32,7 +32,7 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 from rtpcore.errors import PluginConflictError
-from rtpcore.resolution import PlanEntry
+from rtpcore.plugins.resolution import PlanEntry
 
 __all__ = ["check_origin", "module_origins"]
 

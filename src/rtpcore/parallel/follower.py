@@ -4,12 +4,12 @@ A follower joins the process groups, loads the plugin plan it was given (no
 discovery), builds its local object with ``factory(ctx, spec)``, then executes
 rank 0's :class:`Step` messages in lockstep until rank 0 stops it. It writes a
 failure report to the rendezvous store and exits on any exception (see
-``rtpcore.worker_failures``); a spawned follower also exits when its parent
-process dies. Rank 0's side is ``rtpcore.workers``.
+``rtpcore.parallel.failures``); a spawned follower also exits when its parent
+process dies. Rank 0's side is ``rtpcore.parallel.leader``.
 
 A spawned follower receives the engine's secret in its :class:`StartArgs`,
 over the spawn pipe; every message it receives is checked with it before it is
-unpickled (``rtpcore.sealing``).
+unpickled (``rtpcore.parallel.sealing``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from attrs import field, frozen
 
-from rtpcore.distributed import ParallelContext, Rendezvous, connect_store, init_parallel
-from rtpcore.worker_failures import report_failure
+from rtpcore.parallel.context import ParallelContext, Rendezvous, connect_store, init_parallel
+from rtpcore.parallel.failures import report_failure
 
 __all__ = ["Factory", "Step", "execute", "follow", "resolve_factory"]
 
@@ -96,7 +96,7 @@ def follow(
         )
         factory, spec, plan = ctx.broadcast_object() if build is None else build
         if plan is not None:
-            from rtpcore.loading import load_plugins
+            from rtpcore.plugins.loading import load_plugins
 
             load_plugins(plan)
         local = resolve_factory(factory)(ctx, spec)

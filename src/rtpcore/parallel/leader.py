@@ -13,21 +13,21 @@ up to the long idle timeout); each follower calls ``getattr(local, method)(paylo
 and acknowledges with a barrier under the bounded timeout, so the call returns
 only when every rank is done.
 
-Followers (``rtpcore.follower``) are started with the multiprocessing ``spawn``
+Followers (``rtpcore.parallel.follower``) are started with the multiprocessing ``spawn``
 method and receive the spec and the resolved plugin plan as start arguments;
 they call ``load_plugins(plan)`` (no discovery scan) before building. Under
 ``torchrun`` (``env://``), :meth:`WorkerGroup.join_env` is the same code path:
 rank 0 gets the group and sends the others factory, spec and plan; they serve
-steps until rank 0 closes it (``python -m rtpcore.workers``).
+steps until rank 0 closes it (``python -m rtpcore.parallel.leader``).
 
 Rank 0 and the followers accept objects only from each other: every message and
 failure report is sealed with a per-engine secret and checked before it is
-unpickled (``rtpcore.sealing``). Spawned followers get the secret over the spawn
+unpickled (``rtpcore.parallel.sealing``). Spawned followers get the secret over the spawn
 pipe; ``env://`` ranks read the file named by ``RTPCORE_SECRET_FILE`` and,
 without one, meet on a loopback MASTER_ADDR only.
 
 Failures never hang: a follower that raises reports ``(rank, exception,
-traceback)`` through the rendezvous store (``rtpcore.worker_failures``) and exits,
+traceback)`` through the rendezvous store (``rtpcore.parallel.failures``) and exits,
 which breaks rank 0's pending collective at once (a
 :class:`~rtpcore.errors.CollectiveError`); a killed follower shows in its process
 sentinel; a silent one hits the bounded timeout. Rank 0 then raises
@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from rtpcore.distributed import (
+from rtpcore.errors import CollectiveError, RtpcoreError, WorkerError
+from rtpcore.parallel.context import (
     DEFAULT_TIMEOUT,
     IDLE_TIMEOUT,
     ParallelContext,
@@ -58,8 +59,8 @@ from rtpcore.distributed import (
     init_parallel,
     local_store,
 )
-from rtpcore.errors import CollectiveError, RtpcoreError, WorkerError
-from rtpcore.follower import (
+from rtpcore.parallel.failures import describe_exit, read_failures
+from rtpcore.parallel.follower import (
     JOINED,
     RAISE,
     STOP,
@@ -71,7 +72,6 @@ from rtpcore.follower import (
     resolve_factory,
     spawned_main,
 )
-from rtpcore.worker_failures import describe_exit, read_failures
 
 __all__ = ["Step", "WorkerGroup", "serve"]
 
@@ -195,7 +195,7 @@ class WorkerGroup:
         if factory is None:
             raise RtpcoreError(
                 "this process is RANK=0, which leads the group and must name what every rank "
-                "builds: WorkerGroup.join_env(factory, spec); rtpcore.workers.serve() is for ranks > 0"
+                "builds: WorkerGroup.join_env(factory, spec); rtpcore.parallel.leader.serve() is for ranks > 0"
             )
         group = cls(world_size, {}, store)
         try:
@@ -414,7 +414,7 @@ def serve(
     idle_timeout: timedelta = IDLE_TIMEOUT,
 ) -> None:
     """Be rank RANK (> 0) of an ``env://`` group: build what rank 0 sends, follow its
-    steps until it closes the group. ``python -m rtpcore.workers`` calls this.
+    steps until it closes the group. ``python -m rtpcore.parallel.leader`` calls this.
 
     ``device`` None follows rank 0: the group uses nccl only if every rank, rank 0
     included, asks for (or allows) CUDA and has a GPU of its own.

@@ -1,4 +1,4 @@
-"""Loading: import exactly the entries of a :class:`~rtpcore.resolution.Plan` and run their hooks.
+"""Loading: import exactly the entries of a :class:`~rtpcore.plugins.resolution.Plan` and run their hooks.
 
 One pluggy ``PluginManager("rtpcore")`` per plan; the built-in models are registered first,
 as the plugin ``rtpcore.models``, through the same path as every external plugin. Each
@@ -10,7 +10,7 @@ failure; :func:`load_report` loads as much as it can and reports every outcome.
 No discovery scan happens here: a worker process given a parent's plan reads one metadata
 folder per entry to check that the version is still the one resolved. Before an entry is
 imported, the file its module would come from must be its distribution's
-(:mod:`rtpcore.provenance`); a same-named module elsewhere on the path makes it
+(:mod:`rtpcore.plugins.provenance`); a same-named module elsewhere on the path makes it
 ``shadowed``, and that file is never executed.
 """
 
@@ -24,7 +24,6 @@ from typing import Any
 import pluggy
 from attrs import evolve, field, frozen
 
-from rtpcore import hooks, lookup, provenance
 from rtpcore.errors import (
     PluginConflictError,
     PluginError,
@@ -32,9 +31,11 @@ from rtpcore.errors import (
     PluginNotFoundError,
     PluginVersionError,
 )
-from rtpcore.recording import Provider, first_line
-from rtpcore.registry import ModelRegistry
-from rtpcore.resolution import Plan, PlanEntry
+from rtpcore.plugins import hooks, provenance
+from rtpcore.plugins import metadata as lookup
+from rtpcore.plugins.registration import Provider, first_line
+from rtpcore.plugins.registry import ModelRegistry
+from rtpcore.plugins.resolution import Plan, PlanEntry
 
 __all__ = ["BUILTIN_PLUGIN", "LoadOutcome", "LoadReport", "load_plugins", "load_report"]
 

@@ -1,10 +1,10 @@
 """Torch modules that finish tensor-parallel layers with a collective.
 
 A model shard built for ``tensor_parallel_size > 1`` holds slices of its
-weights (see ``rtpcore.sharding``). Two kinds of layer need a collective on
+weights (see ``rtpcore.parallel.sharding``). Two kinds of layer need a collective on
 their output; these wrappers add it around any linear module (``nn.Linear``,
 a model's own fast ``Linear``...), taking a
-:class:`~rtpcore.distributed.ParallelContext` as ``parallel``::
+:class:`~rtpcore.parallel.context.ParallelContext` as ``parallel``::
 
     o_proj = row_parallel(Linear, w["o_proj.weight"], w.get("o_proj.bias"), parallel)
     lm_head = GatherColumns(Linear(w["lm_head.weight"]), parallel)  # weight split by vocabulary

@@ -4,7 +4,7 @@ The engine's paged cache stores one ``uint8`` row of ``spec.bytes_per_token``
 bytes per token; this module writes and reads exactly the bytes that
 ``spec.regions`` describes::
 
-    codec = rtpcore.kv_packing.make_codec(spec, policy=None)  # also: scale=, headroom=
+    codec = rtpcore.kv.codecs.make_codec(spec, policy=None)  # also: scale=, headroom=
     rows = codec.pack(k, v)          # -> uint8 (T, spec.bytes_per_token), on k's device
     k, v = codec.unpack(rows, dtype) # -> tensors of ``dtype``
 

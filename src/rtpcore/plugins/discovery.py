@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from attrs import frozen
 
-from rtpcore.lookup import (
+from rtpcore.plugins.metadata import (
     ARCHITECTURE_GROUP,
     PLUGIN_GROUP,
     canonical_name,

@@ -25,10 +25,10 @@ import traceback
 from typing import TYPE_CHECKING
 
 from rtpcore.errors import WorkerError
-from rtpcore.sealing import BadSeal
+from rtpcore.parallel.sealing import BadSeal
 
 if TYPE_CHECKING:
-    from rtpcore.distributed import Rendezvous
+    from rtpcore.parallel.context import Rendezvous
 
 __all__ = ["describe_exit", "read_failures", "report_failure"]
 

@@ -2,7 +2,7 @@
 
 A :class:`RecordingView` is the ``registry`` argument plugin hooks receive. Each call is
 validated at once (a bad call raises ``PluginLoadError`` with state ``invalid``), and
-nothing reaches the :class:`~rtpcore.registry.ModelRegistry` until the whole plugin's hooks
+nothing reaches the :class:`~rtpcore.plugins.registry.ModelRegistry` until the whole plugin's hooks
 have returned: a plugin whose hook fails leaves no registration behind.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 from attrs import evolve, field, frozen
 
 from rtpcore.errors import PluginLoadError
-from rtpcore.plugin import ModelPlugin, model_plugin_problems
+from rtpcore.plugins.model_plugin import ModelPlugin, model_plugin_problems
 from rtpcore_native import BUILTIN_LAYOUTS
 
 __all__ = ["BUILTIN_LAYOUTS", "ModelRecord", "Provider", "RecordingView", "first_line"]

@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 from attrs import frozen
 
-from rtpcore.checkpoint_index import (
+from rtpcore.checkpoint.index import (
     CheckpointIndex,
     FileHeader,
     TensorInfo,
     build_index,
 )
-from rtpcore.checkpoint_patterns import PatternTable, WeightSelection
-from rtpcore.checkpoint_quant import Fp8BlockQuantization
+from rtpcore.checkpoint.patterns import PatternTable, WeightSelection
+from rtpcore.checkpoint.quantized import Fp8BlockQuantization
 from rtpcore.errors import CheckpointError, MissingTensorsError
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ Two pool kinds share that interface (``write(slots, k, v)``,
 * :class:`LayerKVCache`: fp32/fp16/bf16 specs, two typed tensors.
 * :class:`PackedLayerKVCache`: ``fp8_e4m3`` specs (MHA or MLA, any layout), one
   uint8 tensor of (slots, ``bytes_per_token``) rows packed and unpacked by the
-  spec's codec (``rtpcore.kv_packing.make_codec``). ``read`` returns
+  spec's codec (``rtpcore.kv.codecs.make_codec``). ``read`` returns
   ``compute_dtype`` tensors.
 
 :func:`allocate_kv_caches` picks the right kind for each spec.
@@ -86,7 +86,7 @@ class PackedLayerKVCache:
         codec: Any = None,
     ):
         if codec is None:
-            from rtpcore.kv_packing import make_codec
+            from rtpcore.kv.codecs import make_codec
 
             codec = make_codec(spec)
         self.spec = spec
@@ -101,7 +101,7 @@ class PackedLayerKVCache:
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize and store: slots (T,), k (T, *k_shape), v (T, *v_shape).
 
-        When packing raises the codec's per-tensor scale (``rtpcore.kv_packing``), the
+        When packing raises the codec's per-tensor scale (``rtpcore.kv.codecs``), the
         rows already in the pool are brought to the new scale first."""
         old = getattr(self.codec, "scale", None)
         rows = self.codec.pack(k, v)
@@ -138,7 +138,7 @@ def allocate_kv_caches(
         if s.dtype != "fp8_e4m3":
             caches.append(LayerKVCache(s, num_blocks, device=device))
             continue
-        from rtpcore.kv_packing import make_codec
+        from rtpcore.kv.codecs import make_codec
 
         custom = s.layout not in ("", *BUILTIN_LAYOUTS) and layouts is not None
         policy = layouts.get_layout(s.layout) if custom else None

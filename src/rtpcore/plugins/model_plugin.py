@@ -15,14 +15,14 @@ The engine calls, in order::
 With ``tensor_parallel_size > 1`` every rank first calls the optional
 ``Plugin.tensor_parallel_shard(config, rank, world_size)`` and uses the config it
 returns for the steps above; ``build_model`` then also receives ``parallel=ctx``
-(a ``rtpcore.distributed.ParallelContext``).
+(a ``rtpcore.parallel.context.ParallelContext``).
 
-Forward contract (the same for every model; see ``rtpcore.batch``)::
+Forward contract (the same for every model; see ``rtpcore.engine.batch``)::
 
     logits = model(batch, kv_caches)
-    # batch:     rtpcore.batch.ForwardBatch, the new tokens of every running sequence
+    # batch:     rtpcore.engine.batch.ForwardBatch, the new tokens of every running sequence
     #            concatenated (T tokens in all) with their positions and cache slots
-    # kv_caches: list[rtpcore.paged_cache.LayerKVCache], one per KVCacheSpecDesc, in order
+    # kv_caches: list[rtpcore.kv.pools.LayerKVCache], one per KVCacheSpecDesc, in order
     # logits:    (B, vocab) float tensor, one row per sequence: the logits after its last new token
 """
 
@@ -74,7 +74,7 @@ class ModelPlugin:
         and any placeholder with no range, matches any index and requires none
         (optional tensors): override this to require them.
         """
-        from rtpcore import config_fields
+        from rtpcore.plugins import config_fields
 
         fields = config if isinstance(config, Mapping) else {}
         if not isinstance(config, Mapping) and hasattr(config, "num_hidden_layers"):
@@ -121,9 +121,9 @@ class ModelPlugin:
 
         Returns this rank's config (e.g. ``num_attention_heads // world_size``) and
         the checkpoint slices the rank reads, ``{weight pattern: (dim, start, stop)}``
-        (``rtpcore.sharding`` computes them). ``build_model`` then also receives
-        ``parallel``, the rank's ``rtpcore.distributed.ParallelContext``: finish
-        row-parallel layers with ``parallel.all_reduce`` (``rtpcore.parallel_layers``).
+        (``rtpcore.parallel.sharding`` computes them). ``build_model`` then also receives
+        ``parallel``, the rank's ``rtpcore.parallel.context.ParallelContext``: finish
+        row-parallel layers with ``parallel.all_reduce`` (``rtpcore.parallel.layers``).
         Without an override, ``tensor_parallel_size > 1`` is refused.
         """
         raise NotImplementedError(f"{cls.__qualname__} does not support tensor parallelism")

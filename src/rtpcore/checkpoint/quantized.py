@@ -41,13 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 from attrs import frozen
 
-from rtpcore.checkpoint_patterns import PatternTable, WeightSelection
+from rtpcore.checkpoint.patterns import PatternTable, WeightSelection
 from rtpcore.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
 
-    from rtpcore.checkpoint_index import TensorInfo
+    from rtpcore.checkpoint.index import TensorInfo
 
 __all__ = [
     "SCALE_SUFFIX",

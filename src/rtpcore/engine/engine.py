@@ -3,19 +3,19 @@
 :meth:`Engine.from_pretrained` is the one place that wires the stages of
 docs/design.md §1 together: allowlist -> plan -> plugins -> model type -> config ->
 pruned checkpoint -> model -> KV specs -> preallocated cache. Scheduling lives
-in ``rtpcore.scheduler``, token choice in ``rtpcore.sampling``.
+in ``rtpcore.engine.scheduler``, token choice in ``rtpcore.engine.sampling``.
 
 KV memory: ``kv_cache_memory`` bytes when given; otherwise enough blocks for
 ``max_batch_size`` sequences of ``max_position_embeddings`` tokens each, capped
 at a quarter of the memory this process may use (physical RAM, or the cgroup
-memory limit when smaller: ``rtpcore.host_memory``) over all tensor-parallel
+memory limit when smaller: ``rtpcore.engine.memory``) over all tensor-parallel
 ranks (``kv_cache_memory`` itself is per rank). Requests are checked before anything runs: a
 prompt that could not fit even in an empty cache raises
 :class:`~rtpcore.errors.KVCacheCapacityError` naming it, and the engine stays
 usable. Admitted sequences reserve their blocks, so nothing is preempted.
 
 Threads: ``generate`` may be called from several threads at once. The calls
-share one block allocator (``rtpcore.scheduler``) and each runs its own
+share one block allocator (``rtpcore.engine.scheduler``) and each runs its own
 sequences, one step at a time; a lock serializes the steps, because the model's
 forward (and every rank's collectives) is not reentrant. A call whose requests
 fit an empty cache waits for blocks the other calls hold and never fails for
@@ -40,10 +40,10 @@ from typing import Any
 import attrs
 import torch
 
+from rtpcore.engine.sampling import SamplingParams, sample
+from rtpcore.engine.scheduler import BlockAllocator, Scheduler, blocks_needed
 from rtpcore.errors import EngineBuildError, EngineClosedError, KVCacheCapacityError, RtpcoreError
-from rtpcore.resolution import Plan, PlanEntry
-from rtpcore.sampling import SamplingParams, sample
-from rtpcore.scheduler import BlockAllocator, Scheduler, blocks_needed
+from rtpcore.plugins.resolution import Plan, PlanEntry
 
 __all__ = ["Engine", "EngineConfig"]
 
@@ -76,7 +76,7 @@ class EngineConfig:
     max_batch_size: int
     tensor_parallel_size: int
     # Whether bf16/fp16 linear layers keep a float32 copy for several-row inputs
-    # (rtpcore.layers, kernel "packed+fp32"); None: automatic, see rtpcore.shard.
+    # (rtpcore.models.layers, kernel "packed+fp32"); None: automatic, see rtpcore.engine.rank.
     fp32_batched_linear: bool | None = None
 
     @classmethod
@@ -97,8 +97,8 @@ class EngineConfig:
         fp32_batched_linear: bool | None = None,
     ) -> EngineConfig:
         """Validate the arguments and resolve the allowlist (imports no plugin)."""
-        from rtpcore.allowlist import Allowlist
-        from rtpcore.kv_cache import resolve_kv_cache_dtype
+        from rtpcore.kv.specs import resolve_kv_cache_dtype
+        from rtpcore.plugins.allowlist import Allowlist
 
         if dtype not in DTYPES:
             raise RtpcoreError(f"dtype {dtype!r} is not supported; choose one of {', '.join(map(repr, DTYPES))}")
@@ -143,9 +143,9 @@ class Engine:
     num_kv_blocks: int  # blocks per layer
     hf_config: dict[str, Any]  # the parsed config.json
     model_config: Any  # what the plugin's config_from_hf returned
-    model: Any  # the plugin's model (forward contract of rtpcore.plugin); None once closed
+    model: Any  # the plugin's model (forward contract of rtpcore.plugins.model_plugin); None once closed
     kv_caches: list[Any]  # one LayerKVCache / PackedLayerKVCache per layer
-    _group: Any  # rtpcore.workers.WorkerGroup: every rank's EngineShard (rank 0 here)
+    _group: Any  # rtpcore.parallel.leader.WorkerGroup: every rank's EngineShard (rank 0 here)
     max_positions: int
     vocab_size: int | None
     eos_token_ids: tuple[int, ...]
@@ -202,7 +202,7 @@ class Engine:
         self.kv_caches = []
         self.plugins = tuple(config.plan.entries)
         try:
-            # Every rank builds an EngineShard (rtpcore.shard) from the config: this process is
+            # Every rank builds an EngineShard (rtpcore.engine.rank) from the config: this process is
             # rank 0; with tensor_parallel_size > 1, ranks 1..N-1 are worker processes that load
             # exactly config.plan (no discovery) and build their part of the model.
             self._group = _start_ranks(config)
@@ -368,28 +368,28 @@ class Engine:
 def _start_ranks(config: EngineConfig) -> Any:
     """The worker group of every rank's EngineShard: spawned on this machine, or, when
     this process was launched for ``env://`` rendezvous (torchrun), joined as rank 0
-    with the other ranks running ``python -m rtpcore.workers``."""
-    from rtpcore.distributed import env_world_size
-    from rtpcore.workers import WorkerGroup
+    with the other ranks running ``python -m rtpcore.parallel.leader``."""
+    from rtpcore.parallel.context import env_world_size
+    from rtpcore.parallel.leader import WorkerGroup
 
     n = config.tensor_parallel_size
     world = env_world_size() if n > 1 else None
     if world is None:
-        return WorkerGroup.spawn("rtpcore.shard:build_shard", config, n, plan=config.plan)
+        return WorkerGroup.spawn("rtpcore.engine.rank:build_shard", config, n, plan=config.plan)
     rank = int(os.environ["RANK"])
     if world != n or rank != 0:
         raise RtpcoreError(
             f"tensor_parallel_size={n} under env:// rendezvous needs WORLD_SIZE={n} and this "
             f"process to be RANK=0 (got WORLD_SIZE={world}, RANK={rank}); "
-            "ranks > 0 run `python -m rtpcore.workers`"
+            "ranks > 0 run `python -m rtpcore.parallel.leader`"
         )
-    return WorkerGroup.join_env("rtpcore.shard:build_shard", config, plan=config.plan)
+    return WorkerGroup.join_env("rtpcore.engine.rank:build_shard", config, plan=config.plan)
 
 
 def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int) -> int:
     """Blocks per layer for ``kv_cache_memory`` or the documented default."""
-    from rtpcore.host_memory import memory_limit
-    from rtpcore.kv_cache import plan_blocks
+    from rtpcore.engine.memory import memory_limit
+    from rtpcore.kv.specs import plan_blocks
 
     block_bytes = sum(s.block_bytes for s in specs)
     memory = config.kv_cache_memory
@@ -410,7 +410,7 @@ def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int)
 def _max_positions(hf: dict[str, Any]) -> int:
     """``max_position_embeddings`` of config.json, the longest sequence the engine admits;
     ``DEFAULT_MAX_POSITIONS`` when missing or null."""
-    from rtpcore import config_fields
+    from rtpcore.plugins import config_fields
 
     return config_fields.optional_int(hf, "max_position_embeddings", DEFAULT_MAX_POSITIONS, null_ok=True)
 
@@ -421,7 +421,7 @@ def _eos_token_ids(hf: dict[str, Any], path: Path) -> tuple[int, ...]:
     ``ConfigFieldError`` naming the file."""
     import json
 
-    from rtpcore import config_fields
+    from rtpcore.plugins import config_fields
 
     gen = path / "generation_config.json"
     if gen.is_file():

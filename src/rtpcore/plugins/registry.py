@@ -1,6 +1,6 @@
 """The ModelRegistry: model types, architectures and KV layouts, each with its provenance.
 
-Plugins register through a :class:`~rtpcore.recording.RecordingView` handed to their hooks;
+Plugins register through a :class:`~rtpcore.plugins.registration.RecordingView` handed to their hooks;
 :meth:`ModelRegistry.commit` then applies all of one plugin's registrations or none.
 Rules: the identical class again is a no-op; built-ins only fill empty slots; an external
 plugin takes a built-in architecture only through ``replaces``; two external providers of
@@ -21,8 +21,14 @@ from rtpcore.errors import (
     UnknownArchitectureError,
     UnknownModelTypeError,
 )
-from rtpcore.plugin import ModelPlugin, model_plugin_problems
-from rtpcore.recording import BUILTIN_LAYOUTS, ModelRecord, Provider, RecordingView, first_line
+from rtpcore.plugins.model_plugin import ModelPlugin, model_plugin_problems
+from rtpcore.plugins.registration import (
+    BUILTIN_LAYOUTS,
+    ModelRecord,
+    Provider,
+    RecordingView,
+    first_line,
+)
 
 __all__ = ["BUILTIN_LAYOUTS", "ModelRecord", "ModelRegistry", "Provider"]
 
@@ -176,7 +182,7 @@ class ModelRegistry:
                 if name in self._arch:
                     return self._arch[name]
             known = sorted(self._arch)
-        from rtpcore.discovery import architecture_hints
+        from rtpcore.plugins.discovery import architecture_hints
 
         hints = architecture_hints(archs)
         message = (

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 from attrs import field, frozen
 
 from rtpcore.errors import AllowlistError
-from rtpcore.lookup import canonical_name
+from rtpcore.plugins.metadata import canonical_name
 
 if TYPE_CHECKING:
     from packaging.specifiers import SpecifierSet
 
-    from rtpcore.resolution import Plan
+    from rtpcore.plugins.resolution import Plan
 
 __all__ = [
     "IGNORED_ENV_VARS",
@@ -256,13 +256,13 @@ class Allowlist:
         )
 
     def resolve(self, *, strict: bool = True, path: Iterable[str] | None = None) -> Plan:
-        """Resolve into a frozen, picklable :class:`~rtpcore.resolution.Plan`; imports nothing.
+        """Resolve into a frozen, picklable :class:`~rtpcore.plugins.resolution.Plan`; imports nothing.
 
         With ``strict`` (the default) the first failed request raises its error
         (PluginNotFoundError, PluginVersionError, PluginConflictError); otherwise the
         failures are recorded in ``plan.failures``. ``path`` defaults to ``sys.path``.
         """
-        from rtpcore.resolution import resolve
+        from rtpcore.plugins.resolution import resolve
 
         return resolve(self, strict=strict, path=path)
 

@@ -52,8 +52,8 @@ def demo_checkpoint(
     cache_dir: Path | None = None,
 ) -> Path:
     """The demo checkpoint of the model type ``name`` served under this allowlist."""
-    from rtpcore.allowlist import Allowlist
-    from rtpcore.loading import load_plugins
+    from rtpcore.plugins.allowlist import Allowlist
+    from rtpcore.plugins.loading import load_plugins
 
     registry = load_plugins(Allowlist.from_cli(plugins, external_model_packages).resolve())
     return ensure_demo_checkpoint(registry.get(name), cache_dir=cache_dir)
@@ -121,7 +121,7 @@ def _expand(
     patterns: Sequence[str], ranges: Mapping[str, list[int]], shapes: Mapping[str, Sequence[int]]
 ) -> dict[str, tuple[int, ...]]:
     """Exact tensor names (and shapes) of the required patterns; optional ones are skipped."""
-    from rtpcore.checkpoint_patterns import Pattern
+    from rtpcore.checkpoint.patterns import Pattern
 
     sets = {name: frozenset(values) for name, values in ranges.items()}
     out: dict[str, tuple[int, ...]] = {}

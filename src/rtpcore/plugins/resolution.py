@@ -1,9 +1,9 @@
-"""Resolution: an :class:`~rtpcore.allowlist.Allowlist` becomes a frozen, picklable :class:`Plan`.
+"""Resolution: an :class:`~rtpcore.plugins.allowlist.Allowlist` becomes a frozen, picklable :class:`Plan`.
 
-Nothing is imported here. Distribution names are looked up directly (:mod:`rtpcore.lookup`:
+Nothing is imported here. Distribution names are looked up directly (:mod:`rtpcore.plugins.metadata`:
 only the requested distribution's metadata is read), so the cost does not grow with the
 number of installed distributions. Only an item that names no distribution falls back to a
-scan of the ``rtpcore.plugins`` entry points (:mod:`rtpcore.discovery`). Specifiers are
+scan of the ``rtpcore.plugins`` entry points (:mod:`rtpcore.plugins.discovery`). Specifiers are
 checked against the installed version here, before any import.
 """
 
@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from attrs import field, frozen
 
-from rtpcore import lookup
 from rtpcore.errors import (
     PluginConflictError,
     PluginError,
@@ -23,10 +22,11 @@ from rtpcore.errors import (
     PluginNotFoundError,
     PluginVersionError,
 )
-from rtpcore.lookup import PLUGIN_GROUP
+from rtpcore.plugins import metadata as lookup
+from rtpcore.plugins.metadata import PLUGIN_GROUP
 
 if TYPE_CHECKING:
-    from rtpcore.allowlist import Allowlist, PluginRequest
+    from rtpcore.plugins.allowlist import Allowlist, PluginRequest
 
 __all__ = [
     "PLUGIN_GROUP",
@@ -226,7 +226,7 @@ def _entry_point_fallback(
     request: PluginRequest, item: str, path: Sequence[str] | None
 ) -> tuple[str, str] | PlanFailure:
     """An item naming no distribution may name exactly one ``rtpcore.plugins`` entry point."""
-    from rtpcore.discovery import installed_plugins  # the one scan, only on this path
+    from rtpcore.plugins.discovery import installed_plugins  # the one scan, only on this path
 
     log.debug("no distribution named %r; scanning %s entry points", request.name, PLUGIN_GROUP)
     matches = [p for p in installed_plugins(path) if p.name == request.name]

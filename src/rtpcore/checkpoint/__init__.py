@@ -1,0 +1,19 @@
+"""Stage 2, checkpoint: config.json and the safetensors weights a model needs.
+
+``index`` validates safetensors headers and indexes the checkpoint without reading
+tensors;
+``patterns`` expands a plugin's weight patterns into the exact tensor names;
+``loader`` reads only the shards and tensors those names need (``quantized``
+dequantizes fp8 block-quantized weights on the way). It hands the model stage a
+name -> tensor mapping.
+"""
+
+from rtpcore.checkpoint.loader import (
+    LoadedWeights,
+    LoadStats,
+    WeightSelection,
+    load_checkpoint,
+    read_hf_config,
+)
+
+__all__ = ["LoadStats", "LoadedWeights", "WeightSelection", "load_checkpoint", "read_hf_config"]

@@ -1,0 +1,196 @@
+"""Building blocks for model authors: ``Linear``, a frozen linear layer on the fastest kernel.
+
+``Linear(weight, bias=None)`` computes ``y = x @ weight.T + bias`` as
+``torch.nn.functional.linear`` does, on the fastest kernel torch offers for that
+on this machine. Use it for every projection of a model served by rtpcore
+(built-in models do; so does the ``atom-plugin`` example)::
+
+    from rtpcore.models.layers import Linear
+    from rtpcore.parallel.layers import row_parallel
+
+    self.qkv = Linear(w["qkv.weight"].to(dtype))                       # (out, in)
+    self.o = row_parallel(Linear, w["o.weight"].to(dtype), None, parallel)  # sharded or not
+
+The kernels, and what each promises (``layer.kernel`` says which one runs):
+
+* ``"plain"`` -- **float32**, any device other than the CPU, or a build without
+  oneDNN: ``F.linear`` on the weight as given (no copy: the layer holds the tensor
+  you pass, so views into a larger stacked tensor stay views). Bit-identical to
+  ``F.linear``; Hugging Face transformers computes float32 projections with this
+  same kernel, which is what keeps float32 greedy tokens identical to it.
+* ``"packed"`` -- **bf16 / fp16 on the CPU.** ``F.linear`` re-lays the weight out
+  on every call; oneDNN can lay it out once (``torch.ops.mkldnn._reorder_linear_weight``)
+  and reuse it, about 1.5x faster at decode batch sizes. Both accumulate in float32
+  and round once to the weight's dtype, but their summation orders may differ, so
+  an output element can differ from ``F.linear``'s by one rounding step of that
+  dtype (whether it does depends on the CPU and the data: on CPUs without bf16
+  instructions it does, on a few elements in a thousand). No bit-exactness is claimed.
+* ``"packed+fp32"`` -- ``"packed"`` for one-row inputs (decode at batch 1), plus a
+  float32 prepacked copy of the weight for inputs of several rows (batched decode,
+  prefill): the input is widened to float32, multiplied on float32 hardware and the
+  result rounded to the weight's dtype. On CPUs without bf16 (fp16) dot-product
+  instructions oneDNN emulates reduced-precision GEMMs, and the float32 kernel is
+  about twice as fast from two rows on. It costs a float32 copy of the weight
+  (three times the bytes of a bf16 weight), so it is chosen only on such CPUs and
+  only where the host allows it (:func:`linear_kernels`; the Engine's
+  ``fp32_batched_linear`` option). Same tolerance as ``"packed"``.
+
+The weight and bias are non-persistent buffers (the checkpoint, not the module's
+state dict, is the source of truth); a packed weight is opaque: read
+``in_features`` / ``out_features``, not ``weight.shape``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Linear", "cpu_has_native_dot", "linear_kernels", "packed_linear_supported"]
+
+logger = logging.getLogger(__name__)
+
+# Whether Linear may keep a float32 copy for several-row inputs: None = automatic
+# (only on CPUs without native bf16/fp16 dot products). Set with linear_kernels().
+_BATCHED_FP32: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "rtpcore_linear_batched_fp32", default=None
+)
+
+# cpuinfo flags of native reduced-precision dot products, and the oneDNN ISA names
+# (ONEDNN_MAX_CPU_ISA) below which oneDNN does not use them.
+_NATIVE_FLAGS = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16"),
+}
+_ISAS_WITHOUT_NATIVE_DOT = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+class Linear(nn.Module):
+    """A frozen linear layer; ``weight`` is (out, in), ``bias`` (out,) or None.
+
+    Inputs are (..., in) in the weight's dtype; outputs (..., out) in that dtype.
+    ``kernel`` is ``"plain"``, ``"packed"`` or ``"packed+fp32"`` (see the module doc).
+    """
+
+    weight: torch.Tensor  # (out, in), or oneDNN's packed form of it
+    bias: torch.Tensor | None
+    weight_fp32: torch.Tensor | None  # oneDNN's packed float32 copy ("packed+fp32")
+    bias_fp32: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if weight.dim() != 2:
+            raise ValueError(f"Linear weight must be 2-D (out, in); got shape {tuple(weight.shape)}")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"Linear bias must have shape ({weight.shape[0]},) to match weight {tuple(weight.shape)}; "
+                f"got {tuple(bias.shape)}"
+            )
+        self.out_features, self.in_features = weight.shape
+        self.packed = weight.device.type == "cpu" and packed_linear_supported(weight.dtype)
+        batched_fp32 = False
+        if self.packed:
+            allowed = _BATCHED_FP32.get()
+            batched_fp32 = not cpu_has_native_dot(weight.dtype) if allowed is None else allowed
+        fp32_weight = fp32_bias = None
+        if batched_fp32:
+            try:
+                fp32_weight = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), 1)
+            except RuntimeError as exc:  # a oneDNN build without float32 packing: "packed" alone
+                logger.debug("float32 prepacked linear unavailable: %s", exc)
+                batched_fp32 = False
+            else:
+                fp32_bias = None if bias is None else bias.float()
+        if self.packed:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+        self.kernel = "packed+fp32" if batched_fp32 else "packed" if self.packed else "plain"
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("weight_fp32", fp32_weight, persistent=False)
+        self.register_buffer("bias_fp32", fp32_bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        if self.weight_fp32 is not None and x.numel() > self.in_features:  # several rows
+            y = torch.ops.mkldnn._linear_pointwise(x.float(), self.weight_fp32, self.bias_fp32, "none", [], "")
+            return y.to(x.dtype)
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
+
+
+@contextlib.contextmanager
+def linear_kernels(*, batched_fp32: bool | None) -> Iterator[None]:
+    """Within the block, :class:`Linear` layers built in this thread keep (True), never keep
+    (False) or automatically keep (None: on CPUs without native dot products for the
+    weight's dtype) a float32 copy for several-row inputs."""
+    token = _BATCHED_FP32.set(batched_fp32)
+    try:
+        yield
+    finally:
+        _BATCHED_FP32.reset(token)
+
+
+def cpu_has_native_dot(dtype: torch.dtype, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """True when this CPU has dot-product instructions for ``dtype`` (bf16: ``avx512_bf16``
+    or AMX; fp16: ``avx512_fp16`` or AMX-FP16) and ``ONEDNN_MAX_CPU_ISA`` does not hide them.
+
+    Unknown (no ``/proc/cpuinfo``, another architecture) counts as False: the float32
+    route is the one that is fast everywhere.
+    """
+    flags = _NATIVE_FLAGS.get(dtype)
+    if flags is None:
+        return False
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if isa in _ISAS_WITHOUT_NATIVE_DOT:
+        return False
+    return bool(set(flags) & _cpu_flags(str(cpuinfo)))
+
+
+@functools.cache
+def _cpu_flags(cpuinfo: str) -> frozenset[str]:
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+@functools.cache
+def packed_linear_supported(dtype: torch.dtype) -> bool:
+    """True when prepacked oneDNN linear exists for ``dtype`` and agrees with ``F.linear``
+    to the dtype's rounding on a probe (it catches builds whose ops are missing or broken).
+
+    Always False for float32 (``F.linear`` is already the exact, fast kernel) and for
+    builds without oneDNN. The probe runs once per dtype.
+    """
+    if dtype not in (torch.bfloat16, torch.float16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 40, generator=gen).to(dtype)
+        b = torch.randn(24, generator=gen).to(dtype)
+        x = torch.randn(3, 40, generator=gen).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        logger.debug("prepacked oneDNN linear unavailable for %s: %s", dtype, exc)
+        return False
+    close = torch.allclose(got.float(), F.linear(x, w, b).float(), rtol=2 * torch.finfo(dtype).eps, atol=1e-2)
+    if not close:
+        logger.debug("prepacked oneDNN linear disagrees with F.linear for %s; not using it", dtype)
+    return close
