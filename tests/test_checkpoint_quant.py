@@ -19,7 +19,11 @@ from safetensors.torch import load_file, save_file
 
 from rtpcore import Engine
 from rtpcore.checkpoint import load_checkpoint
-from rtpcore.checkpoint.quantized import Fp8BlockQuantization, dequantize_fp8_blocks
+from rtpcore.checkpoint.quantized import (
+    Fp8BlockQuantization,
+    dequantize_fp8_blocks,
+    quantize_fp8_blocks,
+)
 from rtpcore.errors import CheckpointError
 
 FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3"}
@@ -27,18 +31,6 @@ PROMPTS = [[5, 9, 33, 7, 81], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [
 
 
 # -- the test oracle: block quantization and its reference inverse ------------------------
-
-
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(R, C) float -> (float8_e4m3fn (R, C), float32 scale_inv (ceil(R/bo), ceil(C/bi)))."""
-    (rows, cols), (bo, bi) = w.shape, block
-    nr, nc = -(-rows // bo), -(-cols // bi)
-    padded = torch.zeros(nr * bo, nc * bi)
-    padded[:rows, :cols] = w.float()
-    blocks = padded.view(nr, bo, nc, bi)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # e4m3's largest value
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(nr * bo, nc * bi)
-    return q[:rows, :cols].contiguous(), scale
 
 
 def reference_dequantize(
@@ -65,7 +57,7 @@ def write_pair(
     f_out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if quantized(name) and t.dim() == 2:
-            q, s = quantize(t, block)
+            q, s = quantize_fp8_blocks(t, block)
             q_out[name], q_out[name + "_scale_inv"] = q, s
             f_out[name] = reference_dequantize(q, s, block)
         else:
@@ -155,7 +147,7 @@ def synthetic(tmp_path: Path) -> dict[str, Any]:
         "b.weight": torch.randn(40, 64, generator=gen),
     }
     extra = {"unwanted.weight": torch.randn(20, 20, generator=gen)}
-    q = {n: quantize(t, block) for n, t in {**full, **extra}.items()}
+    q = {n: quantize_fp8_blocks(t, block) for n, t in {**full, **extra}.items()}
     shards = {
         "s1.safetensors": {
             "a.weight": q["a.weight"][0],
@@ -249,7 +241,7 @@ def _write(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
 
 def test_missing_scale_is_a_checkpoint_error_naming_the_tensor(tmp_path: Path) -> None:
-    q, _ = quantize(torch.randn(20, 20), (16, 16))
+    q, _ = quantize_fp8_blocks(torch.randn(20, 20), (16, 16))
     path = _write(tmp_path, {"x.weight": q, "y.weight": torch.ones(3)})
     with pytest.raises(CheckpointError) as excinfo:
         load_checkpoint(
@@ -264,7 +256,7 @@ def test_scale_of_the_wrong_shape_is_a_checkpoint_error_naming_it(
     tmp_path: Path, shape: tuple[int, ...]
 ) -> None:
     """A (20, 20) weight in blocks of 16 needs a (2, 2) scale; anything else names the scale."""
-    q, _ = quantize(torch.randn(20, 20), (16, 16))
+    q, _ = quantize_fp8_blocks(torch.randn(20, 20), (16, 16))
     path = _write(tmp_path, {"x.weight": q, "x.weight_scale_inv": torch.ones(shape)})
     with pytest.raises(CheckpointError) as excinfo:
         load_checkpoint(path, ["x.weight"], quantization=Fp8BlockQuantization(block_size=(16, 16)))
@@ -284,7 +276,7 @@ def test_scale_beside_an_unquantized_weight_is_a_checkpoint_error(tmp_path: Path
 
 
 def test_dequantize_refuses_a_scale_that_does_not_cover_the_weight() -> None:
-    q, s = quantize(torch.randn(20, 20), (16, 16))
+    q, s = quantize_fp8_blocks(torch.randn(20, 20), (16, 16))
     with pytest.raises(ValueError, match="does not cover"):
         dequantize_fp8_blocks(q, s[:1], (16, 16))
 
@@ -346,3 +338,18 @@ def test_two_ranks_on_an_fp8_checkpoint_generate_the_float32_tokens(tmp_path: Pa
     with Engine.from_pretrained(q_dir, tokens_per_block=4, tensor_parallel_size=2) as engine:
         got = engine.generate(PROMPTS, max_new_tokens=16, stop_token_ids=[])
     assert got == want
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32), (7, 5)])
+def test_quantize_fp8_blocks_writes_the_format_the_oracle_reads_back(block: tuple[int, int]) -> None:
+    """quantize_fp8_blocks gives e4m3 weights and one scale per block (edge blocks partial);
+    the reference dequantization recovers the weight within e4m3's relative precision, and each
+    block's largest magnitude lands on 448."""
+    w = torch.randn(45, 70, generator=torch.Generator().manual_seed(7)) * 3
+    q, s = quantize_fp8_blocks(w, block)
+    bo, bi = block
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert s.dtype == torch.float32 and s.shape == (-(-45 // bo), -(-70 // bi))
+    back = reference_dequantize(q, s, block)
+    assert torch.allclose(back, w, rtol=2**-3, atol=1e-6)  # e4m3: 3 mantissa bits
+    assert q[:bo, :bi].float().abs().max().item() == 448.0

@@ -15,22 +15,11 @@ from atom_harness import PagedRunner, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from rtpcore import Engine
+from rtpcore.checkpoint.quantized import quantize_fp8_blocks
 from rtpcore.errors import CheckpointError
 
 PROMPTS = [[5, 9, 33, 7, 2, 90, 17], [100, 3, 4], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
 N_NEW = 16
-
-
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(R, C) float -> (float8_e4m3fn (R, C), float32 scale_inv (ceil(R/bo), ceil(C/bi)))."""
-    (rows, cols), (bo, bi) = w.shape, block
-    nr, nc = -(-rows // bo), -(-cols // bi)
-    padded = torch.zeros(nr * bo, nc * bi)
-    padded[:rows, :cols] = w.float()
-    blocks = padded.view(nr, bo, nc, bi)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # e4m3's largest value
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(nr * bo, nc * bi)
-    return q[:rows, :cols].contiguous(), scale
 
 
 def reference_dequantize(
@@ -49,7 +38,7 @@ def write_pair(src: Path, out: Path, block: tuple[int, int]) -> tuple[Path, Path
     f_out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
-            q, s = quantize(t, block)
+            q, s = quantize_fp8_blocks(t, block)
             q_out[name], q_out[name + "_scale_inv"] = q, s
             f_out[name] = reference_dequantize(q, s, block)
         else:

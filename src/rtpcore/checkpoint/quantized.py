@@ -54,6 +54,7 @@ __all__ = [
     "Fp8BlockQuantization",
     "ScaledTensors",
     "dequantize_fp8_blocks",
+    "quantize_fp8_blocks",
 ]
 
 SCALE_SUFFIX = "_scale_inv"
@@ -288,3 +289,20 @@ def dequantize_fp8_blocks(
     out.view(rows, n_cols, bi).mul_(per_row.unsqueeze(-1))  # (R, C/bi, bi)
     out = out[:, c0 : c0 + cols]
     return out.to(dtype or torch.float32).contiguous()
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse, as DeepSeek-V3's checkpoints store weights: (R, C) float -> (float8_e4m3fn
+    (R, C), float32 ``scale_inv`` (ceil(R/bo), ceil(C/bi))), each block scaled so that its
+    largest magnitude becomes e4m3's largest finite value (448). For writing test
+    checkpoints and converting weights; the engine only reads this format."""
+    import torch
+
+    (rows, cols), (bo, bi) = weight.shape, block_size
+    nr, nc = -(-rows // bo), -(-cols // bi)
+    padded = torch.zeros(nr * bo, nc * bi)  # partial edge blocks padded with zeros
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(nr, bo, nc, bi)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # (nr, nc)
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(nr * bo, nc * bi)
+    return q[:rows, :cols].contiguous(), scale
