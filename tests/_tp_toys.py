@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,45 @@ from rtpcore.parallel.layers import GatherColumns, row_parallel
 from rtpcore.parallel.sharding import column_shard, row_shard
 
 IN, HIDDEN, OUT = 8, 12, 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_env_ranks(
+    commands: Sequence[Sequence[str]],
+    *,
+    extra_env: Sequence[Mapping[str, str]] | None = None,
+    pythonpath: Sequence[str] = (),
+    timeout: float = 90,
+) -> list[tuple[int, str, str]]:
+    """Run one process per rank of an env:// group on loopback (MASTER_ADDR, MASTER_PORT, RANK,
+    WORLD_SIZE set; ``extra_env[rank]`` added; ``pythonpath`` prepended), wait for all, kill
+    any left over, and return (returncode, stdout, stderr) per rank."""
+    port, nodes = free_port(), []
+    for rank, command in enumerate(commands):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(len(commands)),
+            **(extra_env[rank] if extra_env else {}),
+        )
+        if pythonpath:
+            env["PYTHONPATH"] = os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")])
+        nodes.append(
+            subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    try:
+        outputs = [node.communicate(timeout=timeout) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs, strict=True)]
 
 
 def mlp_weights(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from _tp_toys import collective_follower, collectives, mlp_reference, mlp_weights, toy_inputs
+from _tp_toys import (
+    collective_follower,
+    collectives,
+    mlp_reference,
+    mlp_weights,
+    run_env_ranks,
+    toy_inputs,
+)
 from rtpcore.errors import RtpcoreError
 from rtpcore.parallel.context import ParallelContext, env_store, init_parallel, local_store
 
@@ -56,36 +60,15 @@ def test_two_spawned_ranks_reduce_gather_and_broadcast():
         ctx.all_reduce(torch.ones(1))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_two_nodes_of_one_process_each_meet_over_env_rendezvous():
     """Rank 0 runs a script; rank 1 runs `python -m rtpcore.parallel.leader` and learns from rank 0
     what to build."""
-    port = _free_port()
     commands = ([sys.executable, str(TOYS)], [sys.executable, "-m", "rtpcore.parallel.leader"])
-    nodes = []
-    for rank, command in enumerate(commands):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            PYTHONPATH=os.pathsep.join([str(TOYS.parent), os.environ.get("PYTHONPATH", "")]),
-        )
-        nodes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True))
-    try:
-        outputs = [node.communicate(timeout=60)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0]
-    assert outputs[1] == ""  # only rank 0 reports
+    (code0, out0, err0), (code1, out1, err1) = run_env_ranks(commands, pythonpath=[str(TOYS.parent)], timeout=60)
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert out1 == ""  # only rank 0 reports
+    outputs = [out0, out1]
     result = json.loads(outputs[0])
     assert result["world_size"] == 2
     expected = mlp_reference(toy_inputs(), mlp_weights(3))

@@ -9,7 +9,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from _tp_toys import Booby, build_toy, mlp_reference, mlp_weights, refusing_follower, toy_inputs
+from _tp_toys import (
+    Booby,
+    build_toy,
+    mlp_reference,
+    mlp_weights,
+    refusing_follower,
+    run_env_ranks,
+    toy_inputs,
+)
 from rtpcore.errors import RtpcoreError, WorkerError
 from rtpcore.parallel.context import Rendezvous, env_store, init_parallel, local_store
 from rtpcore.parallel.leader import WorkerGroup
@@ -208,39 +215,12 @@ def test_rank_0_refuses_a_failure_report_forged_into_its_store_from_outside(tmp_
     assert not marker.exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _two_nodes(tmp_path: Path, secrets: tuple[Path, Path]) -> list[tuple[int, str, str]]:
     """Rank 0 runs the toy script, rank 1 `python -m rtpcore.parallel.leader`, each with its
     secret file; (returncode, stdout, stderr) of each."""
-    port = _free_port()
     commands = ([sys.executable, str(TOYS)], [sys.executable, "-m", "rtpcore.parallel.leader"])
-    nodes = []
-    for rank, command in enumerate(commands):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            RTPCORE_SECRET_FILE=str(secrets[rank]),
-            PYTHONPATH=os.pathsep.join([str(TOYS.parent), os.environ.get("PYTHONPATH", "")]),
-        )
-        nodes.append(
-            subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    try:
-        outputs = [node.communicate(timeout=90) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    return [(n.returncode, o, e) for n, (o, e) in zip(nodes, outputs, strict=True)]
+    secret_env = [{"RTPCORE_SECRET_FILE": str(secret)} for secret in secrets]
+    return run_env_ranks(commands, extra_env=secret_env, pythonpath=[str(TOYS.parent)])
 
 
 @pytest.mark.slow

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from _tp_toys import run_env_ranks
 from rtpcore import Engine
 from rtpcore.errors import RtpcoreError, ShardingError, WorkerError
 from test_llama import hf_greedy, make_checkpoint
@@ -93,30 +92,13 @@ def test_an_engine_spans_two_nodes_over_env_rendezvous(tmp_path):
     make_checkpoint(tmp_path, "llama-gqa")
     with Engine.from_pretrained(tmp_path, tokens_per_block=4) as engine:
         expected = engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     commands = (
         [sys.executable, "-c", RANK0_SCRIPT, str(tmp_path), json.dumps(PROMPTS)],
         [sys.executable, "-m", "rtpcore.parallel.leader"],
     )
-    nodes = []
-    for rank, command in enumerate(commands):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-        )
-        nodes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True))
-    try:
-        outputs = [node.communicate(timeout=90)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0]
-    assert json.loads(outputs[0]) == expected
+    (code0, out0, err0), (code1, _, err1) = run_env_ranks(commands, timeout=90)
+    assert (code0, code1) == (0, 0), err0 + err1
+    assert json.loads(out0) == expected
 
 
 NO_TP_PLUGIN = """
