@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rtpcore.cli._args import positive_int
 from rtpcore.errors import RtpcoreError
 from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
@@ -26,13 +27,6 @@ def _prompt_ids(value: str) -> list[int]:
     if any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"--prompt-ids {value!r}: token ids must be >= 0")
     return ids
-
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
 
 
 def add_parser(subparsers: Any) -> None:
@@ -50,7 +44,7 @@ def add_parser(subparsers: Any) -> None:
     prompt.add_argument("--prompt-ids", type=_prompt_ids, metavar="1,2,3", help="prompt token ids")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
-    p.add_argument("--top-k", type=_positive, default=None, metavar="K")
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K")
     p.add_argument("--top-p", type=float, default=None, metavar="P")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

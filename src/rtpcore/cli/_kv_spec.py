@@ -13,6 +13,7 @@ import json
 import re
 from typing import Any
 
+from rtpcore.cli._args import positive_int
 from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
 __all__ = ["add_parser", "parse_bytes"]
@@ -36,16 +37,6 @@ def parse_bytes(text: str) -> int:
         )
     number = match.group(1)
     value = int(number) * _UNITS[unit] if "." not in number else int(float(number) * _UNITS[unit])
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
 
 
@@ -77,7 +68,7 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--model-type", metavar="TYPE", help="skip architecture inference")
     parser.add_argument(
-        "--tokens-per-block", type=_positive_int, default=16, metavar="N", help="default: 16"
+        "--tokens-per-block", type=positive_int, default=16, metavar="N", help="default: 16"
     )
     parser.add_argument(
         "--memory", type=parse_bytes, metavar="BYTES", help="KV memory budget, e.g. 8GiB"
