@@ -18,8 +18,8 @@ from typing import Any
 
 import attrs
 
-from rtpcore.plugins import config_fields as cf
 from rtpcore.errors import ConfigFieldError
+from rtpcore.plugins import config_fields as cf
 
 __all__ = ["DeepseekConfig", "RopeConfig"]
 
