@@ -2,7 +2,7 @@
 
 Every ``import`` of an ``rtpcore`` module counts, at module level or inside a
 function (both run), except under ``if TYPE_CHECKING:`` (never runs). Stages, from
-the bottom: errors, plugins, checkpoint, kv, parallel, models, engine, cli; a
+the bottom: errors, plugins, checkpoint, kv, parallel, models, engine, serving, cli; a
 module may import its own stage and the stages below it. The package root and the
 public compatibility modules (``rtpcore.batch``, ``rtpcore.layers``) only re-export
 and sit on top: nothing inside rtpcore imports them.
@@ -16,7 +16,7 @@ import ast
 import sys
 from pathlib import Path
 
-STAGES = ["errors", "plugins", "checkpoint", "kv", "parallel", "models", "engine", "cli"]
+STAGES = ["errors", "plugins", "checkpoint", "kv", "parallel", "models", "engine", "serving", "cli"]
 TOP = {"rtpcore", "rtpcore.__main__", "rtpcore.batch", "rtpcore.layers"}
 
 

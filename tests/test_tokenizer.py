@@ -1,0 +1,132 @@
+"""serving.tokenizer: a checkpoint's tokenizer.json gives the ids and text transformers'
+AutoTokenizer gives on the same folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rtpcore.errors import CheckpointError, ConfigFieldError
+from rtpcore.serving.tokenizer import Tokenizer, special_tokens
+from tokenizer_files import write_tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "The capital of France is Paris.",
+    "日本語のテキスト 😀🎉 naïve",
+    "<|begin_of_text|>already there<|eot_id|> and after",
+    "  leading spaces\n\nand newlines\t",
+    "",
+]
+FAST = {"tokenizer_class": "PreTrainedTokenizerFast"}
+ADDED_BOS = {"content": "<|begin_of_text|>", "lstrip": False, "normalized": False, "rstrip": False,
+             "single_word": False, "special": True, "__type": "AddedToken"}
+
+CONFIGS: dict[str, tuple[dict[str, Any] | None, bool]] = {
+    # name: (tokenizer_config.json or None, tokenizer.json's post-processor adds BOS)
+    "llama3: tokenizer.json adds BOS": (
+        {**FAST, "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, True),
+    "add_bos_token is ignored: tokenizer.json decides": (
+        {**FAST, "add_bos_token": True, "add_eos_token": False, "bos_token": ADDED_BOS,
+         "eos_token": {"__type": "AddedToken", "content": "<|end_of_text|>", "special": True}}, False),
+    "add_bos_token false is ignored too": (
+        {**FAST, "add_bos_token": False, "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, True),
+    "add_eos_token is ignored": (
+        {**FAST, "add_bos_token": True, "add_eos_token": True, "bos_token": "<|begin_of_text|>",
+         "eos_token": "<|end_of_text|>"}, False),
+    "a special token tokenizer.json lacks": (
+        {**FAST, "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|pad|>"}, False),
+    "no tokenizer_config.json": (None, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_encode_and_decode_equal_transformers_autotokenizer(tmp_path: Path, name: str) -> None:
+    """encode (with and without special tokens) and decode (skipping special tokens or not)
+    agree with AutoTokenizer on the same checkpoint folder, special-token ids included."""
+    transformers = pytest.importorskip("transformers")
+    config, bos_processor = CONFIGS[name]
+    write_tokenizer(tmp_path, config, bos_processor=bos_processor)
+    ours = Tokenizer.from_pretrained(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    texts = [*TEXTS, "<|pad|> padded"]
+    for text in texts:
+        for add in (True, False):
+            ids = ours.encode(text, add_special_tokens=add)
+            assert ids == theirs.encode(text, add_special_tokens=add), (text, add)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert ours.eos_token_id == theirs.eos_token_id
+    assert ours.bos_token_id == theirs.bos_token_id
+    assert ours.special_tokens == theirs.special_tokens_map
+    assert ours.special_ids == frozenset(theirs.all_special_ids) | {
+        i for i, t in theirs.added_tokens_decoder.items() if t.special
+    }
+    assert ours.vocab_size == len(theirs)
+
+
+def test_added_tokens_decoder_of_tokenizer_config_is_honoured(tmp_path: Path) -> None:
+    """A token tokenizer_config.json declares in added_tokens_decoder but tokenizer.json lacks
+    is added (special or not) as transformers adds it."""
+    transformers = pytest.importorskip("transformers")
+    config = {**FAST, "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "added_tokens_decoder": {
+        "420": {"content": "<tool_call>", "special": False, "normalized": False, "lstrip": False, "rstrip": False, "single_word": False},
+        "421": {"content": "<|im_end|>", "special": True, "normalized": False, "lstrip": False, "rstrip": False, "single_word": False},
+    }}
+    write_tokenizer(tmp_path, config)
+    ours = Tokenizer.from_pretrained(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "<tool_call>call<|im_end|> done"
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text)
+    assert ours.token_to_id("<tool_call>") == 420 and ours.token_to_id("<|im_end|>") == 421
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == "<tool_call>call done"
+
+
+def test_special_tokens_accepts_strings_and_added_token_dicts() -> None:
+    """Named special tokens come out as strings; null ones are left out."""
+    got = special_tokens({"bos_token": ADDED_BOS, "eos_token": "</s>", "pad_token": None, "other": "x"})
+    assert got == {"bos_token": "<|begin_of_text|>", "eos_token": "</s>"}
+
+
+def test_a_special_token_of_the_wrong_type_is_a_config_field_error() -> None:
+    """A special token that is neither a string nor {'content': str} names the field."""
+    with pytest.raises(ConfigFieldError) as excinfo:
+        special_tokens({"eos_token": 7})
+    assert excinfo.value.field == "eos_token" and excinfo.value.file == "tokenizer_config.json"
+    assert "'eos_token'" in str(excinfo.value)
+
+
+def test_a_checkpoint_without_tokenizer_json_is_a_checkpoint_error_naming_it(tmp_path: Path) -> None:
+    """No tokenizer.json: CheckpointError whose message and .path name the file."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError) as excinfo:
+        Tokenizer.from_pretrained(tmp_path)
+    assert excinfo.value.path == tmp_path / "tokenizer.json"
+    assert "tokenizer.json" in str(excinfo.value) and str(tmp_path) in str(excinfo.value)
+
+
+@pytest.mark.parametrize(("file", "text", "needle"), [
+    ("tokenizer.json", "{not json", "tokenizer.json"),
+    ("tokenizer_config.json", "{not json", "tokenizer_config.json"),
+    ("tokenizer_config.json", "[1, 2]", "JSON object"),
+])
+def test_unreadable_tokenizer_files_are_checkpoint_errors(tmp_path: Path, file: str, text: str, needle: str) -> None:
+    """A malformed tokenizer.json or tokenizer_config.json is a CheckpointError naming the file."""
+    write_tokenizer(tmp_path)
+    (tmp_path / file).write_text(text)
+    with pytest.raises(CheckpointError) as excinfo:
+        Tokenizer.from_pretrained(tmp_path)
+    assert needle in str(excinfo.value) and excinfo.value.path == tmp_path / file
+
+
+def test_importing_the_module_loads_no_tokenizers(tmp_path: Path) -> None:
+    """rtpcore.serving.tokenizer imports `tokenizers` only when a tokenizer is loaded."""
+    import subprocess
+    import sys
+
+    code = "import sys, rtpcore.serving.tokenizer; print('tokenizers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
