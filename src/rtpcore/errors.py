@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "AllowlistError",
+    "ChatTemplateError",
     "CheckpointError",
     "CollectiveError",
     "ConfigFieldError",
@@ -146,6 +147,17 @@ class CheckpointError(RtpcoreError):
     def __init__(self, message: str, *, path: object = None):
         super().__init__(message)
         self.path = path
+
+
+class ChatTemplateError(RtpcoreError, ValueError):
+    """A checkpoint's chat template failed on the given messages: the template raised
+    (``raise_exception("Conversation roles must alternate ...")``) or broke on their
+    shape. A client's mistake (an HTTP server answers 400). ``.checkpoint`` names the
+    checkpoint folder when known."""
+
+    def __init__(self, message: str, *, checkpoint: object = None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 class ConfigFieldError(CheckpointError, ValueError):
