@@ -382,3 +382,27 @@ def test_a_bad_layout_result_is_invalid(policies: Any, message: str) -> None:
     """Layout hook results are validated: a list of objects with a name and regions()."""
     with pytest.raises(PluginLoadError, match=message):
         ModelRegistry().recording(ALPHA).add_layouts(policies)
+
+
+def test_optional_classmethods_set_to_none_switch_their_capability_off() -> None:
+    """A plugin that sets placeholder_ranges / weight_shapes / weight_dtypes / demo_config to
+    None passes validation, and the engine reads them as switched off: no required index
+    ranges, no shape checks, no dtype overrides, no demo."""
+    from rtpcore.models.llama import LlamaPlugin
+    from rtpcore.plugins.model_plugin import call_optional, model_plugin_problems
+
+    class Bare(LlamaPlugin):
+        model_type = "bare_llama"
+        architectures = ("BareLlamaForCausalLM",)
+        placeholder_ranges = None  # type: ignore[assignment]
+        weight_shapes = None  # type: ignore[assignment]
+        weight_dtypes = None  # type: ignore[assignment]
+        demo_config = None  # type: ignore[assignment]
+
+    assert model_plugin_problems(Bare) == []
+    cfg = {"num_hidden_layers": 2}
+    assert call_optional(Bare, "placeholder_ranges", cfg) == {}
+    assert call_optional(Bare, "weight_shapes", cfg) == {}
+    assert call_optional(Bare, "weight_dtypes", cfg) == {}
+    assert call_optional(Bare, "demo_config") is None
+    assert call_optional(LlamaPlugin, "placeholder_ranges", cfg) == {"layer": range(2)}

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rtpcore.errors import RtpcoreError
+from rtpcore.plugins.model_plugin import call_optional
 
 __all__ = ["ByteTokenizer", "demo_cache_dir", "demo_checkpoint", "ensure_demo_checkpoint"]
 
@@ -61,7 +62,7 @@ def demo_checkpoint(
 
 def ensure_demo_checkpoint(plugin: Any, *, cache_dir: Path | None = None) -> Path:
     """Build (once) and return the demo checkpoint of ``plugin`` (a ModelPlugin subclass)."""
-    config = plugin.demo_config()
+    config = call_optional(plugin, "demo_config")
     if config is None:
         raise RtpcoreError(f"model type {plugin.model_type!r} ({plugin.__qualname__}) offers no demo_config()")
     config = dict(config)
@@ -94,8 +95,8 @@ def _write_checkpoint(plugin: Any, config: dict[str, Any], path: Path) -> None:
     from safetensors.torch import save_file
 
     model_config = plugin.config_from_hf(config)
-    shapes = dict(plugin.weight_shapes(model_config))
-    ranges = {k: list(v) for k, v in plugin.placeholder_ranges(model_config).items()}
+    shapes = dict(call_optional(plugin, "weight_shapes", model_config))
+    ranges = {k: list(v) for k, v in call_optional(plugin, "placeholder_ranges", model_config).items()}
     names = _expand(plugin.weight_patterns(model_config), ranges, shapes)
     generator = torch.Generator().manual_seed(SEED)
     tensors = {}

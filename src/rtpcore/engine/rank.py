@@ -32,6 +32,7 @@ from rtpcore.engine.memory import memory_limit
 from rtpcore.errors import RtpcoreError
 from rtpcore.models.layers import linear_kernels
 from rtpcore.parallel.context import ParallelContext
+from rtpcore.plugins.model_plugin import call_optional
 
 __all__ = ["EngineShard", "build_shard"]
 
@@ -74,11 +75,11 @@ class EngineShard:
         weights = load_checkpoint(
             config.checkpoint,
             plugin.weight_patterns(self.model_config),
-            plugin.placeholder_ranges(self.model_config),
+            call_optional(plugin, "placeholder_ranges", self.model_config),
             dtype=config.torch_dtype,
-            expected_shapes=plugin.weight_shapes(self.model_config),
+            expected_shapes=call_optional(plugin, "weight_shapes", self.model_config),
             slices=slices,
-            dtypes=plugin.weight_dtypes(self.model_config),
+            dtypes=call_optional(plugin, "weight_dtypes", self.model_config),
             quantization=quantization,
         )
         self.bytes_read = weights.stats.tensor_bytes_read

@@ -144,6 +144,25 @@ _OPTIONAL_CLASSMETHODS = (
 )
 
 
+# What a switched-off optional classmethod (set to None) stands for.
+_SWITCHED_OFF: dict[str, Any] = {
+    "placeholder_ranges": {},  # no placeholder has a range: patterns match any index, none required
+    "weight_shapes": {},  # no shape checks
+    "weight_dtypes": {},  # every tensor in the engine's dtype
+    "demo_config": None,  # no demo model
+}
+
+
+def call_optional(plugin: type[ModelPlugin], name: str, *args: Any) -> Any:
+    """``plugin.<name>(*args)`` for one of the optional classmethods, or what the capability
+    means when the plugin set it to None (switched off). ``tensor_parallel_shard`` is not
+    here: switched off, it refuses ``tensor_parallel_size > 1`` (rtpcore.engine.rank)."""
+    method = getattr(plugin, name, None)
+    if method is None:
+        return _SWITCHED_OFF[name]
+    return method(*args)
+
+
 def _is_name(value: object) -> bool:
     return isinstance(value, str) and value != "" and not any(ch.isspace() for ch in value)
 
