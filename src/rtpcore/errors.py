@@ -17,6 +17,7 @@ __all__ = [
     "ConfigFieldError",
     "EngineBuildError",
     "EngineClosedError",
+    "InvalidRequestError",
     "KVBlockError",
     "KVCacheCapacityError",
     "KVCacheSpecError",
@@ -26,6 +27,7 @@ __all__ = [
     "PluginLoadError",
     "PluginNotFoundError",
     "PluginVersionError",
+    "QueueFullError",
     "RtpcoreError",
     "ShardingError",
     "UnknownArchitectureError",
@@ -288,3 +290,24 @@ class KVBlockError(RtpcoreError):
     def __init__(self, message: str, *, blocks: Sequence[int] = ()):
         super().__init__(message)
         self.blocks = tuple(blocks)
+
+
+class InvalidRequestError(RtpcoreError, ValueError):
+    """A request to an engine breaks a rule: an empty prompt, a token id outside the
+    vocabulary, a bad sampling value, a prompt plus ``max_tokens`` beyond the model's
+    context. ``.field`` names the offending field (``"temperature"``, ``"prompt"``,
+    ...), ``.value`` is what was given. Nothing ran and no KV block was taken."""
+
+    def __init__(self, message: str, *, field: str, value: object = None):
+        super().__init__(message)
+        self.field = field
+        self.value = value
+
+
+class QueueFullError(RtpcoreError):
+    """A request was refused because ``.max_waiting`` requests already wait for
+    admission (an HTTP server answers 429). Nothing ran; retrying later may succeed."""
+
+    def __init__(self, message: str, *, max_waiting: int):
+        super().__init__(message)
+        self.max_waiting = max_waiting

@@ -2,8 +2,10 @@
 
 :meth:`Engine.from_pretrained` is the one place that wires the stages of
 docs/design.md §1 together: allowlist -> plan -> plugins -> model type -> config ->
-pruned checkpoint -> model -> KV specs -> preallocated cache. Scheduling lives
-in ``rtpcore.engine.scheduler``, token choice in ``rtpcore.engine.sampling``.
+pruned checkpoint -> model -> KV specs -> preallocated cache. Requests run through
+the engine core (``rtpcore.engine.core``: admission, one mixed prefill/decode step
+of every running request, per-request sampling); ``generate`` and
+``rtpcore.AsyncEngine`` share it.
 
 KV memory: ``kv_cache_memory`` bytes when given; otherwise enough blocks for
 ``max_batch_size`` sequences of ``max_position_embeddings`` tokens each, capped
@@ -14,22 +16,24 @@ prompt that could not fit even in an empty cache raises
 :class:`~rtpcore.errors.KVCacheCapacityError` naming it, and the engine stays
 usable. Admitted sequences reserve their blocks, so nothing is preempted.
 
-Threads: ``generate`` may be called from several threads at once. The calls
-share one block allocator (``rtpcore.engine.scheduler``) and each runs its own
-sequences, one step at a time; a lock serializes the steps, because the model's
-forward (and every rank's collectives) is not reentrant. A call whose requests
-fit an empty cache waits for blocks the other calls hold and never fails for
-that; one whose requests could never fit fails at once.
+Threads: ``generate`` may be called from several threads at once, and while an
+``AsyncEngine`` steps the same engine. Every call adds its requests to the one
+core; whichever thread holds the step lock runs the next step for all of them (the
+model's forward, and every rank's collectives, is not reentrant), the others wait
+for their requests to finish. ``max_batch_size`` bounds the running batch of the
+whole engine. A request that fits an empty cache waits for blocks other requests
+hold and never fails for that; one that could never fit fails at once.
 
-Lifetime: ``close()`` (or leaving ``with``) waits for the step in progress,
-releases the model and the KV pools on every rank and stops the worker
-processes; every later call raises :class:`~rtpcore.errors.EngineClosedError`.
-A failure while the engine is being built stops every worker it started and
-raises one :class:`~rtpcore.errors.RtpcoreError`.
+Lifetime: ``close()`` (or leaving ``with``) waits for the step in progress, ends
+every request with :class:`~rtpcore.errors.EngineClosedError`, releases the model
+and the KV pools on every rank and stops the worker processes; every later call
+raises EngineClosedError. A failure while the engine is being built stops every
+worker it started and raises one :class:`~rtpcore.errors.RtpcoreError`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -40,9 +44,16 @@ from typing import Any
 import attrs
 import torch
 
-from rtpcore.engine.sampling import SamplingParams, sample
-from rtpcore.engine.scheduler import BlockAllocator, Scheduler, blocks_needed
-from rtpcore.errors import EngineBuildError, EngineClosedError, KVCacheCapacityError, RtpcoreError
+from rtpcore.engine.core import EngineCore, EngineStats, RequestOutput
+from rtpcore.engine.sampling import SamplingParams
+from rtpcore.engine.scheduler import BlockAllocator
+from rtpcore.errors import (
+    EngineBuildError,
+    EngineClosedError,
+    InvalidRequestError,
+    KVCacheCapacityError,
+    RtpcoreError,
+)
 from rtpcore.plugins.resolution import Plan, PlanEntry
 
 __all__ = ["Engine", "EngineConfig"]
@@ -150,6 +161,7 @@ class Engine:
     vocab_size: int | None
     eos_token_ids: tuple[int, ...]
     _allocator: BlockAllocator
+    _core: EngineCore  # the requests of every generate call and AsyncEngine
     _closed: bool
     _step_lock: threading.Lock  # one model step at a time, and close() between steps
 
@@ -220,6 +232,16 @@ class Engine:
             vocab = hf.get("vocab_size")
             self.vocab_size = vocab if isinstance(vocab, int) else None
             self._allocator = BlockAllocator(self.num_kv_blocks)
+            self._core = EngineCore(
+                forward=self._forward,
+                allocator=self._allocator,
+                tokens_per_block=config.tokens_per_block,
+                max_batch_size=config.max_batch_size,
+                eos_token_ids=self.eos_token_ids,
+                max_positions=self.max_positions,
+                vocab_size=self.vocab_size,
+                block_bytes=sum(s.block_bytes for s in self.kv_cache_specs),
+            )
         except BaseException as exc:
             self._release()  # every rank's model, pools and processes
             if isinstance(exc, Exception) and not isinstance(exc, RtpcoreError):
@@ -248,79 +270,75 @@ class Engine:
     ) -> list[list[int]]:
         """New token ids for each prompt, in order. Generation of a prompt ends after
         ``max_new_tokens`` tokens or at a stop token (included in the output);
-        ``stop_token_ids`` defaults to the checkpoint's ``eos_token_id``.
+        ``stop_token_ids`` defaults to the checkpoint's ``eos_token_id``. With a
+        ``seed`` every prompt samples from its own generator seeded with it, so a
+        prompt's tokens depend on the prompt and the seed only, not on the batch.
 
         Safe to call from several threads at once (see the module docstring): each
         call gets the tokens it would get alone, steps of different calls take turns,
         and a call waits for KV blocks other calls hold.
         """
         self._check_open()
-        params = SamplingParams.create(temperature, top_k, top_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise RtpcoreError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-        checked = [self._check_prompt(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+            raise InvalidRequestError(
+                f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}",
+                field="max_new_tokens", value=max_new_tokens,
+            )
+        params = SamplingParams.create(
+            temperature, top_k, top_p, max_tokens=max(max_new_tokens, 1), seed=seed,
+            stop_token_ids=stop_token_ids, ignore_eos=stop_token_ids is not None,
+        )
+        checked = [
+            self._core.check_prompt(p, max_new_tokens, name=f"prompt {i}", index=i, max_tokens_name="max_new_tokens")
+            for i, p in enumerate(prompts)
+        ]
         if max_new_tokens == 0 or not checked:
             return [[] for _ in checked]
-        stop = frozenset(self.eos_token_ids if stop_token_ids is None else (int(t) for t in stop_token_ids))
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
-        sched = Scheduler(
-            checked,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=stop,
-            allocator=self._allocator,
-            tokens_per_block=self.config.tokens_per_block,
-            max_batch_size=self.config.max_batch_size,
-        )
-        try:
-            with torch.inference_mode():
-                while not sched.done:
-                    seqs = sched.admit()  # waits for blocks when this call holds none
-                    if seqs:
-                        batch = sched.prefill_batch(seqs)
-                    else:
-                        seqs = list(sched.running)
-                        batch = sched.decode_batch()
-                    with self._step_lock:
-                        self._check_open()
-                        logits = self._group.run("forward", batch, sync=False)  # (B, vocab); every rank steps
-                    sched.record(seqs, sample(logits, params, generator))
-        finally:
-            sched.release_all()
-        return sched.results
+        results: list[list[int]] = [[] for _ in checked]
+        errors: list[RtpcoreError] = []
+        pending = set(range(len(checked)))
 
-    def _check_prompt(self, index: int, prompt: Any, max_new_tokens: int) -> list[int]:
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
-            raise RtpcoreError(f"prompt {index} must be a sequence of token ids, got {type(prompt).__name__}")
-        ids = list(prompt)
-        if not ids:
-            raise RtpcoreError(f"prompt {index} is empty; a prompt needs at least one token id")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (self.vocab_size and t >= self.vocab_size):
-                raise RtpcoreError(f"prompt {index} holds token id {t!r}, outside 0..{(self.vocab_size or 0) - 1}")
-        total = len(ids) + max_new_tokens
-        if total > self.max_positions:
-            raise RtpcoreError(
-                f"prompt {index}: {len(ids)} prompt tokens + max_new_tokens={max_new_tokens} = {total} "
-                f"exceeds the model's max_position_embeddings={self.max_positions}"
-            )
-        tpb = self.config.tokens_per_block
-        need = blocks_needed(len(ids), max_new_tokens, tpb)
-        if need > self.num_kv_blocks:
-            tokens = len(ids) + max(max_new_tokens, 1) - 1
-            block_bytes = sum(s.block_bytes for s in self.kv_cache_specs)
-            raise KVCacheCapacityError(
-                f"prompt {index} needs {tokens} cached tokens = {need} blocks of {tpb} tokens "
-                f"({need * block_bytes} bytes over all layers), but the KV cache holds only "
-                f"{self.num_kv_blocks} blocks ({self.num_kv_blocks * block_bytes} bytes); "
-                "raise kv_cache_memory or shorten the request",
-                prompt_index=index,
-                tokens_needed=tokens,
-                blocks_needed=need,
-                blocks_available=self.num_kv_blocks,
-            )
-        return ids
+        def collect(i: int, out: RequestOutput) -> None:  # runs on whichever thread steps
+            results[i] += out.token_ids
+            if out.error is not None:
+                errors.append(out.error)
+            if out.finished:
+                pending.discard(i)
+
+        ids = []
+        try:
+            for i, p in enumerate(checked):
+                ids.append(self._core.add_request(p, params, functools.partial(collect, i), checked=True))
+            while pending and not errors:
+                if self._step_lock.acquire(timeout=0.005):  # else another thread steps for us
+                    try:
+                        self._check_open()
+                        if pending and not errors:
+                            self._core.step()
+                    finally:
+                        self._step_lock.release()
+        finally:
+            if pending:  # an error or an interrupt: nothing of this call may keep running
+                for request_id in ids:
+                    self._core.abort(request_id)
+        if errors:
+            raise errors[0]
+        return results
+
+    def _forward(self, batch: Any) -> Any:
+        """(B, vocab) logits of one step; every rank steps."""
+        return self._group.run("forward", batch, sync=False)
+
+    def _step(self) -> bool:
+        """One core step under the step lock (AsyncEngine's loop); False when idle."""
+        with self._step_lock:
+            self._check_open()
+            return self._core.step()
+
+    def stats(self) -> EngineStats:
+        """Running and waiting requests, KV blocks and counters (a snapshot)."""
+        self._check_open()
+        return self._core.stats()
 
     @property
     def num_free_kv_blocks(self) -> int:
@@ -339,7 +357,12 @@ class Engine:
         processes; idempotent. Waits for the step in progress; calls waiting for KV
         blocks, and every later call, raise EngineClosedError."""
         with self._step_lock:
+            if self._closed:
+                return
             self._closed = True
+            core = getattr(self, "_core", None)
+            if core is not None:  # every request ends with EngineClosedError; blocks come back
+                core.close(EngineClosedError("this Engine is closed: its model and KV cache are released"))
             allocator = getattr(self, "_allocator", None)
             if allocator is not None:
                 allocator.close()  # calls waiting for blocks raise EngineClosedError

@@ -1,37 +1,37 @@
-"""Which sequences run in the next step, and the ``ForwardBatch`` that runs them.
+"""Which requests run in the next step, and the ``ForwardBatch`` that runs them.
 
-Policy (reservation, no preemption): a prompt is admitted when a batch slot is
-free and the allocator holds every block the sequence can ever need
-(``ceil((len(prompt) + max_new_tokens - 1) / tokens_per_block)``; the last new
-token is never written to the cache). An admitted sequence therefore always
-finishes; the others wait, first come first served, until a finishing sequence
-returns its blocks. A request that cannot fit even in an empty cache is
-rejected by the engine before anything runs.
+Policy (reservation, no preemption): the oldest waiting request is admitted when a
+batch slot is free and the allocator holds every block it can ever need
+(``ceil((len(prompt) + max_tokens - 1) / tokens_per_block)``; the last new token
+is never written to the cache). An admitted request therefore always finishes
+(or is aborted); the others wait, first come first served -- a request that does
+not fit blocks the ones behind it, so a long prompt is never starved by short
+ones -- until finishing requests return their blocks. A request that cannot fit
+even in an empty cache is refused when it is added.
 
-One :class:`BlockAllocator` is shared by every ``generate`` call of an engine,
-from any thread. A call with running sequences only *tries* to admit more; a
-call with none *waits* (:meth:`BlockAllocator.allocate_wait`) until the blocks
-its next prompt needs are free, in arrival order. While a call waits, the others
-admit nothing new, so their running sequences finish, free their blocks and the
-waiter is served: a prompt that fits an empty cache always runs eventually.
+Each step runs every running request in one ragged ``ForwardBatch``: the whole
+prompt of each request admitted in this step (its prefill) and the last token of
+each other one (its decode).
 
-Each step is either one batched prefill of the newly admitted prompts (ragged)
-or one decode step of every running sequence.
+One :class:`BlockAllocator` holds an engine's blocks; it is thread-safe and checks
+its invariants (``allocate_wait`` lets a caller holding no blocks wait for some).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import attrs
 import torch
 
 from rtpcore.engine.batch import ForwardBatch
+from rtpcore.engine.sampling import SamplingParams
 from rtpcore.errors import EngineClosedError, KVBlockError
 
-__all__ = ["BlockAllocator", "RunningSequence", "Scheduler", "blocks_needed"]
+__all__ = ["BlockAllocator", "Request", "Scheduler", "blocks_needed"]
 
 
 def blocks_needed(prompt_len: int, max_new_tokens: int, tokens_per_block: int) -> int:
@@ -137,15 +137,23 @@ class BlockAllocator:
             raise EngineClosedError("this Engine is closed: its KV cache is released")
 
 
-@attrs.define
-class RunningSequence:
-    """One prompt being generated: its tokens so far and its reserved blocks."""
+@attrs.define(eq=False)
+class Request:
+    """One request's state: its tokens so far, its settings and its reserved blocks."""
 
-    index: int  # position of the prompt in the generate() call
+    request_id: str
     tokens: list[int]  # prompt + generated
     prompt_len: int
-    blocks: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    on_output: Callable[[Any], None]  # receives the request's RequestOutputs (rtpcore.engine.core)
+    arrival_time: float  # time.monotonic() when added
+    generator: torch.Generator | None = None
+    blocks: list[int] = attrs.field(factory=list)
     num_cached: int = 0  # tokens whose keys/values are in the cache
+    finish_reason: str | None = None
+    aborted: bool = False  # abort asked while the request was in a step
+    num_sent: int = 0  # generated tokens already handed to on_output
 
     @property
     def generated(self) -> list[int]:
@@ -153,124 +161,81 @@ class RunningSequence:
 
 
 class Scheduler:
-    """Admits prompts, builds prefill and decode batches, retires finished sequences."""
+    """The waiting queue and the running batch of one engine (not thread-safe: the
+    engine core calls it under its lock)."""
 
     def __init__(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        max_new_tokens: int,
-        stop_token_ids: frozenset[int],
-        allocator: BlockAllocator,
-        tokens_per_block: int,
-        max_batch_size: int,
-        device: torch.device | str = "cpu",
+        self, allocator: BlockAllocator, *, tokens_per_block: int, max_batch_size: int, device: torch.device | str = "cpu"
     ):
-        self.prompts = prompts
-        self.max_new_tokens = max_new_tokens
-        self.stop = stop_token_ids
         self.allocator = allocator
         self.tpb = tokens_per_block
         self.max_batch_size = max_batch_size
-        self.device = device
-        self.waiting = deque(range(len(prompts)))
-        self.running: list[RunningSequence] = []
-        self.results: list[list[int]] = [[] for _ in prompts]
-        self._tables: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.device = torch.device(device)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._tables: tuple[list[Request], torch.Tensor] | None = None  # the last batch's rows, its table
 
-    @property
-    def done(self) -> bool:
-        return not self.waiting and not self.running
-
-    def admit(self) -> list[RunningSequence]:
-        """Move waiting prompts into the running set while slots and blocks allow.
-
-        With nothing running, waits for the next prompt's blocks (other calls on
-        the same allocator hold them), so this returns at least one sequence
-        whenever any is waiting.
-        """
-        new: list[RunningSequence] = []
-        while self.waiting and len(self.running) + len(new) < self.max_batch_size:
-            i = self.waiting[0]
-            need = blocks_needed(len(self.prompts[i]), self.max_new_tokens, self.tpb)
-            if self.running or new:
-                blocks = self.allocator.try_allocate(need)
-                if blocks is None:
-                    break
-            else:  # holding no blocks: safe to wait for them
-                blocks = self.allocator.allocate_wait(need)
+    def admit(self) -> list[Request]:
+        """Move the oldest waiting requests into the running batch while a slot and
+        their blocks are free; never waits."""
+        new: list[Request] = []
+        while self.waiting and len(self.running) < self.max_batch_size:
+            r = self.waiting[0]
+            blocks = self.allocator.try_allocate(blocks_needed(r.prompt_len, r.params.max_tokens, self.tpb))
+            if blocks is None:
+                break
             self.waiting.popleft()
-            prompt = list(self.prompts[i])
-            new.append(RunningSequence(i, prompt, len(prompt), blocks))
-        self.running += new
+            r.blocks = blocks
+            self.running.append(r)
+            new.append(r)
         return new
 
-    def prefill_batch(self, seqs: Sequence[RunningSequence]) -> ForwardBatch:
-        """All prompt tokens of ``seqs``, concatenated."""
-        lens = [len(s.tokens) for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])  # (T,)
-        tables = self._block_tables(seqs)  # (B, max_blocks)
-        row = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), torch.tensor(lens, device=self.device))
-        slots = tables[row, positions // self.tpb] * self.tpb + positions % self.tpb
+    def batch(self) -> ForwardBatch:
+        """Every running request's tokens not yet cached, in one ragged batch (the
+        whole prompt of a new request, the last token of a decoding one)."""
+        seqs, tpb = self.running, self.tpb
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        lens: list[int] = []
         for s in seqs:
-            s.num_cached = len(s.tokens)
+            start, end = s.num_cached, len(s.tokens)
+            ids += s.tokens[start:end]
+            positions += range(start, end)
+            slots += [s.blocks[p // tpb] * tpb + p % tpb for p in range(start, end)]
+            lens.append(end - start)
+            s.num_cached = end
+        host = torch.tensor([ids, positions, slots], dtype=torch.int64)  # (3, T)
+        context = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64)  # (B,)
+        if self.device.type != "cpu":
+            host, context = host.pin_memory().to(self.device, non_blocking=True), context.to(self.device)
         return ForwardBatch(
-            input_ids=ids,
-            positions=positions,
-            slots=slots,
+            input_ids=host[0],
+            positions=host[1],
+            slots=host[2],
             query_lens=tuple(lens),
-            context_lens=torch.tensor(lens, dtype=torch.int64, device=self.device),
-            block_tables=tables,
-            tokens_per_block=self.tpb,
+            context_lens=context,
+            block_tables=self._block_tables(seqs),
+            tokens_per_block=tpb,
         )
 
-    def decode_batch(self) -> ForwardBatch:
-        """The last token of every running sequence (each has one not yet cached)."""
-        seqs = self.running
-        ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.int64, device=self.device)
-        positions = torch.tensor([s.num_cached for s in seqs], dtype=torch.int64, device=self.device)  # (B,)
-        tables = self._block_tables(seqs)
-        slots = tables.gather(1, (positions // self.tpb)[:, None]).squeeze(1) * self.tpb + positions % self.tpb
-        for s in seqs:
-            s.num_cached += 1
-        return ForwardBatch(
-            input_ids=ids,
-            positions=positions,
-            slots=slots,
-            query_lens=(1,) * len(seqs),
-            context_lens=positions + 1,
-            block_tables=tables,
-            tokens_per_block=self.tpb,
-        )
+    def retire(self, r: Request) -> None:
+        """Take ``r`` out of the queue or the batch and return its blocks."""
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        blocks, r.blocks = r.blocks, []
+        if blocks:
+            self.allocator.free(blocks)
 
-    def record(self, seqs: Sequence[RunningSequence], tokens: torch.Tensor) -> None:
-        """Append one sampled token to each of ``seqs``; retire the finished ones."""
-        finished = False
-        for s, t in zip(seqs, tokens.tolist(), strict=True):
-            s.tokens.append(t)
-            if t in self.stop or len(s.tokens) - s.prompt_len >= self.max_new_tokens:
-                self.results[s.index] = s.generated
-                self.allocator.free(s.blocks)
-                s.blocks = []
-                finished = True
-        if finished:
-            self.running = [s for s in self.running if s.blocks]
-
-    def release_all(self) -> None:
-        """Return every reserved block (after an error mid-generation)."""
-        for s in self.running:
-            self.allocator.free(s.blocks)
-            s.blocks = []
-        self.running = []
-
-    def _block_tables(self, seqs: Sequence[RunningSequence]) -> torch.Tensor:
+    def _block_tables(self, seqs: Sequence[Request]) -> torch.Tensor:
         """(B, max_blocks) int64, rows padded with 0; reused while the running set is unchanged."""
-        key = tuple(s.index for s in seqs)
-        if self._tables is not None and self._tables[0] == key:
-            return self._tables[1]
+        last = self._tables
+        if last is not None and len(last[0]) == len(seqs) and all(a is b for a, b in zip(last[0], seqs, strict=True)):
+            return last[1]
         width = max(len(s.blocks) for s in seqs)
         rows = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
-        tables = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        self._tables = (key, tables)
+        tables = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        self._tables = (list(seqs), tables)
         return tables
