@@ -14,7 +14,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from rtpcore import errors
-    from rtpcore.engine import Engine, EngineConfig
+    from rtpcore.engine import AsyncEngine, Engine, EngineConfig, RequestOutput, SamplingParams
     from rtpcore.plugins.allowlist import Allowlist
     from rtpcore.plugins.hooks import hookimpl
     from rtpcore.plugins.loading import load_plugins
@@ -24,12 +24,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Allowlist",
+    "AsyncEngine",
     "Engine",
     "EngineConfig",
     "ModelPlugin",
     "ModelRegistry",
     "Plan",
     "PlanEntry",
+    "RequestOutput",
+    "SamplingParams",
     "__version__",
     "errors",
     "hookimpl",
@@ -38,12 +41,15 @@ __all__ = [
 
 _LAZY = {
     "Allowlist": "rtpcore.plugins.allowlist",
+    "AsyncEngine": "rtpcore.engine.async_engine",
     "Engine": "rtpcore.engine.engine",
     "EngineConfig": "rtpcore.engine.engine",
     "ModelPlugin": "rtpcore.plugins.model_plugin",
     "ModelRegistry": "rtpcore.plugins.registry",
     "Plan": "rtpcore.plugins.resolution",
     "PlanEntry": "rtpcore.plugins.resolution",
+    "RequestOutput": "rtpcore.engine.core",
+    "SamplingParams": "rtpcore.engine.sampling",
     "hookimpl": "rtpcore.plugins.hooks",
     "load_plugins": "rtpcore.plugins.loading",
 }

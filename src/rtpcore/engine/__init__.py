@@ -1,11 +1,12 @@
 """The engine: one model, its paged KV cache, and batched generation.
 
 ``rank`` builds one rank's state (plugins from the plan, config, KV specs,
-weights, model, pools); ``engine`` wires the stages into :class:`Engine` and runs
-``scheduler`` (admission, ``batch``: the ForwardBatch a model receives) and
-``sampling`` step by step; ``memory`` reads the memory limit the default KV cache
-is sized from. Names are resolved lazily: importing ``rtpcore.engine.batch``
-imports no torch.
+weights, model, pools); ``engine`` wires the stages into :class:`Engine`; ``core``
+runs requests step by step through ``scheduler`` (admission, ``batch``: the
+ForwardBatch a model receives) and ``sampling`` (``SamplingParams``, the draw);
+``async_engine`` steps the core in a background thread for asyncio callers;
+``memory`` reads the memory limit the default KV cache is sized from. Names are
+resolved lazily: importing ``rtpcore.engine.batch`` imports no torch.
 """
 
 from __future__ import annotations
@@ -14,12 +15,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rtpcore.engine.async_engine import AsyncEngine
+    from rtpcore.engine.core import EngineStats, RequestOutput
     from rtpcore.engine.engine import Engine, EngineConfig
+    from rtpcore.engine.sampling import SamplingParams
 
-__all__ = ["Engine", "EngineConfig"]
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineStats", "RequestOutput", "SamplingParams"]
+
+_LAZY = {
+    "AsyncEngine": "rtpcore.engine.async_engine",
+    "Engine": "rtpcore.engine.engine",
+    "EngineConfig": "rtpcore.engine.engine",
+    "EngineStats": "rtpcore.engine.core",
+    "RequestOutput": "rtpcore.engine.core",
+    "SamplingParams": "rtpcore.engine.sampling",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("rtpcore.engine.engine"), name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'rtpcore.engine' has no attribute {name!r}")
