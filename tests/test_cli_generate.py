@@ -187,3 +187,71 @@ def test_a_foreign_exception_from_a_plugin_is_one_line_naming_its_type(
     with pytest.raises(EngineBuildError, match="kernel library missing") as excinfo:
         main(["--debug", "generate", *argv])
     assert isinstance(excinfo.value.__cause__, RuntimeError)
+
+
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+
+
+def _instruct_checkpoint(path: Path) -> None:
+    """The Llama test checkpoint with a real byte-level BPE tokenizer.json (BOS from its
+    post-processor, as Llama 3's) and a Llama 3 chat template."""
+    from test_llama import make_checkpoint
+    from tokenizer_files import write_tokenizer
+
+    make_checkpoint(path, vocab_size=512)
+    write_tokenizer(path, {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+        "chat_template": LLAMA3_TEMPLATE,
+    }, bos_processor=True)
+
+
+def test_chat_renders_the_prompt_with_the_checkpoint_template(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--chat feeds the ids transformers' apply_chat_template gives (one BOS, from the template),
+    generates what Engine.generate gives, and prints the tokenizer's decode of the output."""
+    transformers = pytest.importorskip("transformers")
+    from rtpcore import Engine
+
+    _instruct_checkpoint(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    question = "What is the capital of France?"
+    rendered = hf.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    want_prompt = hf.encode(rendered, add_special_tokens=False)
+    assert want_prompt.count(hf.bos_token_id) == 1
+    with Engine.from_pretrained(tmp_path) as engine:
+        want = engine.generate([want_prompt], max_new_tokens=6)[0]
+    code, out, err = run(capsys, str(tmp_path), "--chat", "--prompt", question, "--max-new-tokens", "6", "--json")
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["chat"] is True and record["prompt_ids"] == want_prompt
+    assert record["output_ids"] == want and record["text"] == hf.decode(want, skip_special_tokens=True)
+    code, out, err = run(capsys, str(tmp_path), "--prompt", question, "--max-new-tokens", "1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["prompt_ids"] == hf.encode(question)  # without --chat: the plain text, BOS added
+
+
+def test_demo_chat_uses_the_demo_template(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demo checkpoint ships tokenizer_config.json with a chat template; --chat renders with it."""
+    code, out, err = run(capsys, "--demo", "llama", "--chat", "--prompt", "Hi", "--max-new-tokens", "4", "--json")
+    assert code == 0, err
+    assert json.loads(out)["prompt_ids"] == list(b"<|user|>\nHi\n<|assistant|>\n")
+    (built,) = cache.iterdir()
+    config = json.loads((built / "tokenizer_config.json").read_text())
+    assert config["bos_token"] == "<bos>" and config["eos_token"] == "<eos>" and "chat_template" in config
+
+
+def test_chat_without_a_template_or_with_prompt_ids_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--chat on a checkpoint without a chat template exits 1 naming it; with --prompt-ids it is a usage error."""
+    from tokenizer_files import write_tokenizer
+
+    write_tokenizer(tmp_path, {"eos_token": "<|eot_id|>"})
+    (tmp_path / "config.json").write_text("{}")
+    code, out, err = run(capsys, str(tmp_path), "--chat", "--prompt", "Hi")
+    assert code == 1 and out == ""
+    assert "has no chat template" in err and str(tmp_path) in err and err.count("\n") == 1
+    code, _, err = run(capsys, str(tmp_path), "--chat", "--prompt-ids", "1,2")
+    assert code == 2 and "--chat" in err

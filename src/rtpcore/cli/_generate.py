@@ -1,5 +1,9 @@
 """``rtpcore generate``: run a checkpoint (or a demo model) on one prompt.
 
+``--prompt`` text is encoded with the checkpoint's ``tokenizer.json``
+(:mod:`rtpcore.serving.tokenizer`); with ``--chat`` it is first rendered as one user
+message by the checkpoint's chat template (:mod:`rtpcore.serving.chat_template`).
+
 A thin shell over :meth:`rtpcore.Engine.from_pretrained` and
 :func:`rtpcore.cli.demo.demo_checkpoint`. torch is imported only when the command runs.
 """
@@ -40,8 +44,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--demo", metavar="NAME", help="use the demo model of this model type (random weights)")
     add_allowlist_arguments(p)
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json and the tokenizers package, or --demo)")
+    prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json, or --demo)")
     prompt.add_argument("--prompt-ids", type=_prompt_ids, metavar="1,2,3", help="prompt token ids")
+    p.add_argument(
+        "--chat", action="store_true",
+        help="render --prompt as one user message with the checkpoint's chat template (instruct models)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
     p.add_argument("--top-k", type=positive_int, default=None, metavar="K")
@@ -55,14 +63,11 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _load_tokenizer(path: Path, demo: bool) -> Any | None:
-    file = path / "tokenizer.json"
-    if file.is_file():
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            pass
-        else:
-            return Tokenizer.from_file(str(file))
+    """The checkpoint's tokenizer; a demo without tokenizer.json gets the byte tokenizer."""
+    if (path / "tokenizer.json").is_file():
+        from rtpcore.serving.tokenizer import Tokenizer
+
+        return Tokenizer.from_pretrained(path)
     if demo:
         from rtpcore.cli.demo import ByteTokenizer
 
@@ -70,22 +75,37 @@ def _load_tokenizer(path: Path, demo: bool) -> Any | None:
     return None
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    out = tokenizer.encode(text)
-    return list(getattr(out, "ids", out))
+def _encode(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    from rtpcore.cli.demo import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _decode(tokenizer: Any, ids: list[int]) -> str:
-    try:
-        return str(tokenizer.decode(ids, skip_special_tokens=True))
-    except TypeError:  # ByteTokenizer
-        return str(tokenizer.decode(ids))
+    from rtpcore.cli.demo import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.decode(ids)
+    return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _chat_prompt(path: Path, tokenizer: Any, text: str) -> list[int]:
+    """``text`` as one user message through the checkpoint's chat template; the rendered
+    prompt carries its own special tokens, so none are added (as transformers encodes it)."""
+    from rtpcore.serving.chat_template import ChatTemplate
+
+    rendered = ChatTemplate.from_pretrained(path).render([{"role": "user", "content": text}])
+    return _encode(tokenizer, rendered, add_special_tokens=False)
 
 
 def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args._parser
     if (args.checkpoint is None) == (args.demo is None):
         parser.error("give exactly one of CHECKPOINT or --demo NAME")
+    if args.chat and args.prompt is None:
+        parser.error("--chat renders --prompt text; it cannot take --prompt-ids")
     if args.max_new_tokens < 0:
         parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     allow = Allowlist.from_args(args)  # validates before anything is imported
@@ -101,10 +121,10 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         if tokenizer is None:
             raise RtpcoreError(
-                f"--prompt needs {str(path / 'tokenizer.json')!r} and the optional 'tokenizers' package "
-                "(pip install 'rtpcore[tokenizer]'); or pass --prompt-ids"
+                f"--prompt needs the checkpoint's tokenizer, {str(path / 'tokenizer.json')!r}, which is "
+                "missing; or pass --prompt-ids"
             )
-        ids = _encode(tokenizer, args.prompt)
+        ids = _chat_prompt(path, tokenizer, args.prompt) if args.chat else _encode(tokenizer, args.prompt)
     else:
         ids = args.prompt_ids
     with Engine.from_pretrained(
@@ -131,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             "model_type": model_type,
             "checkpoint": str(path),
             "demo": args.demo is not None,
+            "chat": args.chat,
             "prompt_ids": ids,
             "output_ids": out,
             "text": text,

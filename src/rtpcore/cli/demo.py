@@ -9,9 +9,11 @@ format version, so a changed demo config gets a new directory.
 
 The weights are random: the text a demo model writes is meaningless. The
 tokenizer is byte level (ids 0..255 are the UTF-8 bytes; ``<bos>`` = 256 and
-``<eos>`` = 257 in the built-in demo configs); ``tokenizer.json`` is written when
-the optional ``tokenizers`` package is installed, and :class:`ByteTokenizer`
-gives the same ids without it.
+``<eos>`` = 257 in the built-in demo configs): ``tokenizer.json`` holds it, and
+``tokenizer_config.json`` names the special tokens and carries :data:`CHAT_TEMPLATE`,
+so ``generate --chat`` and the server's chat endpoint work on a demo. A demo config of
+another vocabulary layout gets no ``tokenizer.json``; :class:`ByteTokenizer` gives the
+byte ids then.
 """
 
 from __future__ import annotations
@@ -33,10 +35,15 @@ __all__ = ["ByteTokenizer", "demo_cache_dir", "demo_checkpoint", "ensure_demo_ch
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: tokenizer_config.json with a chat template
 SEED = 0
 NOTICE = "rtpcore demo checkpoint: RANDOM WEIGHTS, deterministic, for trying the engine; its output is meaningless."
 PRINTABLE = slice(32, 127)  # ids the demo lm_head can favour: printable ASCII bytes
+#: The demo's chat template: plain-text role headers (the byte tokenizer has no role tokens).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 
 
 def demo_cache_dir() -> Path:
@@ -116,6 +123,7 @@ def _write_checkpoint(plugin: Any, config: dict[str, Any], path: Path) -> None:
     (path / "config.json").write_text(json.dumps({**config, "rtpcore_demo": NOTICE}, indent=2, sort_keys=True))
     (path / "README.txt").write_text(NOTICE + "\n")
     _write_tokenizer(path / "tokenizer.json", config)
+    _write_tokenizer_config(path / "tokenizer_config.json", config)
 
 
 def _expand(
@@ -150,10 +158,8 @@ def _byte_to_unicode() -> dict[int, str]:
 
 
 def _write_tokenizer(path: Path, config: Mapping[str, Any]) -> None:
-    try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    except ImportError:
-        return  # ByteTokenizer serves the demo
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
     vocab = {ch: b for b, ch in _byte_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -164,6 +170,14 @@ def _write_tokenizer(path: Path, config: Mapping[str, Any]) -> None:
             return  # not the byte layout this writer knows; ByteTokenizer serves the demo
         tok.add_special_tokens([AddedToken(specials[token_id], special=True)])
     tok.save(str(path))
+
+
+def _write_tokenizer_config(path: Path, config: Mapping[str, Any]) -> None:
+    """Special tokens (those of the byte layout the demo configs use) and the chat template."""
+    names = {"bos_token": ("bos_token_id", "<bos>"), "eos_token": ("eos_token_id", "<eos>")}
+    tokens = {name: text for name, (key, text) in names.items() if isinstance(config.get(key), int)}
+    record = {"tokenizer_class": "PreTrainedTokenizerFast", **tokens, "chat_template": CHAT_TEMPLATE}
+    path.write_text(json.dumps(record, indent=2, sort_keys=True))
 
 
 class ByteTokenizer:
