@@ -22,7 +22,7 @@ from rtpcore.errors import AllowlistError, EngineBuildError, RtpcoreError
 
 __all__ = ["main"]
 
-_COMMANDS = ("rtpcore.cli._plugins", "rtpcore.cli._kv_spec", "rtpcore.cli._generate")
+_COMMANDS = ("rtpcore.cli._plugins", "rtpcore.cli._kv_spec", "rtpcore.cli._generate", "rtpcore.cli._serve")
 
 
 def _version() -> str:

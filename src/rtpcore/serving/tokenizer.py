@@ -117,6 +117,13 @@ class Tokenizer:
         found = self._backend.token_to_id(token)
         return None if found is None else int(found)
 
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of one id as stored (byte-level BPE: ``"Ġworld"``), unique per
+        id unlike decoded pieces (two ids can each decode to half a character); ``"<id N>"``
+        for an id the vocabulary lacks."""
+        found = self._backend.id_to_token(int(token_id))
+        return f"<id {token_id}>" if found is None else str(found)
+
     @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""

@@ -1,0 +1,119 @@
+"""``rtpcore serve``: an OpenAI-compatible HTTP server over one engine (docs/design.md §8).
+
+A thin shell: it resolves the allowlist, builds an :class:`~rtpcore.AsyncEngine`, the
+checkpoint's tokenizer and chat template, the app (:func:`rtpcore.serving.app.build_app`),
+and runs it with uvicorn. SIGTERM or SIGINT stops accepting, lets running requests finish
+within ``--shutdown-timeout`` seconds (then cuts them: their streams abort), closes the
+engine and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from rtpcore.cli._args import parse_bytes, positive_int
+from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
+
+__all__ = ["add_parser"]
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be a TCP port 1-65535, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a checkpoint over an OpenAI-compatible HTTP API",
+        description="Serve a checkpoint (or a demo model) with continuous batching over an "
+        "OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
+    )
+    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--demo", metavar="NAME", help="serve the demo model of this model type (random weights)")
+    add_allowlist_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="default: 8000")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: the "
+                   "checkpoint folder's name, or the demo name)")
+    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/ endpoints")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"])
+    p.add_argument("--kv-layout", default=None, metavar="NAME", help="fp8 layout (built-in or from a plugin)")
+    p.add_argument("--max-batch-size", type=positive_int, default=8, metavar="N")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="e.g. 2GiB")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N")
+    p.add_argument("--max-waiting", type=positive_int, default=256, metavar="N",
+                   help="requests that may wait for admission; one more is answered 429 (default: 256)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish (default: 30)")
+    p.set_defaults(func=run, _parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    parser: argparse.ArgumentParser = args._parser
+    if (args.checkpoint is None) == (args.demo is None):
+        parser.error("give exactly one of CHECKPOINT or --demo NAME")
+    allow = Allowlist.from_args(args)  # validates before anything is imported
+    import uvicorn
+
+    from rtpcore.cli.demo import demo_checkpoint
+    from rtpcore.engine.async_engine import AsyncEngine
+    from rtpcore.serving.app import build_app
+    from rtpcore.serving.chat_template import ChatTemplate
+    from rtpcore.serving.tokenizer import Tokenizer, read_tokenizer_config
+
+    plugins = [str(r) for r in allow.plugins]
+    if args.demo is not None:
+        path = demo_checkpoint(args.demo, plugins=plugins, external_model_packages=allow.external_model_packages)
+    else:
+        path = Path(args.checkpoint)
+    tokenizer = Tokenizer.from_pretrained(path)  # before the engine: a missing tokenizer fails fast
+    has_template = (path / "chat_template.jinja").is_file() or "chat_template" in read_tokenizer_config(path)
+    chat_template = ChatTemplate.from_pretrained(path) if has_template else None  # else completions only
+    engine = AsyncEngine.from_pretrained(
+        path,
+        max_waiting=args.max_waiting,
+        plugins=plugins,
+        external_model_packages=allow.external_model_packages,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_layout=args.kv_layout,
+        max_batch_size=args.max_batch_size,
+        kv_cache_memory=args.kv_cache_memory,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    name = args.served_model_name or args.demo or path.resolve().name
+    app = build_app(engine, tokenizer=tokenizer, chat_template=chat_template, model_name=name,
+                    api_key=args.api_key, on_shutdown=engine.aclose)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn handles SIGTERM/SIGINT (drain, then stop) and afterwards re-raises the signal
+    # to the handler it found: a no-op one here, so that a drained shutdown exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    print(f"rtpcore: serving {name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,56 @@
+"""The server's Prometheus metrics (docs/design.md §8), on a registry of its own.
+
+Gauges are read from the engine when ``/metrics`` is scraped (nothing to keep in
+step); counters and histograms are fed as tokens stream out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["ServerMetrics"]
+
+# Seconds: from a few milliseconds (tiny models, a warm cache) to a minute (a queue).
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The metrics of one server. ``stats`` returns the engine's live numbers as a mapping
+    with ``kv_blocks_total``, ``kv_blocks_free``, ``running`` and ``waiting``."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]):
+        self.registry = CollectorRegistry()
+        self._stats = stats
+        gauges = {
+            "kv_blocks_total": "KV-cache blocks per layer",
+            "kv_blocks_free": "KV-cache blocks per layer not held by any request",
+            "requests_running": "requests in the running batch",
+            "requests_waiting": "requests waiting to be admitted",
+        }
+        for name, doc in gauges.items():
+            gauge = Gauge(f"rtpcore_{name}", doc, registry=self.registry)
+            gauge.set_function(self._reader(name.removeprefix("requests_")))
+        self.generated_tokens = Counter(
+            "rtpcore_generated_tokens", "tokens generated for clients", registry=self.registry
+        )
+        self.requests = Counter(
+            "rtpcore_requests", "finished requests by finish reason", ["finish_reason"], registry=self.registry
+        )
+        self.time_to_first_token = Histogram(
+            "rtpcore_time_to_first_token_seconds", "time from a request's arrival to its first token",
+            buckets=_TTFT_BUCKETS, registry=self.registry,
+        )
+        self.time_between_tokens = Histogram(
+            "rtpcore_time_between_tokens_seconds", "time between consecutive tokens of a request",
+            buckets=_TBT_BUCKETS, registry=self.registry,
+        )
+
+    def _reader(self, key: str) -> Callable[[], float]:
+        return lambda: float(self._stats()[key])
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

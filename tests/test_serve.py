@@ -1,0 +1,344 @@
+"""``rtpcore serve`` as a real process on 127.0.0.1, driven by the real ``openai`` client and
+``httpx``: answers equal the engine's, streams equal non-streams, concurrency changes nothing,
+disconnects leak no KV block, bad requests are 400s naming the field, SIGTERM drains and exits 0.
+
+Every loop is bounded in count and time; every server is stopped by its fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from rtpcore import Engine  # noqa: E402
+from test_llama import make_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]  # ids 0..4: bos 1, eos 2 as config.json
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "Caf\u00e9 na\u00efve \u00fcber \u65e5\u672c\u8a9e \U0001f600 emoji and accents.",
+] * 20
+
+
+def write_tokenizer(path: Path) -> int:
+    """A byte-level BPE tokenizer.json (BOS added to encoded text) and a tokenizer_config.json
+    with a ChatML template; returns the vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+    return int(tok.get_vocab_size())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """One ``rtpcore serve`` process; ``url`` once /health answers."""
+
+    def __init__(self, checkpoint: Path, *extra: str, name: str = "tiny"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rtpcore", "serve", str(checkpoint), "--port", str(self.port),
+             "--served-model-name", name, *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise AssertionError("server did not answer /health within 90 s")
+
+    def client(self, **kw: Any) -> Any:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = m["rtpcore_requests_running"] == 0 and m["rtpcore_requests_waiting"] == 0
+            if (idle and m["rtpcore_kv_blocks_free"] == m["rtpcore_kv_blocks_total"]) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 40) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return self.proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("served")
+    vocab = write_tokenizer(path)
+    make_checkpoint(path, vocab_size=vocab, max_position_embeddings=256)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path) -> Iterator[Server]:
+    srv = Server(checkpoint, "--max-batch-size", "8", "--kv-cache-memory", "8MiB")
+    yield srv
+    code, out = srv.stop()
+    assert code == 0, out
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> Iterator[Engine]:
+    with Engine.from_pretrained(checkpoint) as e:
+        yield e
+
+
+def encode(checkpoint: Path, text: str) -> list[int]:
+    from rtpcore.serving.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(checkpoint).encode(text)
+
+
+def test_greedy_completion_equals_engine_generate(server: Server, engine: Engine, checkpoint: Path) -> None:
+    """A greedy completion of token ids returns the text of Engine.generate's tokens, and usage counts them."""
+    from rtpcore.serving.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(checkpoint)
+    for prompt in ([1, 40, 41, 42], encode(checkpoint, "The capital of France is")):
+        want = engine.generate([prompt], max_new_tokens=12, temperature=0.0)[0]
+        got = server.client().completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        ids = want[:-1] if want and want[-1] in engine.eos_token_ids else want
+        assert got.choices[0].text == tok.decode(ids)
+        assert got.usage.completion_tokens == len(want) and got.usage.prompt_tokens == len(prompt)
+        assert got.choices[0].finish_reason == ("stop" if len(want) < 12 else "length")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_deltas_concatenate_to_the_whole_answer(server: Server, chat: bool) -> None:
+    """Streaming (completions and chat) yields deltas whose concatenation is the non-streamed text;
+    include_usage adds a final usage chunk; the stream ends with [DONE]."""
+    c = server.client()
+    if chat:
+        kw: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "Hello, world!"}],
+                              "max_tokens": 24, "temperature": 0}
+        whole = c.chat.completions.create(**kw).choices[0].message.content
+        chunks = list(c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    else:
+        kw = {"model": "tiny", "prompt": "Hello, world! How", "max_tokens": 24, "temperature": 0}
+        whole = c.completions.create(**kw).choices[0].text
+        chunks = list(c.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals in (["length"], ["stop"])
+
+
+def test_a_stop_string_cuts_the_text_across_tokens(server: Server) -> None:
+    """A stop string taken from the middle of a greedy answer ends it there, trimmed, finish "stop"."""
+    c = server.client()
+    whole = c.completions.create(model="tiny", prompt="Caf\u00e9 na", max_tokens=32, temperature=0).choices[0].text
+    assert len(whole) >= 6
+    stop = whole[3:6]
+    got = c.completions.create(model="tiny", prompt="Caf\u00e9 na", max_tokens=32, temperature=0, stop=[stop])
+    assert got.choices[0].text == whole[: whole.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
+    streamed = c.completions.create(model="tiny", prompt="Caf\u00e9 na", max_tokens=32, temperature=0,
+                                    stop=[stop], stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == whole[: whole.index(stop)]
+
+
+def test_64_concurrent_streams_each_equal_the_request_alone(server: Server) -> None:
+    """64 streaming requests at once (different prompts and lengths) each get the text they get alone."""
+    prompts = [f"Hello {i}, how are you" for i in range(64)]
+    c = server.client()
+    alone = [c.completions.create(model="tiny", prompt=p, max_tokens=8 + i % 9, temperature=0).choices[0].text
+             for i, p in enumerate(prompts)]
+
+    async def run() -> list[str]:
+        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        async def one(i: int) -> str:
+            stream = await ac.completions.create(model="tiny", prompt=prompts[i], max_tokens=8 + i % 9,
+                                                 temperature=0, stream=True)
+            return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), timeout=180)
+        finally:
+            await ac.close()
+
+    assert asyncio.run(run()) == alone
+    m = server.wait_idle()
+    assert m["rtpcore_kv_blocks_free"] == m["rtpcore_kv_blocks_total"]
+
+
+def test_clients_that_disconnect_leave_no_kv_block_held(server: Server) -> None:
+    """Streams closed after a few chunks and non-streamed requests cut by a client timeout abort
+    their requests: once idle, every KV block is free and nothing runs or waits."""
+    body = {"model": "tiny", "prompt": "Hello, world!", "max_tokens": 200, "temperature": 0, "stream": True}
+    for i in range(12):
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            for n, _ in enumerate(r.iter_lines()):
+                if n >= i % 4:
+                    break
+    for _ in range(3):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=0.05)
+    m = server.wait_idle()
+    assert m["rtpcore_kv_blocks_free"] == m["rtpcore_kv_blocks_total"] > 0
+    assert m["rtpcore_requests_running"] == 0 and m["rtpcore_requests_waiting"] == 0
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999], "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "four"}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    ("/v1/chat/completions", {"messages": [], "max_tokens": 4}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+     None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD_REQUESTS)
+def test_bad_requests_are_400s_naming_the_field(server: Server, path: str, body: dict[str, Any], param: str | None) -> None:
+    """Each malformed or out-of-range request answers 400 in OpenAI's error shape, naming the field."""
+    r = httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=10)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+
+
+def test_unparsable_json_another_model_and_metrics(server: Server) -> None:
+    """Broken JSON is a 400, another model name a 404, /v1/models lists the served name, and
+    /metrics carries the gauges, the token counter and both latency histograms."""
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(server.url + "/v1/completions", json={"model": "other", "prompt": "x"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert [m.id for m in server.client().models.list()] == ["tiny"]
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    for name in ("rtpcore_kv_blocks_total", "rtpcore_kv_blocks_free", "rtpcore_requests_running",
+                 "rtpcore_requests_waiting", "rtpcore_generated_tokens_total",
+                 "rtpcore_time_to_first_token_seconds_bucket", "rtpcore_time_between_tokens_seconds_bucket"):
+        assert name in text
+
+
+def test_logprobs_are_the_engine_distributions_top_entries(server: Server) -> None:
+    """completions logprobs=3 and chat top_logprobs=2 report, per token, the chosen token's
+    logprob and that many alternatives, most likely first, the chosen one among them (greedy)."""
+    c = server.client()
+    got = c.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    shown = got.usage.completion_tokens - (got.choices[0].finish_reason == "stop")  # a stop token is not shown
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == shown
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 3 and max(top.values()) == pytest.approx(chosen, abs=1e-5)
+    chat = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                     temperature=0, logprobs=True, top_logprobs=2)
+    for entry in chat.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
+
+
+def test_api_key_queue_limit_and_sigterm_drain(checkpoint: Path) -> None:
+    """With --api-key, /v1/ needs the bearer key (401 otherwise) while /health and /metrics do
+    not; with one running and --max-waiting 1 waiting, a third request is a 429 at once;
+    SIGTERM lets the running stream finish and the server exits 0."""
+    srv = Server(checkpoint, "--api-key", "sekret", "--max-batch-size", "1", "--max-waiting", "1",
+                 "--shutdown-timeout", "30")
+    try:
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+        assert httpx.get(srv.url + "/metrics", timeout=5).status_code == 200
+        r = httpx.get(srv.url + "/v1/models", timeout=5)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        with pytest.raises(openai.AuthenticationError):
+            srv.client(api_key="wrong").models.list()
+        assert [m.id for m in srv.client(api_key="sekret").models.list()] == ["tiny"]
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "temperature": 0, "stream": True}
+        headers = {"Authorization": "Bearer sekret"}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=headers, timeout=60) as running:
+            lines = running.iter_lines()
+            next(lines)  # the first chunk: the request runs
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=headers, timeout=60) as waiting:
+                deadline = time.monotonic() + 10
+                while srv.metrics()["rtpcore_requests_waiting"] < 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                third = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, headers=headers,
+                                   timeout=10)
+                assert third.status_code == 429 and third.json()["error"]["type"] == "rate_limit_error"
+                srv.proc.send_signal(signal.SIGTERM)
+                rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+                assert rest[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+                queued = [json.loads(x[6:]) for x in waiting.iter_lines() if x.startswith("data: {")]
+                assert queued[-1]["choices"][0]["finish_reason"] in ("length", "stop")  # admitted while draining
+    finally:
+        code, out = srv.stop()
+    assert code == 0, out
