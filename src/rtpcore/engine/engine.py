@@ -354,15 +354,16 @@ class Engine:
 
     def close(self) -> None:
         """Release the model and the KV cache on every rank and stop the worker
-        processes; idempotent. Waits for the step in progress; calls waiting for KV
-        blocks, and every later call, raise EngineClosedError."""
+        processes; idempotent. Every request ends with EngineClosedError at once (no
+        new step starts; the calls waiting on them return); the model is released
+        after the step in progress. Every later call raises EngineClosedError."""
+        core = getattr(self, "_core", None)
+        if core is not None:  # first, so that no generate call competes for the step lock
+            core.close(EngineClosedError("this Engine is closed: its model and KV cache are released"))
         with self._step_lock:
             if self._closed:
                 return
             self._closed = True
-            core = getattr(self, "_core", None)
-            if core is not None:  # every request ends with EngineClosedError; blocks come back
-                core.close(EngineClosedError("this Engine is closed: its model and KV cache are released"))
             allocator = getattr(self, "_allocator", None)
             if allocator is not None:
                 allocator.close()  # calls waiting for blocks raise EngineClosedError
