@@ -11,7 +11,7 @@ import pytest
 from plugin_env import PluginEnv
 from rtpcore import Allowlist, Plan
 from rtpcore.errors import PluginConflictError, PluginNotFoundError, PluginVersionError
-from rtpcore.plugins.metadata import find
+from rtpcore.plugins.metadata import find, metadata_folder
 
 RAISES = "raise RuntimeError('imported!')\n"
 
@@ -59,15 +59,31 @@ def test_every_entry_point_of_a_distribution_is_planned_unless_one_is_named(
 def test_a_distribution_name_is_looked_up_without_any_discovery_scan(
     plugin_env: PluginEnv, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Resolving a distribution name never calls importlib-metadata's discovery."""
-    plugin_env.add_dist("res-d", plugins={"d": "d_mod"})
+    """Resolving a distribution name asks importlib-metadata for that name only (never an
+    unnamed discovery or entry_points()) and reads no other distribution's metadata."""
+    info = plugin_env.add_dist("res-d", plugins={"d": "d_mod"})
+    plugin_env.add_dist("res-d-neighbour", plugins={"n": "n_mod"})
+    discover = importlib_metadata.Distribution.discover.__func__  # type: ignore[attr-defined]
+    read_text = importlib_metadata.PathDistribution.read_text
+    folders: set[str] = set()
+
+    def named_only(cls: type, **kwargs: object) -> object:
+        if not kwargs.get("name"):
+            raise AssertionError(f"discovery scan: {kwargs}")
+        return discover(cls, **kwargs)
+
+    def reading(self: importlib_metadata.PathDistribution, filename: str) -> str | None:
+        folders.add(metadata_folder(self) or "")
+        return read_text(self, filename)
 
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("discovery scan")
 
-    monkeypatch.setattr(importlib_metadata.Distribution, "discover", classmethod(forbidden))
+    monkeypatch.setattr(importlib_metadata.Distribution, "discover", classmethod(named_only))
+    monkeypatch.setattr(importlib_metadata.PathDistribution, "read_text", reading)
     monkeypatch.setattr(importlib_metadata, "entry_points", forbidden)
     assert [e.name for e in _resolve("res-d>=1").entries] == ["d"]
+    assert folders == {str(info)}
 
 
 def test_an_entry_point_name_is_accepted_when_it_names_no_distribution(
@@ -219,13 +235,15 @@ def test_direct_lookup_matches_every_spelling_of_a_name(
     ]
 
 
-def test_a_stale_import_system_listing_is_not_trusted(plugin_env: PluginEnv) -> None:
-    """A distribution installed after Python cached the folder listing (no invalidate_caches)
-    is still found: the cached listing is used only while the folder's mtime is unchanged."""
+def test_a_stale_folder_listing_is_not_trusted(plugin_env: PluginEnv) -> None:
+    """A distribution installed after the folder listing was cached (no invalidate_caches)
+    is still found: importlib-metadata reuses a listing only while the folder's mtime is
+    unchanged."""
     import importlib
 
     plugin_env.add_module("res_r_mod.py", "")
     importlib.import_module("res_r_mod")  # the import system now holds the folder listing
+    assert find("res-r") == []  # ...and so does importlib-metadata
     info = plugin_env.site / "res_r-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: res-r\nVersion: 1.0\n")

@@ -6,19 +6,12 @@ of :class:`~rtpcore.errors.UnknownArchitectureError`; loading never depends on t
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Iterable
 
 from attrs import frozen
 
-from rtpcore.plugins.metadata import (
-    ARCHITECTURE_GROUP,
-    PLUGIN_GROUP,
-    canonical_name,
-    core_fields,
-    parse_entry_points,
-)
+from rtpcore.plugins.metadata import ARCHITECTURE_GROUP, PLUGIN_GROUP, canonical_name, scan
 
 __all__ = ["ARCHITECTURE_GROUP", "InstalledPlugin", "architecture_hints", "installed_plugins"]
 
@@ -49,46 +42,24 @@ class InstalledPlugin:
 
 def installed_plugins(path: Iterable[str] | None = None) -> list[InstalledPlugin]:
     """Every ``rtpcore.plugins`` entry point on ``path`` (default ``sys.path``), sorted by
-    distribution then name; shadowed copies are listed too, each marked. A full scan."""
-    import importlib_metadata
-
-    dists: list[tuple[str, str, str, tuple[tuple[str, str, str], ...]]] = []
-    seen: set[str] = set()
-    kwargs = {} if path is None else {"path": list(path)}
-    for dist in importlib_metadata.distributions(**kwargs):
-        where = str(getattr(dist, "_path", ""))
-        real = os.path.realpath(where) if where else str(id(dist))
-        if real in seen:
-            continue
-        seen.add(real)
-        try:
-            eps = parse_entry_points(dist.read_text("entry_points.txt") or "")
-            if not any(group == PLUGIN_GROUP for group, _, _ in eps):
-                continue
-            name, version = core_fields(
-                dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
-            )
-        except (OSError, ValueError):
-            continue
-        if name and version:
-            dists.append((name, version, where, eps))
-    counts = Counter(canonical_name(d[0]) for d in dists)
+    distribution then name; shadowed copies are listed too, each marked. A full scan; a
+    distribution whose entry_points.txt cannot be parsed is skipped (logged)."""
+    dists = scan(PLUGIN_GROUP, path)
+    counts = Counter(canonical_name(d.name) for d in dists)
     found: list[InstalledPlugin] = []
-    for name, version, where, eps in dists:
-        plugins = [(n, v) for g, n, v in eps if g == PLUGIN_GROUP]
+    for dist in dists:
+        plugins = dist.group(PLUGIN_GROUP)
+        hints = dist.group(ARCHITECTURE_GROUP)
         for ep_name, value in plugins:
-            declared = tuple(
-                sorted(n for g, n, v in eps if g == ARCHITECTURE_GROUP and v == ep_name)
-            )
             found.append(
                 InstalledPlugin(
                     name=ep_name,
                     value=value,
-                    distribution=name,
-                    version=version,
-                    metadata_path=where,
-                    declared_architectures=declared,
-                    shadowed=counts[canonical_name(name)] > 1,
+                    distribution=dist.name,
+                    version=dist.version,
+                    metadata_path=dist.path,
+                    declared_architectures=tuple(sorted(a for a, v in hints if v == ep_name)),
+                    shadowed=counts[canonical_name(dist.name)] > 1,
                     sole_entry_point=len(plugins) == 1,
                 )
             )

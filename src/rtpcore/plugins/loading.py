@@ -174,7 +174,7 @@ def _verify_version(entry: PlanEntry) -> None:
     if entry.distribution is None:
         return
     key = lookup.canonical_name(entry.distribution)
-    dist = lookup.read(entry.metadata_path) if entry.metadata_path else None
+    dist = lookup.at(entry.metadata_path) if entry.metadata_path else None
     if dist is None or lookup.canonical_name(dist.name) != key:
         found = lookup.find(entry.distribution)  # moved: the same direct lookup, never a scan
         if not found:

@@ -1,32 +1,40 @@
-"""Direct lookup of one installed distribution by name: the fast path of resolution.
+"""Installed distributions, read through ``importlib_metadata``: the fast path of resolution.
 
-For each ``sys.path`` folder, the folder listing is filtered by a compiled pattern of the
-name's metadata folders (``name-1.0.dist-info``, ``Name.egg-info`` ...) and only matches are
-read: the ``Name`` and ``Version`` headers and ``entry_points.txt``. No other distribution's
-metadata is opened and no heavy module is imported (importlib-metadata's ``metadata``
-pulls in the ``email`` package, whose import costs more than the whole lookup); zip
-archives on the path are the one case handed to importlib-metadata.
+:func:`find` asks ``importlib_metadata.distributions(name=..., path=...)`` for the metadata
+folders of one name: it normalizes the name (PEP 503), caches each path folder's listing
+(refreshed when the folder's mtime changes) and opens no other distribution's files. Only
+the matches are read: their ``Name`` and ``Version`` headers and ``Distribution.entry_points``.
+:func:`scan` is the one full scan, for ``rtpcore plugins list`` and the entry-point fallback.
+Nothing here imports plugin code.
+
+Kept by hand, each for a reason given where it stands: the two core headers
+(:func:`_core_fields`), the metadata folder of a distribution (:func:`metadata_folder`)
+and :func:`canonical_name`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-import sys
 from collections.abc import Iterable
+from typing import Any, Protocol
 
+import importlib_metadata
 from attrs import frozen
 
 __all__ = [
     "ARCHITECTURE_GROUP",
     "PLUGIN_GROUP",
     "InstalledDistribution",
+    "at",
     "canonical_name",
-    "core_fields",
     "find",
-    "parse_entry_points",
-    "read",
+    "metadata_folder",
+    "scan",
 ]
+
+log = logging.getLogger(__name__)
 
 #: Entry-point group of plugins: name = plugin name, value = ``module[:object]``.
 PLUGIN_GROUP = "rtpcore.plugins"
@@ -37,158 +45,177 @@ _SEPARATORS = re.compile(r"[-_.]+")
 
 
 def canonical_name(name: str) -> str:
-    """PEP 503 normalization: runs of ``-``, ``_`` and ``.`` become one ``-``, lowercased."""
+    """PEP 503 normalization: runs of ``-``, ``_`` and ``.`` become one ``-``, lowercased.
+
+    PEP 503's own one-line rule, by hand: ``packaging.utils.canonicalize_name`` is the same
+    rule but importing it pulls ``packaging.tags`` (and ``sysconfig``, ``platform``) into
+    every ``import rtpcore.plugins.allowlist``; importlib-metadata's ``Prepared.normalize``
+    is not public and spells the result with underscores.
+    """
     return _SEPARATORS.sub("-", name).lower()
+
+
+#: Why an ``entry_points.txt`` could not be read, shown in the ``invalid`` outcome.
+MALFORMED_ENTRY_POINTS = (
+    "its entry_points.txt cannot be parsed (every line under a [group] header must read "
+    "'name = value')"
+)
+
+
+class _Distribution(Protocol):
+    """What is read of an ``importlib_metadata`` distribution (``distributions()`` is typed
+    as returning its ``IDistribution`` protocol, ``Distribution.at`` a ``Distribution``)."""
+
+    def read_text(self, filename: str) -> str | None: ...
+
+    @property
+    def entry_points(self) -> Iterable[Any]: ...
 
 
 @frozen
 class InstalledDistribution:
     """One metadata folder: where it is, its name and version, and its entry points as
-    ``(group, name, value)`` triples in file order."""
+    ``(group, name, value)`` triples in file order.
+
+    ``entry_points_error`` says why the entry points could not be read (then
+    ``entry_points`` is empty); resolution reports it as the ``invalid`` outcome.
+    """
 
     path: str
     name: str
     version: str
     entry_points: tuple[tuple[str, str, str], ...] = ()
+    entry_points_error: str | None = None
 
     def group(self, group: str) -> list[tuple[str, str]]:
         """``(name, value)`` of the entry points in ``group``."""
         return [(n, v) for g, n, v in self.entry_points if g == group]
 
 
-def parse_entry_points(text: str) -> tuple[tuple[str, str, str], ...]:
-    """Parse ``entry_points.txt`` (an INI file: ``[group]`` then ``name = value`` lines)."""
-    out: list[tuple[str, str, str]] = []
-    group = ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith(("#", ";")):
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            group = line[1:-1].strip()
-            continue
-        name, sep, value = line.partition("=")
-        if sep and group:
-            out.append((group, name.strip(), value.strip()))
-    return tuple(out)
+def metadata_folder(dist: object) -> str | None:
+    """The metadata folder (``*.dist-info`` / ``*.egg-info``, or a legacy ``.egg-info``
+    file) of ``dist``; None for a distribution that does not live on the file system.
+
+    importlib-metadata has no public accessor for it (python/importlib_metadata#23, #111:
+    only ``PathDistribution`` has one, as ``_path``; pip reads it the same way), and
+    ``locate_file('')`` gives the folder above it. A plan records this folder so that a
+    worker rereads exactly it (``Distribution.at``) and provenance reads its RECORD.
+    tests/test_metadata.py fails if the attribute changes meaning.
+    """
+    path = getattr(dist, "_path", None)
+    return None if path is None else str(path)
 
 
-def core_fields(text: str) -> tuple[str | None, str | None]:
-    """``Name`` and ``Version`` from the headers of a METADATA / PKG-INFO text."""
+def _core_fields(dist: _Distribution) -> tuple[str | None, str | None]:
+    """``Name`` and ``Version`` from the headers of ``dist``'s METADATA / PKG-INFO.
+
+    By hand rather than ``dist.metadata``: that parses with the ``email`` package, whose
+    first import (``email.parser``, ~18 ms here) costs more than importlib-metadata's whole
+    name lookup among 2000 distributions, and would put resolving one name at about a
+    quarter of a full entry-point scan (the contract is under 15%; see
+    benchmarks/bench_resolution.py). Headers are ``Key: value`` lines up to the first blank
+    line; ``Name`` and ``Version`` are never folded or repeated.
+    """
+    try:
+        # METADATA (dist-info), PKG-INFO (egg-info folder), '' (a legacy egg-info file is
+        # itself the metadata: the order of Distribution._metadata_text, which is private).
+        text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or dist.read_text("")
+    except (OSError, ValueError):  # ValueError: UnicodeDecodeError
+        return None, None
     fields: dict[str, str] = {}
-    for line in text.splitlines():
+    for line in (text or "").splitlines():
         if not line.strip():
-            break  # the headers end at the first blank line
+            break
         key, sep, value = line.partition(":")
         if sep and key in ("Name", "Version"):
             fields.setdefault(key, value.strip())
     return fields.get("Name") or None, fields.get("Version") or None
 
 
-def _read_text(path: str) -> str | None:
+def _entry_points(
+    dist: _Distribution,
+) -> tuple[tuple[tuple[str, str, str], ...], str | None]:
+    """``dist.entry_points`` as triples, or ``()`` and the reason they cannot be read."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError):
-        return None
+        return tuple((ep.group, ep.name, ep.value) for ep in dist.entry_points), None
+    except (TypeError, ValueError):  # a line without '=' (TypeError), undecodable bytes
+        return (), MALFORMED_ENTRY_POINTS
 
 
-def read(folder: str) -> InstalledDistribution | None:
-    """The distribution whose metadata folder (or legacy ``.egg-info`` file) is ``folder``;
-    None when it has no readable Name and Version."""
-    if os.path.isdir(folder):
-        text = _read_text(os.path.join(folder, "METADATA")) or _read_text(
-            os.path.join(folder, "PKG-INFO")
-        )
-        eps = _read_text(os.path.join(folder, "entry_points.txt")) or ""
-    else:
-        text, eps = _read_text(folder), ""
-    name, version = core_fields(text or "")
+def _describe(
+    dist: _Distribution, where: str, entry_points: bool = True
+) -> InstalledDistribution | None:
+    name, version = _core_fields(dist)
     if name is None or version is None:
         return None
+    eps, error = _entry_points(dist) if entry_points else ((), None)
     return InstalledDistribution(
-        path=folder, name=name, version=version, entry_points=parse_entry_points(eps)
+        path=where, name=name, version=version, entry_points=eps, entry_points_error=error
     )
 
 
-def _folder_names(key: str, names: Iterable[str]) -> list[str]:
-    """The entries of ``names`` that are metadata folders of the normalized name ``key``
-    (``Key_Name-1.0.dist-info``, ``key.name.egg-info`` ...), compared case-insensitively.
-
-    One C-level pass: the names are joined, lowercased and searched for the lowercase
-    literal prefix, so a folder of 2000 entries costs about as much as one of 100.
-    """
-    tail = r"(?:-[^\n/\\]*)?\.(?:dist|egg)-info"
-    body = r"[-_.]+".join(re.escape(p) for p in key.split("-")) + tail
-    joined = "\n" + "\n".join(names) + "\n"
-    lowered = joined.lower()
-    if len(lowered) != len(joined):  # a non-ASCII name whose lowercase changes length
-        pattern = re.compile(body, re.IGNORECASE)
-        return [n for n in joined.split("\n") if n and pattern.fullmatch(n)]
-    found = re.finditer("\n" + body + "(?=\n)", lowered)
-    return [joined[m.start() + 1 : m.end()] for m in found]
-
-
-def _from_archive(name: str, archive: str) -> list[InstalledDistribution]:
-    import importlib_metadata  # only for a zip archive on the path
-
-    found = []
-    for dist in importlib_metadata.distributions(name=name, path=[archive]):
-        core = core_fields(dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "")
-        if core[0] and core[1]:
-            eps = parse_entry_points(dist.read_text("entry_points.txt") or "")
-            where = str(getattr(dist, "_path", archive))
-            found.append(
-                InstalledDistribution(path=where, name=core[0], version=core[1], entry_points=eps)
-            )
-    return found
-
-
-def _listing(entry: str, folder: str) -> Iterable[str] | None:
-    """The names in ``folder`` (the ``sys.path`` entry ``entry``), None if unreadable.
-
-    Python's import system already keeps the listing of every path folder it has searched
-    (its ``FileFinder``), valid while the folder's mtime is unchanged; in a running process
-    site-packages has always been searched. Reusing it avoids reading a large directory a
-    second time; any doubt (another finder, another Python, a changed mtime) reads it anew.
-    """
-    try:
-        finder = sys.path_importer_cache.get(entry or os.getcwd())
-        cached = getattr(finder, "_path_cache", None)
-        if (
-            isinstance(cached, set)
-            and getattr(finder, "_path_mtime", None) == os.stat(folder).st_mtime
-        ):
-            return cached
-        return os.listdir(folder)
-    except OSError:
-        return None
+def at(folder: str) -> InstalledDistribution | None:
+    """The distribution whose metadata folder (or legacy ``.egg-info`` file) is ``folder``,
+    read without any search (``Distribution.at``); None when it has no readable Name and
+    Version, e.g. because it was uninstalled."""
+    return _describe(importlib_metadata.Distribution.at(folder), folder)
 
 
 def find(name: str, path: Iterable[str] | None = None) -> list[InstalledDistribution]:
     """Every distribution named ``name`` (after PEP 503 normalization) on ``path`` (default
-    ``sys.path``), in path order, each metadata folder once."""
+    ``sys.path``), in path order, each metadata folder once (a folder listed twice on the
+    path is one installation). Two results mean one copy shadows the other."""
     key = canonical_name(name)
+    kwargs: dict[str, object] = {"name": name}
+    if path is not None:
+        kwargs["path"] = list(path)
     found: list[InstalledDistribution] = []
     seen: set[str] = set()
-    for entry in sys.path if path is None else path:
-        folder = entry or "."
-        if os.path.isdir(folder):
-            names = _listing(entry, folder)
-            if names is None:
-                continue
-            candidates: list[InstalledDistribution | None] = [
-                read(os.path.join(folder, n)) for n in _folder_names(key, names)
-            ]
-        elif os.path.isfile(folder):
-            candidates = list(_from_archive(name, folder))
-        else:
+    for dist in importlib_metadata.distributions(**kwargs):
+        where = metadata_folder(dist)
+        if where is None:
+            continue  # not on the file system: no RECORD to check provenance against
+        real = os.path.realpath(where)
+        if real in seen:
             continue
-        for dist in candidates:
-            if dist is None or canonical_name(dist.name) != key:
-                continue
-            real = os.path.realpath(dist.path)
-            if real not in seen:
-                seen.add(real)
-                found.append(dist)
+        seen.add(real)
+        installed = _describe(dist, where)
+        # The folder name matched; the Name header is the distribution's own word.
+        if installed is not None and canonical_name(installed.name) == key:
+            found.append(installed)
+    return found
+
+
+def scan(group: str, path: Iterable[str] | None = None) -> list[InstalledDistribution]:
+    """Every distribution on ``path`` (default ``sys.path``) with an entry point in
+    ``group``, in path order. A full scan: every distribution's entry points are read.
+
+    A distribution whose entry_points.txt cannot be parsed is skipped with a warning: it is
+    probably not a plugin at all, and one broken package must not hide every other plugin.
+    Naming it in ``--plugins`` reports it (:func:`find` keeps the reason).
+    """
+    kwargs: dict[str, object] = {} if path is None else {"path": list(path)}
+    found: list[InstalledDistribution] = []
+    seen: set[str] = set()
+    for dist in importlib_metadata.distributions(**kwargs):
+        where = metadata_folder(dist)
+        if where is None:
+            continue
+        real = os.path.realpath(where)
+        if real in seen:
+            continue
+        seen.add(real)
+        eps, error = _entry_points(dist)
+        if error is not None:
+            log.warning("skipping the distribution at %r: %s", where, error)
+            continue
+        if not any(g == group for g, _, _ in eps):
+            continue
+        installed = _describe(dist, where, entry_points=False)
+        if installed is not None:
+            found.append(
+                InstalledDistribution(
+                    path=where, name=installed.name, version=installed.version, entry_points=eps
+                )
+            )
     return found

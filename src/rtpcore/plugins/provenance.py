@@ -23,13 +23,14 @@ Otherwise the entry is ``shadowed`` (PluginConflictError) and nothing is importe
 
 from __future__ import annotations
 
-import csv
 import importlib.machinery
 import importlib.util
 import os
 import sys
 from importlib.machinery import ModuleSpec
 from pathlib import Path
+
+import importlib_metadata
 
 from rtpcore.errors import PluginConflictError
 from rtpcore.plugins.resolution import PlanEntry
@@ -77,24 +78,13 @@ def _under(path: str, folder: str) -> bool:
 
 
 def _listed_files(metadata: Path) -> list[str]:
-    """Absolute real paths of the files the distribution's RECORD (or an egg-info's
-    installed-files.txt) lists."""
-    if (metadata / "RECORD").is_file():
-        base, listing = metadata.parent, metadata / "RECORD"
-        try:
-            with open(listing, newline="", encoding="utf-8") as f:
-                names = [row[0] for row in csv.reader(f) if row]
-        except (OSError, UnicodeDecodeError, csv.Error):
-            return []
-    elif (metadata / "installed-files.txt").is_file():
-        base, listing = metadata, metadata / "installed-files.txt"
-        try:
-            names = listing.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError):
-            return []
-    else:
+    """Absolute real paths of the files the distribution lists (``Distribution.files``:
+    its RECORD, or an egg-info's installed-files.txt or SOURCES.txt) and that exist."""
+    try:
+        files = importlib_metadata.Distribution.at(metadata).files or []
+        return [os.path.realpath(str(f.locate())) for f in files]
+    except (OSError, ValueError):  # an unreadable or malformed RECORD lists nothing
         return []
-    return [os.path.realpath(base / name) for name in names if name.strip()]
 
 
 def _added_folders(top: str, listed: list[str]) -> list[str]:

@@ -1,8 +1,8 @@
 """Resolution: an :class:`~rtpcore.plugins.allowlist.Allowlist` becomes a frozen, picklable :class:`Plan`.
 
-Nothing is imported here. Distribution names are looked up directly (:mod:`rtpcore.plugins.metadata`:
-only the requested distribution's metadata is read), so the cost does not grow with the
-number of installed distributions. Only an item that names no distribution falls back to a
+Nothing is imported here. Distribution names are looked up directly (:mod:`rtpcore.plugins.metadata`,
+``importlib_metadata.distributions(name=...)``: only the requested distribution's metadata is
+read), never by a scan of every distribution's entry points. Only an item that names no distribution falls back to a
 scan of the ``rtpcore.plugins`` entry points (:mod:`rtpcore.plugins.discovery`). Specifiers are
 checked against the installed version here, before any import.
 """
@@ -188,6 +188,15 @@ def _resolve_request(
             "version-mismatch",
             f"plugin {item!r} requires {dist.name}{request.specifier}, but version {dist.version} "
             f"is installed (at {dist.path})",
+            distribution=dist.name,
+            version=dist.version,
+        )
+    if dist.entry_points_error is not None:
+        return PlanFailure(
+            item,
+            "invalid",
+            f"plugin {item!r}: distribution {dist.name!r} {dist.version} (at {dist.path}) is "
+            f"broken: {dist.entry_points_error}; reinstall it",
             distribution=dist.name,
             version=dist.version,
         )
