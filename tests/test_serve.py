@@ -308,12 +308,22 @@ def test_logprobs_are_the_engine_distributions_top_entries(server: Server) -> No
         assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)
 
 
-def test_api_key_queue_limit_and_sigterm_drain(checkpoint: Path) -> None:
+@pytest.fixture(scope="module")
+def long_context_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The served model with room for a request that keeps the batch busy for seconds."""
+    path = tmp_path_factory.mktemp("served-long")
+    vocab = write_tokenizer(path)
+    make_checkpoint(path, vocab_size=vocab, max_position_embeddings=8192)
+    return path
+
+
+def test_api_key_queue_limit_and_sigterm_drain(long_context_checkpoint: Path) -> None:
     """With --api-key, /v1/ needs the bearer key (401 otherwise) while /health and /metrics do
-    not; with one running and --max-waiting 1 waiting, a third request is a 429 at once;
-    SIGTERM lets the running stream finish and the server exits 0."""
-    srv = Server(checkpoint, "--api-key", "sekret", "--max-batch-size", "1", "--max-waiting", "1",
-                 "--shutdown-timeout", "30")
+    not; with one request running (a long one) and --max-waiting 1 waiting, a third is a 429 at
+    once; after the long one's client leaves, SIGTERM lets the admitted request finish and the
+    server exits 0."""
+    srv = Server(long_context_checkpoint, "--api-key", "sekret", "--max-batch-size", "1", "--max-waiting", "1",
+                 "--shutdown-timeout", "60")
     try:
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
         assert httpx.get(srv.url + "/metrics", timeout=5).status_code == 200
@@ -322,11 +332,12 @@ def test_api_key_queue_limit_and_sigterm_drain(checkpoint: Path) -> None:
         with pytest.raises(openai.AuthenticationError):
             srv.client(api_key="wrong").models.list()
         assert [m.id for m in srv.client(api_key="sekret").models.list()] == ["tiny"]
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "temperature": 0, "stream": True}
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 64, "temperature": 0, "stream": True}
         headers = {"Authorization": "Bearer sekret"}
-        with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=headers, timeout=60) as running:
-            lines = running.iter_lines()
-            next(lines)  # the first chunk: the request runs
+        long = {**body, "max_tokens": 8000, "ignore_eos": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=long, headers=headers, timeout=60) as running:
+            long_lines = running.iter_lines()  # kept: dropping the iterator would close the connection
+            next(long_lines)  # the first chunk: the long request runs
             with httpx.stream("POST", srv.url + "/v1/completions", json=body, headers=headers, timeout=60) as waiting:
                 deadline = time.monotonic() + 10
                 while srv.metrics()["rtpcore_requests_waiting"] < 1 and time.monotonic() < deadline:
@@ -334,11 +345,12 @@ def test_api_key_queue_limit_and_sigterm_drain(checkpoint: Path) -> None:
                 third = httpx.post(srv.url + "/v1/completions", json={**body, "stream": False}, headers=headers,
                                    timeout=10)
                 assert third.status_code == 429 and third.json()["error"]["type"] == "rate_limit_error"
+                running.close()  # the long request's client leaves: it is aborted, the waiting one admitted
+                lines = waiting.iter_lines()
+                next(lines)
                 srv.proc.send_signal(signal.SIGTERM)
-                rest = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
-                assert rest[-1]["choices"][0]["finish_reason"] in ("length", "stop")
-                queued = [json.loads(x[6:]) for x in waiting.iter_lines() if x.startswith("data: {")]
-                assert queued[-1]["choices"][0]["finish_reason"] in ("length", "stop")  # admitted while draining
+                queued = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+                assert queued[-1]["choices"][0]["finish_reason"] in ("length", "stop")  # finished while draining
     finally:
         code, out = srv.stop()
     assert code == 0, out

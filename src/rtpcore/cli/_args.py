@@ -1,9 +1,13 @@
-"""Argument types shared by the subcommands."""
+"""Arguments and argument types shared by the subcommands."""
 
 from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
+from typing import Any
+
+from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
 
 def positive_int(text: str) -> int:
@@ -37,3 +41,36 @@ def parse_bytes(text: str) -> int:
     number = match.group(1)
     value = int(number) * _UNITS[unit] if "." not in number else int(float(number) * _UNITS[unit])
     return value
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """CHECKPOINT or ``--demo NAME``, the allowlist flags, and the engine's dtype and KV options."""
+    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("--demo", metavar="NAME", help="use the demo model of this model type (random weights, "
+                   "built on first use under $XDG_CACHE_HOME/rtpcore/demo)")
+    add_allowlist_arguments(p)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"])
+    p.add_argument("--kv-layout", default=None, metavar="NAME", help="fp8 layout (built-in or from a plugin)")
+
+
+def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint folder (a demo's is built on first use) and the engine keywords of the
+    arguments :func:`add_model_arguments` added; the allowlist is validated first, importing nothing."""
+    if (args.checkpoint is None) == (args.demo is None):
+        parser.error("give exactly one of CHECKPOINT or --demo NAME")
+    allow = Allowlist.from_args(args)
+    plugins = [str(r) for r in allow.plugins]
+    if args.demo is not None:
+        from rtpcore.cli.demo import demo_checkpoint
+
+        path = demo_checkpoint(args.demo, plugins=plugins, external_model_packages=allow.external_model_packages)
+    else:
+        path = Path(args.checkpoint)
+    return path, {
+        "plugins": plugins,
+        "external_model_packages": allow.external_model_packages,
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_layout": args.kv_layout,
+    }

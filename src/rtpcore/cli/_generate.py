@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rtpcore.cli._args import positive_int
+from rtpcore.cli._args import add_model_arguments, model_path, positive_int
 from rtpcore.errors import RtpcoreError
-from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
 __all__ = ["add_parser"]
 
@@ -40,9 +39,7 @@ def add_parser(subparsers: Any) -> None:
         description="Generate tokens with the rtpcore engine. --demo NAME builds a small random-weight "
         "model of that model type on first use (cached under $XDG_CACHE_HOME/rtpcore/demo).",
     )
-    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json + safetensors)")
-    p.add_argument("--demo", metavar="NAME", help="use the demo model of this model type (random weights)")
-    add_allowlist_arguments(p)
+    add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json, or --demo)")
     prompt.add_argument("--prompt-ids", type=_prompt_ids, metavar="1,2,3", help="prompt token ids")
@@ -55,9 +52,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--top-k", type=positive_int, default=None, metavar="K")
     p.add_argument("--top-p", type=float, default=None, metavar="P")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"])
-    p.add_argument("--kv-layout", default=None, metavar="NAME", help="fp8 layout (built-in or from a plugin)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run, _parser=p)
 
@@ -102,21 +96,14 @@ def _chat_prompt(path: Path, tokenizer: Any, text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args._parser
-    if (args.checkpoint is None) == (args.demo is None):
-        parser.error("give exactly one of CHECKPOINT or --demo NAME")
     if args.chat and args.prompt is None:
         parser.error("--chat renders --prompt text; it cannot take --prompt-ids")
     if args.max_new_tokens < 0:
         parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    allow = Allowlist.from_args(args)  # validates before anything is imported
-    from rtpcore.cli.demo import NOTICE, demo_checkpoint
+    path, engine_options = model_path(args, parser)  # validates the allowlist first
+    from rtpcore.cli.demo import NOTICE
     from rtpcore.engine import Engine
 
-    plugins = [str(r) for r in allow.plugins]
-    if args.demo is not None:
-        path = demo_checkpoint(args.demo, plugins=plugins, external_model_packages=allow.external_model_packages)
-    else:
-        path = Path(args.checkpoint)
     tokenizer = _load_tokenizer(path, demo=args.demo is not None)
     if args.prompt is not None:
         if tokenizer is None:
@@ -127,15 +114,7 @@ def run(args: argparse.Namespace) -> int:
         ids = _chat_prompt(path, tokenizer, args.prompt) if args.chat else _encode(tokenizer, args.prompt)
     else:
         ids = args.prompt_ids
-    with Engine.from_pretrained(
-        path,
-        plugins=plugins,
-        external_model_packages=allow.external_model_packages,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_layout=args.kv_layout,
-        max_batch_size=1,
-    ) as engine:
+    with Engine.from_pretrained(path, max_batch_size=1, **engine_options) as engine:
         out = engine.generate(
             [ids],
             max_new_tokens=args.max_new_tokens,

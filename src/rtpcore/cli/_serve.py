@@ -12,11 +12,9 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from pathlib import Path
 from typing import Any
 
-from rtpcore.cli._args import parse_bytes, positive_int
-from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
+from rtpcore.cli._args import add_model_arguments, model_path, parse_bytes, positive_int
 
 __all__ = ["add_parser"]
 
@@ -48,17 +46,12 @@ def add_parser(subparsers: Any) -> None:
         description="Serve a checkpoint (or a demo model) with continuous batching over an "
         "OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
     )
-    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, safetensors, tokenizer.json)")
-    p.add_argument("--demo", metavar="NAME", help="serve the demo model of this model type (random weights)")
-    add_allowlist_arguments(p)
+    add_model_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="default: 8000")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: the "
                    "checkpoint folder's name, or the demo name)")
     p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/ endpoints")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"])
-    p.add_argument("--kv-layout", default=None, metavar="NAME", help="fp8 layout (built-in or from a plugin)")
     p.add_argument("--max-batch-size", type=positive_int, default=8, metavar="N")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="e.g. 2GiB")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N")
@@ -70,37 +63,24 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    parser: argparse.ArgumentParser = args._parser
-    if (args.checkpoint is None) == (args.demo is None):
-        parser.error("give exactly one of CHECKPOINT or --demo NAME")
-    allow = Allowlist.from_args(args)  # validates before anything is imported
+    path, engine_options = model_path(args, args._parser)  # validates the allowlist first
     import uvicorn
 
-    from rtpcore.cli.demo import demo_checkpoint
     from rtpcore.engine.async_engine import AsyncEngine
     from rtpcore.serving.app import build_app
     from rtpcore.serving.chat_template import ChatTemplate
     from rtpcore.serving.tokenizer import Tokenizer, read_tokenizer_config
 
-    plugins = [str(r) for r in allow.plugins]
-    if args.demo is not None:
-        path = demo_checkpoint(args.demo, plugins=plugins, external_model_packages=allow.external_model_packages)
-    else:
-        path = Path(args.checkpoint)
     tokenizer = Tokenizer.from_pretrained(path)  # before the engine: a missing tokenizer fails fast
     has_template = (path / "chat_template.jinja").is_file() or "chat_template" in read_tokenizer_config(path)
     chat_template = ChatTemplate.from_pretrained(path) if has_template else None  # else completions only
     engine = AsyncEngine.from_pretrained(
         path,
         max_waiting=args.max_waiting,
-        plugins=plugins,
-        external_model_packages=allow.external_model_packages,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        kv_layout=args.kv_layout,
         max_batch_size=args.max_batch_size,
         kv_cache_memory=args.kv_cache_memory,
         tensor_parallel_size=args.tensor_parallel_size,
+        **engine_options,
     )
     name = args.served_model_name or args.demo or path.resolve().name
     app = build_app(engine, tokenizer=tokenizer, chat_template=chat_template, model_name=name,

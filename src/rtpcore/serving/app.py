@@ -199,6 +199,7 @@ def _params(served: _Served, body: Any, ids: list[int], limit: int, field: str, 
             max_tokens=limit,
             temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
             top_k=top_k, top_p=top_p, seed=body.seed, logprobs=logprobs, stop=body.stop_strings,
+            ignore_eos=body.ignore_eos,
         )
     except InvalidRequestError as exc:
         raise ApiError(400, str(exc), param=getattr(exc, "field", None)) from None

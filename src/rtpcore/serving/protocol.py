@@ -48,6 +48,7 @@ class _Sampling(BaseModel):
     n: int = 1
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    ignore_eos: bool = False  # an extension (vLLM's name): run to max_tokens past the model's stop tokens
 
     @field_validator("n")
     @classmethod
