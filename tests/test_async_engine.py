@@ -424,3 +424,23 @@ def test_time_stamps_give_time_to_first_token_and_between_tokens(ckpt: Path) -> 
             assert engine.stats().as_dict()["kv_blocks_total"] == engine.engine.num_kv_blocks
 
     run(main())
+
+
+def test_a_failed_step_breaks_the_engine_and_its_failure_says_so(ckpt: Path) -> None:
+    """Engine.failure is None while it can step; after a model fault inside a step it names the
+    failure (later requests would fail), and after close it says closed."""
+    engine = Engine.from_pretrained(ckpt, tokens_per_block=4)
+    assert engine.failure is None
+    model = engine.model
+    real = model.forward
+
+    def broken(batch: Any, caches: Any) -> Any:
+        raise ValueError("injected fault")
+
+    model.forward = broken
+    with pytest.raises(RtpcoreError, match="injected fault"):
+        engine.generate([PROMPTS[0]], max_new_tokens=2)
+    model.forward = real
+    assert engine.failure is not None and "injected fault" in str(engine.failure)
+    engine.close()
+    assert "closed" in str(engine.failure)

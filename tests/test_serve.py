@@ -354,3 +354,33 @@ def test_api_key_queue_limit_and_sigterm_drain(long_context_checkpoint: Path) ->
     finally:
         code, out = srv.stop()
     assert code == 0, out
+
+
+def test_health_is_503_once_a_step_failed(checkpoint: Path) -> None:
+    """In-process app: /health is 200 while the engine can step; after a model fault fails a
+    request (its stream carries an error event, never a hang), /health answers 503 naming it."""
+    from rtpcore import AsyncEngine
+    from rtpcore.serving.app import build_app
+    from rtpcore.serving.tokenizer import Tokenizer
+
+    async def main() -> None:
+        engine = AsyncEngine.from_pretrained(checkpoint)
+        app = build_app(engine, tokenizer=Tokenizer.from_pretrained(checkpoint), chat_template=None, model_name="tiny")
+        transport = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=30) as client:
+                assert (await client.get("/health")).status_code == 200
+
+                def broken(batch: Any, caches: Any) -> Any:
+                    raise ValueError("injected fault")
+
+                engine.engine.model.forward = broken
+                r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4,
+                                                               "stream": True})
+                assert "injected fault" in r.text and r.text.rstrip().endswith("data: [DONE]")
+                health = await client.get("/health")
+                assert health.status_code == 503 and "injected fault" in health.json()["message"]
+        finally:
+            await engine.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=120))

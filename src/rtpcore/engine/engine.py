@@ -346,6 +346,14 @@ class Engine:
         self._check_open()
         return self._allocator.num_free
 
+    @property
+    def failure(self) -> RtpcoreError | None:
+        """None while the engine can step; else why it cannot (it was closed, or a rank failed
+        and the worker group is broken: every later request fails). A server's health check."""
+        if self._closed or self._group is None:
+            return EngineClosedError("this Engine is closed")
+        return self._group.failure
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("this Engine is closed: its model and KV cache are released")

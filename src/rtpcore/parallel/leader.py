@@ -278,6 +278,11 @@ class WorkerGroup:
             except BaseException as exc:
                 self._fail(exc)
 
+    @property
+    def failure(self) -> WorkerError | None:
+        """Why the group can no longer step (a rank failed); None while it can."""
+        return self._broken
+
     def debug_raise_on(self, rank: int, message: str = "debug fail point") -> None:
         """Test fail point: make follower ``rank`` raise RuntimeError(message) inside a step."""
         if not 0 < rank < self.world_size:

@@ -132,8 +132,11 @@ def build_app(
         response: Response = await call_next(request)
         return response
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
+    @app.get("/health", response_model=None)
+    async def health() -> Any:
+        failure = served.engine.engine.failure
+        if failure is not None:  # closed, or a rank failed: every request would fail now
+            return JSONResponse({"status": "error", "message": str(failure)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
