@@ -161,3 +161,30 @@ def worker_load(plan: Any) -> dict[str, Any]:
         "calls": calls,
         "modules": sorted(m for m in sys.modules if m.startswith("wk_")),
     }
+
+
+def pip_install_into_venv(tmp_path: Path, *pip_args: str) -> tuple[str, dict[str, str]]:
+    """Make a venv under ``tmp_path`` that sees this environment's packages (rtpcore, pip,
+    setuptools) and pip-install ``pip_args`` into it, offline; return its python and the
+    environment to run it with (no PYTHONPATH: the venv decides what is importable)."""
+    import os
+    import subprocess
+
+    import importlib_metadata
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    purelib = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    # rtpcore (and pip, setuptools) come from the environment running these tests.
+    ours = Path(str(importlib_metadata.distribution("rtpcore").locate_file("")))
+    Path(purelib, "_rtpcore_test_env.pth").write_text(f"import site; site.addsitedir({str(ours)!r})\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-index", "--no-build-isolation", *pip_args],
+        check=True, env=env, capture_output=True,
+    )
+    return python, env

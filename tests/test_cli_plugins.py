@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin_env import PluginEnv, hooks_source
+from plugin_env import PluginEnv, hooks_source, pip_install_into_venv
 from rtpcore.cli import main
 
 KEYS = {"name", "distribution", "version", "value", "state", "models", "architectures"}
@@ -203,7 +203,6 @@ where = ["src"]
 @pytest.mark.slow
 def test_a_pip_installed_plugin_is_listed_and_loaded_in_a_fresh_venv(tmp_path: Path) -> None:
     """A real `pip install` into a new virtual environment: listed, then loaded on request."""
-    import importlib_metadata
 
     pytest.importorskip("setuptools", reason="the throwaway plugin builds with setuptools")
 
@@ -214,40 +213,7 @@ def test_a_pip_installed_plugin_is_listed_and_loaded_in_a_fresh_venv(tmp_path: P
     (project / "src" / "throwaway_plugin" / "hooks.py").write_text(
         hooks_source(("T", "throwaway", ("ThrowawayForCausalLM",)))
     )
-    venv = tmp_path / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-        check=True,
-    )
-    python = str(venv / "bin" / "python")
-    purelib = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    # rtpcore (and pip, setuptools) come from the environment running these tests.
-    ours = Path(str(importlib_metadata.distribution("rtpcore").locate_file("")))
-    Path(purelib, "_rtpcore_test_env.pth").write_text(
-        f"import site; site.addsitedir({str(ours)!r})\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
-    subprocess.run(
-        [
-            python,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-index",
-            "--no-build-isolation",
-            "--no-deps",
-            str(project),
-        ],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
+    python, env = pip_install_into_venv(tmp_path, "--no-deps", str(project))
 
     def plugins_list(*argv: str) -> tuple[int, list[dict[str, object]]]:
         out = subprocess.run(

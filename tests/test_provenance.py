@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from plugin_env import PluginEnv, hooks_source
+from plugin_env import PluginEnv, hooks_source, pip_install_into_venv
 from rtpcore import Allowlist, load_plugins
 from rtpcore.errors import PluginConflictError
 from rtpcore.plugins.loading import load_report
@@ -161,7 +161,6 @@ packages = ["editable_plugin"]
 def test_a_pip_editable_install_is_not_shadowed(tmp_path: Path, layout: str) -> None:
     """`pip install -e` into a fresh venv: a src layout (setuptools writes a .pth) and a
     flat layout (setuptools installs its __editable__ finder) both load."""
-    import importlib_metadata
 
     pytest.importorskip("setuptools", reason="the editable plugin builds with setuptools")
     project = tmp_path / "editable"
@@ -171,29 +170,7 @@ def test_a_pip_editable_install_is_not_shadowed(tmp_path: Path, layout: str) -> 
     (project / "pyproject.toml").write_text(EDITABLE_PYPROJECT.format(where=where))
     (package / "__init__.py").write_text("")
     (package / "hooks.py").write_text(hooks_source(("E", "editable", ("EditableForCausalLM",))))
-    venv = tmp_path / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-        check=True,
-    )
-    python = str(venv / "bin" / "python")
-    purelib = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    ours = Path(str(importlib_metadata.distribution("rtpcore").locate_file("")))
-    Path(purelib, "_rtpcore_test_env.pth").write_text(
-        f"import site; site.addsitedir({str(ours)!r})\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
-    subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--no-index", "--no-build-isolation", "-e", project],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
+    python, env = pip_install_into_venv(tmp_path, "-e", str(project))
     out = subprocess.run(
         [python, "-m", "rtpcore", "plugins", "list", "--json", "--plugins", "rtpcore-editable"],
         capture_output=True,
