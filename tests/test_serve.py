@@ -384,3 +384,24 @@ def test_health_is_503_once_a_step_failed(checkpoint: Path) -> None:
             await engine.aclose()
 
     asyncio.run(asyncio.wait_for(main(), timeout=120))
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--demo", "llama", "--threads", "0"], "--threads: must be a positive integer, got '0'"),
+        (["--demo", "llama", "--port", "70000"], "--port: must be a TCP port 1-65535, got '70000'"),
+        (["--demo", "llama", "--shutdown-timeout", "-1"], "--shutdown-timeout: must be a number of seconds >= 0"),
+        (["--max-waiting", "2"], "give exactly one of CHECKPOINT or --demo NAME"),
+    ],
+)
+def test_serve_usage_errors_exit_2_naming_the_flag(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad serve flags are usage errors (exit status 2) naming the flag, before anything loads."""
+    from rtpcore.cli import main
+
+    with pytest.raises(SystemExit) as excinfo:
+        main(["serve", *argv])
+    assert excinfo.value.code == 2
+    assert needle in capsys.readouterr().err

@@ -57,6 +57,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N")
     p.add_argument("--max-waiting", type=positive_int, default=256, metavar="N",
                    help="requests that may wait for admission; one more is answered 429 (default: 256)")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="torch compute threads of a one-rank engine (default: torch's). Fewer threads "
+                   "than cores leaves the HTTP event loop a core: more tokens/s under many streams, "
+                   "slower prefill (docs/benchmarks.md, Serving)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish (default: 30)")
     p.set_defaults(func=run, _parser=p)
@@ -64,6 +68,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     path, engine_options = model_path(args, args._parser)  # validates the allowlist first
+    import torch
     import uvicorn
 
     from rtpcore.engine.async_engine import AsyncEngine
@@ -82,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         **engine_options,
     )
+    if args.threads is not None and args.tensor_parallel_size == 1:  # a group sets its ranks' threads
+        torch.set_num_threads(args.threads)
     name = args.served_model_name or args.demo or path.resolve().name
     app = build_app(engine, tokenizer=tokenizer, chat_template=chat_template, model_name=name,
                     api_key=args.api_key, on_shutdown=engine.aclose)
