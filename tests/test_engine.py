@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import Engine
-from rtpcore.engine.sampling import SamplingParams, sample
+from rtpcore.engine.sampling import SamplingParams, sample_step
 from rtpcore.errors import KVCacheCapacityError, KVCacheSpecError, RtpcoreError
 from rtpcore.kv.pools import LayerKVCache, PackedLayerKVCache
 from test_llama import make_checkpoint, teacher_forced_logits
@@ -99,11 +99,16 @@ def test_top_k_and_top_p_keep_only_their_tokens() -> None:
     """Draws come only from the k most likely tokens, or from the smallest set holding top_p of the mass."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
     gen = torch.Generator().manual_seed(0)
-    k2 = sample(logits, SamplingParams.create(1.0, top_k=2), gen)
+
+    def draws(params: SamplingParams) -> torch.Tensor:
+        n = logits.shape[0]
+        return torch.tensor([s.token_id for s in sample_step(logits, [params] * n, [gen] * n)])
+
+    k2 = draws(SamplingParams.create(1.0, top_k=2))
     assert set(k2.tolist()) == {0, 1}
-    p = sample(logits, SamplingParams.create(1.0, top_p=0.7), gen)
+    p = draws(SamplingParams.create(1.0, top_p=0.7))
     assert set(p.tolist()) == {0, 1}
-    free = sample(logits, SamplingParams.create(1.0), gen)
+    free = draws(SamplingParams.create(1.0))
     assert set(free.tolist()) == {0, 1, 2, 3}
     assert abs((free == 0).float().mean().item() - 0.5) < 0.04
 

@@ -19,7 +19,7 @@ import torch
 
 from rtpcore.errors import InvalidRequestError
 
-__all__ = ["MAX_LOGPROBS", "SampledToken", "SamplingParams", "sample", "sample_step"]
+__all__ = ["MAX_LOGPROBS", "SampledToken", "SamplingParams", "sample_step"]
 
 MAX_LOGPROBS = 5  # most top log-probabilities a request may ask for (OpenAI's limit for completions)
 _SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
@@ -164,15 +164,6 @@ def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop[:, -1] = False  # always keep the most likely token
         logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     return logits
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, V) logits -> (B,) int64 token ids, every row with the same params and generator."""
-    logits = logits.float()
-    if params.greedy:
-        return logits.argmax(dim=-1)
-    probs = process(logits, params).softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
 @attrs.frozen
