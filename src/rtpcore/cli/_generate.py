@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
         )[0]
         model_type = engine.model_type
+        spec = engine.speculative_stats
     text = _decode(tokenizer, out) if tokenizer is not None else None
     if args.json:
         record = {
@@ -135,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
             "output_ids": out,
             "text": text,
         }
+        if args.draft_model is not None:
+            record["speculative"] = {
+                "draft_model": args.draft_model, "proposed": spec.proposed, "accepted": spec.accepted,
+            }
         print(json.dumps(record))
     else:
         print(text if text is not None else " ".join(map(str, out)))

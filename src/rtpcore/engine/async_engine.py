@@ -37,6 +37,7 @@ from typing import Any
 from rtpcore.engine.core import EngineStats, RequestOutput
 from rtpcore.engine.engine import Engine
 from rtpcore.engine.sampling import SamplingParams
+from rtpcore.engine.speculative import SpeculativeStats
 from rtpcore.errors import EngineClosedError, RtpcoreError
 
 __all__ = ["AsyncEngine", "RequestStream"]
@@ -96,7 +97,8 @@ class RequestStream:
 
 class AsyncEngine:
     """An engine with a background step loop. Build it with :meth:`from_pretrained`
-    (``Engine.from_pretrained``'s keywords, plus ``max_waiting``) or around a built
+    (``Engine.from_pretrained``'s keywords -- ``device``, ``draft_model`` and
+    ``num_speculative_tokens`` included -- plus ``max_waiting``) or around a built
     engine: ``AsyncEngine(engine)``, which then owns it (``aclose`` closes it).
 
     ``max_waiting``: None, or how many requests may wait for admission; one more is
@@ -170,6 +172,11 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV blocks and counters, now."""
         return self._core.stats()
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats:
+        """Draft tokens proposed and accepted so far (``Engine.speculative_stats``)."""
+        return self._core.speculative_stats
 
     # -- the loop ----------------------------------------------------------------------------
 

@@ -26,6 +26,16 @@ class ForwardBatch:
     where token t's keys and values go. ``block_tables[b]`` lists sequence b's
     blocks (padded with 0). ``context_lens[b]`` counts sequence b's cached tokens
     after this step, the new ones included.
+
+    Speculative decoding (``rtpcore.engine.speculative``) sets two optional fields:
+
+    * ``logits_indices``: (N,) rows of the flat batch whose logits the model returns,
+      in that order; None (the default) means each sequence's last new token (B rows).
+      A target model scores a draft's proposals with it.
+    * ``hidden_rows``: for drafts that read hidden states (multi-token prediction): (T,),
+      for each new token, the row of the hidden states that precede it -- of the target's
+      previous forward when ``hidden_source == "target"``, of the draft's own previous
+      forward when ``"self"``. None for every other model.
     """
 
     input_ids: torch.Tensor  # (T,) int64
@@ -35,6 +45,9 @@ class ForwardBatch:
     context_lens: torch.Tensor  # (B,) int64
     block_tables: torch.Tensor  # (B, max_blocks) int64
     tokens_per_block: int
+    logits_indices: torch.Tensor | None = None  # (N,) int64
+    hidden_rows: torch.Tensor | None = None  # (T,) int64
+    hidden_source: str = "target"
 
     @property
     def num_seqs(self) -> int:
@@ -60,6 +73,14 @@ class ForwardBatch:
 
         ends = torch.tensor(self.query_lens, dtype=torch.int64, device=self.input_ids.device)
         return torch.cumsum(ends, 0) - 1
+
+    @property
+    def logits_index(self) -> torch.Tensor | None:
+        """Rows of the flat batch whose logits the model returns; None when that is every
+        row (one new token per sequence and no ``logits_indices``)."""
+        if self.logits_indices is not None:
+            return self.logits_indices
+        return None if self.is_decode else self.last_token_index
 
     def padded_index(self) -> torch.Tensor:
         """(B, Tq) index into the flat batch; padding points at the sequence's last token."""

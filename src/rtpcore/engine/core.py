@@ -39,6 +39,7 @@ import torch
 from rtpcore.engine.batch import ForwardBatch
 from rtpcore.engine.sampling import SampledToken, SamplingParams, sample_step
 from rtpcore.engine.scheduler import BlockAllocator, Request, Scheduler, blocks_needed
+from rtpcore.engine.speculative import SpeculativeStats, propose, verify
 from rtpcore.errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -107,6 +108,8 @@ class EngineStats:
     requests_finished_total: int  # requests that ended, whatever the reason
     steps_total: int  # forward steps run
     mixed_steps_total: int  # steps that prefilled new requests while others decoded
+    speculative_proposed_total: int = 0  # tokens a draft proposed (rtpcore.engine.speculative)
+    speculative_accepted_total: int = 0  # of those, tokens the target accepted
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)
@@ -127,8 +130,19 @@ class EngineCore:
         vocab_size: int | None,
         block_bytes: int,
         device: torch.device | str = "cpu",
+        draft_forward: Callable[[ForwardBatch], torch.Tensor] | None = None,
+        num_speculative_tokens: int = 0,
+        draft_shift: int = 0,
     ):
+        """``draft_forward`` and ``num_speculative_tokens`` > 0: speculative decoding
+        (``rtpcore.engine.speculative``); ``draft_shift`` 1 for a draft that reads the
+        target's hidden states (multi-token prediction, see ``Scheduler.draft_batch``)."""
         self._forward = forward
+        self._draft_forward = draft_forward if num_speculative_tokens > 0 else None
+        self.num_speculative_tokens = num_speculative_tokens
+        self.draft_shift = draft_shift
+        self._proposed = 0
+        self._accepted = 0
         self.allocator = allocator
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_positions = max_positions
@@ -305,15 +319,18 @@ class EngineCore:
             seqs = list(self.scheduler.running)
             if not seqs:
                 return False
-            batch = self.scheduler.batch()
-            params = [s.params for s in seqs]
-            generators = [s.generator for s in seqs]
+            batch = self.scheduler.batch() if self._draft_forward is None else None
             self._in_step = True
         error: RtpcoreError | None = None
-        samples: list[SampledToken] = []
+        samples: list[list[SampledToken]] = []
         try:
             with torch.inference_mode():
-                samples = sample_step(self._forward(batch), params, generators)
+                if batch is not None:
+                    params = [s.params for s in seqs]
+                    generators = [s.generator for s in seqs]
+                    samples = [[t] for t in sample_step(self._forward(batch), params, generators)]
+                else:
+                    samples = self._speculate(seqs, set(new))
         except Exception as exc:
             error = exc if isinstance(exc, RtpcoreError) else RtpcoreError(
                 f"the engine step failed: {type(exc).__name__}: {exc}"
@@ -341,6 +358,64 @@ class EngineCore:
             _deliver(r, out)
         return True
 
+    def _speculate(self, seqs: Sequence[Request], fresh: set[Request]) -> list[list[SampledToken]]:
+        """One speculative step (``rtpcore.engine.speculative``): the draft proposes for the
+        decoding requests, the target scores the proposals and prefills ``fresh`` requests in
+        one forward; the tokens each request emits, in ``seqs`` order."""
+        assert self._draft_forward is not None
+        k_max, shift = self.num_speculative_tokens, self.draft_shift
+        # Never score a token past max_tokens: k shrinks near the end (0: plain decoding).
+        ks = {
+            s: min(k_max, s.params.max_tokens - (len(s.tokens) - s.prompt_len) - 1) for s in seqs if s not in fresh
+        }
+        proposals: dict[Request, list[int]] = {s: [] for s, k in ks.items() if k > 0}
+        dists: dict[Request, list[torch.Tensor | None]] = {s: [] for s in proposals}
+        previous: dict[Request, int] = {}
+        for j in range(k_max):
+            group = [s for s in proposals if ks[s] > j]
+            if not group:
+                break
+            batch = self.scheduler.draft_batch(group, j, proposals, shift=shift, previous=previous)
+            tokens, ds = propose(self._draft_forward(batch), [s.params for s in group], [s.generator for s in group])
+            row = -1
+            for g, s in enumerate(group):
+                proposals[s].append(tokens[g])
+                dists[s].append(ds[g])
+                row += batch.query_lens[g]
+                previous[s] = row  # the draft's hidden state after this proposal, for the next
+        logits = self._forward(self.scheduler.batch(proposals, seqs))  # rows: 1 per request, k + 1 per proposer
+        plain = [i for i, s in enumerate(seqs) if s not in proposals]
+        first = dict(zip(plain, sample_step(
+            _plain_rows(logits, seqs, proposals), [seqs[i].params for i in plain], [seqs[i].generator for i in plain]
+        ), strict=True))
+        out: list[list[SampledToken]] = []
+        row, proposed, accepted = 0, 0, 0
+        for i, s in enumerate(seqs):
+            drafted = proposals.get(s)
+            if drafted is None:
+                out.append([first[i]])
+                row += 1
+                continue
+            k = len(drafted)
+            emitted, n = verify(logits[row : row + k + 1], drafted, dists[s], s.params, s.generator)
+            row += k + 1
+            # Roll back: the target keeps the positions of the accepted proposals; the draft
+            # those it computed from accepted tokens alone (not from its own hidden states).
+            s.num_cached += n
+            s.draft_cached = len(s.tokens) - shift + (0 if shift else min(n, k - 1))
+            proposed += k
+            accepted += n
+            out.append(emitted)
+        with self._cv:
+            self._proposed += proposed
+            self._accepted += accepted
+        return out
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats:
+        with self._cv:
+            return SpeculativeStats(self._proposed, self._accepted)
+
     def stats(self) -> EngineStats:
         with self._cv:
             return EngineStats(
@@ -352,6 +427,8 @@ class EngineCore:
                 requests_finished_total=self._finished,
                 steps_total=self._steps,
                 mixed_steps_total=self._mixed,
+                speculative_proposed_total=self._proposed,
+                speculative_accepted_total=self._accepted,
             )
 
     # -- under the lock ----------------------------------------------------------------------
@@ -363,23 +440,31 @@ class EngineCore:
         if self._closed:
             raise EngineClosedError("this Engine is closed: its model and KV cache are released")
 
-    def _record(self, r: Request, sampled: SampledToken, now: float) -> RequestOutput:
-        """Append one sampled token to ``r``; finish it at a stop token or max_tokens."""
-        t = sampled.token_id
-        r.tokens.append(t)
-        self._generated += 1
+    def _record(self, r: Request, sampled: Sequence[SampledToken], now: float) -> RequestOutput:
+        """Append a step's tokens to ``r`` (one, or an accepted speculative run); finish it
+        at a stop token or max_tokens (the tokens after it are dropped)."""
+        kept: list[SampledToken] = []
+        reason = None
+        for token in sampled:
+            t = token.token_id
+            r.tokens.append(t)
+            kept.append(token)
+            n = len(r.tokens) - r.prompt_len
+            reason = "stop" if t in r.stop_ids else "length" if n >= r.params.max_tokens else None
+            if reason is not None:
+                break
+        self._generated += len(kept)
         n = len(r.tokens) - r.prompt_len
-        reason = "stop" if t in r.stop_ids else "length" if n >= r.params.max_tokens else None
         out = RequestOutput(
             request_id=r.request_id,
-            token_ids=(t,),
+            token_ids=tuple(t.token_id for t in kept),
             finish_reason=reason,
             num_prompt_tokens=r.prompt_len,
             num_generated_tokens=n,
-            logprobs=None if r.params.logprobs is None else (sampled,),
-            stop_token_id=t if reason == "stop" else None,
+            logprobs=None if r.params.logprobs is None else tuple(kept),
+            stop_token_id=kept[-1].token_id if reason == "stop" else None,
             arrival_time=r.arrival_time,
-            token_times=(now,),
+            token_times=(now,) * len(kept),
         )
         r.num_sent = n
         if reason is not None:
@@ -412,3 +497,16 @@ def _deliver(r: Request, out: RequestOutput) -> None:
         r.on_output(out)
     except Exception:  # a consumer's callback must not break the step of the others
         logger.exception("the output callback of request %r failed", r.request_id)
+
+
+def _plain_rows(logits: torch.Tensor, seqs: Sequence[Request], proposals: dict[Request, list[int]]) -> torch.Tensor:
+    """The rows of a speculative step's logits that belong to requests without proposals."""
+    if not proposals:
+        return logits
+    rows, row = [], 0
+    for s in seqs:
+        k = len(proposals.get(s, ()))
+        if not k:
+            rows.append(row)
+        row += k + 1
+    return logits[rows]

@@ -26,6 +26,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import torch
 
 from rtpcore.engine.memory import memory_limit
@@ -34,22 +35,40 @@ from rtpcore.models.layers import linear_kernels
 from rtpcore.parallel.context import ParallelContext
 from rtpcore.plugins.model_plugin import call_optional
 
-__all__ = ["EngineShard", "build_shard"]
+__all__ = ["EngineShard", "LoadedModel", "build_shard"]
 
 logger = logging.getLogger(__name__)
+
+
+@attrs.frozen(eq=False)
+class LoadedModel:
+    """One model of a rank -- the target, or the draft of speculative decoding -- with
+    the plugin that built it and the KV specs of its layers on this rank."""
+
+    model_type: str
+    plugin: Any  # the ModelPlugin class
+    hf_config: dict[str, Any]
+    model_config: Any  # the whole model's config
+    local_config: Any  # this rank's part
+    kv_cache_specs: list[Any]
+    model: Any
+    bytes_read: int
 
 
 class EngineShard:
     """A rank's model shard and KV cache; the local object of the engine's worker group.
 
     Steps (run on every rank by ``WorkerGroup.run``): :meth:`allocate`,
-    :meth:`forward`, :meth:`stats`.
+    :meth:`forward`, :meth:`draft_forward`, :meth:`stats`.
+
+    With ``config.draft_model`` the rank also builds the draft of speculative decoding
+    (docs/design.md §10) from the same plan: a checkpoint of any model type a loaded
+    plugin serves, or ``"mtp"``, the target plugin's ``mtp_draft``. The draft's KV pools
+    have as many blocks as the target's and share its block tables.
     """
 
     def __init__(self, ctx: ParallelContext, config: Any):
-        from rtpcore.checkpoint import load_checkpoint, read_hf_config
-        from rtpcore.checkpoint.quantized import Fp8BlockQuantization
-        from rtpcore.kv.specs import kv_cache_specs
+        from rtpcore.checkpoint import read_hf_config
         from rtpcore.plugins.loading import load_plugins
 
         self.ctx = ctx
@@ -58,53 +77,36 @@ class EngineShard:
         self.hf_config = read_hf_config(config.checkpoint)
         self.model_type = config.model_type or registry.infer_model_type(self.hf_config)
         plugin = registry.get(self.model_type)
-        self.model_config = plugin.config_from_hf(self.hf_config)  # the whole model's config
-        # fp8 block-quantized weights are dequantized at load, for every model
-        quantization = Fp8BlockQuantization.from_hf(self.hf_config)
-        self.local_config, slices = _shard(plugin, self.model_type, self.model_config, ctx)
-        # Before the weights: a bad layout fails fast.
-        self.kv_cache_specs = kv_cache_specs(
-            plugin,
-            self.local_config,
-            kv_cache_dtype=config.kv_cache_dtype,
-            kv_layout=config.kv_layout,
-            tokens_per_block=config.tokens_per_block,
-            registry=registry,
-            model_type=self.model_type,
-        )
-        weights = load_checkpoint(
-            config.checkpoint,
-            plugin.weight_patterns(self.model_config),
-            call_optional(plugin, "placeholder_ranges", self.model_config),
-            dtype=config.torch_dtype,
-            expected_shapes=call_optional(plugin, "weight_shapes", self.model_config),
-            slices=slices,
-            dtypes=call_optional(plugin, "weight_dtypes", self.model_config),
-            quantization=quantization,
-        )
-        self.bytes_read = weights.stats.tensor_bytes_read
-        options: dict[str, Any] = {"dtype": config.torch_dtype, "device": ctx.device}
-        if ctx.world_size > 1:
-            options["parallel"] = ctx
-        with linear_kernels(batched_fp32=_fp32_batched_linear(config, weights, ctx.device)):
-            self.model = plugin.build_model(self.local_config, weights, **options)
-        del weights
-        if isinstance(self.model, torch.nn.Module):
-            self.model.eval()
+        model_config = plugin.config_from_hf(self.hf_config)  # the whole model's config
+        # The draft's configuration is checked before any weight is read: a bad draft fails fast.
+        draft = _draft_source(config, registry, self.model_type, plugin, model_config, self.hf_config)
+        target = _load(ctx, config, registry, config.checkpoint, self.hf_config, self.model_type, plugin, model_config)
+        self.target = target
+        self.model_config = target.model_config
+        self.local_config = target.local_config
+        self.kv_cache_specs = target.kv_cache_specs
+        self.model = target.model
+        self.draft: LoadedModel | None = None
+        if draft is not None:
+            path, hf, draft_type, draft_plugin, draft_config = draft
+            self.draft = _load(
+                ctx, config, registry, path, hf, draft_type, draft_plugin, draft_config,
+                target=target.model if config.draft_model == "mtp" else None,
+            )
+        self.bytes_read = target.bytes_read + (self.draft.bytes_read if self.draft else 0)
         self.kv_caches: list[Any] = []
+        self.draft_kv_caches: list[Any] = []
 
     def allocate(self, num_blocks: int) -> None:
-        """Preallocate ``num_blocks`` KV blocks per layer (rank 0 decides the number)."""
+        """Preallocate ``num_blocks`` KV blocks per layer (rank 0 decides the number), for
+        the draft's layers too."""
         from rtpcore.kv.pools import allocate_kv_caches
 
-        self.kv_caches = []  # free the old pools before allocating new ones
-        self.kv_caches = allocate_kv_caches(
-            self.kv_cache_specs,
-            num_blocks,
-            device=self.ctx.device,
-            compute_dtype=self.config.torch_dtype,
-            layouts=self.registry,
-        )
+        self.kv_caches, self.draft_kv_caches = [], []  # free the old pools before allocating new ones
+        options = {"device": self.ctx.device, "compute_dtype": self.config.torch_dtype, "layouts": self.registry}
+        self.kv_caches = allocate_kv_caches(self.kv_cache_specs, num_blocks, **options)
+        if self.draft is not None:
+            self.draft_kv_caches = allocate_kv_caches(self.draft.kv_cache_specs, num_blocks, **options)
 
     def forward(self, batch: Any) -> torch.Tensor | None:
         """Run the model on one step's batch; (B, vocab) logits on rank 0, None elsewhere
@@ -113,18 +115,110 @@ class EngineShard:
             logits = self.model(batch, self.kv_caches)
         return logits if self.ctx.rank == 0 else None
 
+    def draft_forward(self, batch: Any) -> torch.Tensor | None:
+        """The draft model's forward over its own KV pools (rank 0 gets the logits)."""
+        if self.draft is None:
+            raise RtpcoreError("this engine has no draft model")
+        with torch.inference_mode():
+            logits = self.draft.model(batch, self.draft_kv_caches)
+        return logits if self.ctx.rank == 0 else None
+
     def stats(self, _: Any = None) -> dict[str, Any]:
         """What this rank holds: for tests and diagnostics."""
         params = 0  # elements of every parameter and buffer (weights may be either)
-        if isinstance(self.model, torch.nn.Module):
-            tensors = [*self.model.parameters(), *self.model.buffers()]
-            params = sum(t.numel() for t in tensors)
+        for model in (self.model, self.draft.model if self.draft else None):
+            if isinstance(model, torch.nn.Module):
+                params += sum(t.numel() for t in [*model.parameters(), *model.buffers()])
+        specs = [*self.kv_cache_specs, *(self.draft.kv_cache_specs if self.draft else ())]
         return {
             "rank": self.ctx.rank,
             "bytes_read": self.bytes_read,
             "elements": params,
-            "kv_block_bytes": sum(s.block_bytes for s in self.kv_cache_specs),
+            "kv_block_bytes": sum(s.block_bytes for s in specs),
         }
+
+
+def _draft_source(
+    config: Any, registry: Any, model_type: str, plugin: Any, model_config: Any, hf_config: dict[str, Any]
+) -> tuple[str, dict[str, Any], str, Any, Any] | None:
+    """(checkpoint, config.json, model type, plugin, config) of the engine's draft, or None."""
+    from rtpcore.checkpoint import read_hf_config
+
+    path = config.draft_model
+    if path is None:
+        return None
+    if path == "mtp":
+        draft_plugin = call_optional(plugin, "mtp_draft", model_config)
+        if draft_plugin is None:
+            raise RtpcoreError(
+                f"draft_model='mtp': model type {model_type!r} ({plugin.__module__}.{plugin.__qualname__}) "
+                f"offers no multi-token-prediction draft for {config.checkpoint!r}; pass a draft checkpoint instead"
+            )
+        return config.checkpoint, hf_config, str(draft_plugin.model_type), draft_plugin, draft_plugin.config_from_hf(hf_config)
+    hf = read_hf_config(path)
+    draft_type = registry.infer_model_type(hf)
+    draft_plugin = registry.get(draft_type)
+    target_vocab, draft_vocab = hf_config.get("vocab_size"), hf.get("vocab_size")
+    if target_vocab != draft_vocab:
+        raise RtpcoreError(
+            f"the draft model {path!r} has vocab_size={draft_vocab!r} but the target {config.checkpoint!r} "
+            f"has vocab_size={target_vocab!r}: a draft must share the target's vocabulary"
+        )
+    return path, hf, draft_type, draft_plugin, draft_plugin.config_from_hf(hf)
+
+
+def _load(
+    ctx: ParallelContext,
+    config: Any,
+    registry: Any,
+    checkpoint: str,
+    hf_config: dict[str, Any],
+    model_type: str,
+    plugin: Any,
+    model_config: Any,
+    *,
+    target: Any = None,
+) -> LoadedModel:
+    """Shard, check the KV layout, read only the tensors the model names, build it."""
+    from rtpcore.checkpoint import load_checkpoint
+    from rtpcore.checkpoint.quantized import Fp8BlockQuantization
+    from rtpcore.kv.specs import kv_cache_specs
+
+    # fp8 block-quantized weights are dequantized at load, for every model
+    quantization = Fp8BlockQuantization.from_hf(hf_config)
+    local_config, slices = _shard(plugin, model_type, model_config, ctx)
+    # Before the weights: a bad layout fails fast.
+    specs = kv_cache_specs(
+        plugin,
+        local_config,
+        kv_cache_dtype=config.kv_cache_dtype,
+        kv_layout=config.kv_layout,
+        tokens_per_block=config.tokens_per_block,
+        registry=registry,
+        model_type=model_type,
+    )
+    weights = load_checkpoint(
+        checkpoint,
+        plugin.weight_patterns(model_config),
+        call_optional(plugin, "placeholder_ranges", model_config),
+        dtype=config.torch_dtype,
+        expected_shapes=call_optional(plugin, "weight_shapes", model_config),
+        slices=slices,
+        dtypes=call_optional(plugin, "weight_dtypes", model_config),
+        quantization=quantization,
+    )
+    bytes_read = weights.stats.tensor_bytes_read
+    options: dict[str, Any] = {"dtype": config.torch_dtype, "device": ctx.device}
+    if ctx.world_size > 1:
+        options["parallel"] = ctx
+    if target is not None:
+        options["target"] = target
+    with linear_kernels(batched_fp32=_fp32_batched_linear(config, weights, ctx.device)):
+        model = plugin.build_model(local_config, weights, **options)
+    del weights
+    if isinstance(model, torch.nn.Module):
+        model.eval()
+    return LoadedModel(model_type, plugin, hf_config, model_config, local_config, specs, model, bytes_read)
 
 
 def build_shard(ctx: ParallelContext, config: Any) -> EngineShard:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -154,6 +154,10 @@ class Request:
     finish_reason: str | None = None
     aborted: bool = False  # abort asked while the request was in a step
     num_sent: int = 0  # generated tokens already handed to on_output
+    # Speculative decoding (rtpcore.engine.speculative): the draft's cached positions, and
+    # where this request's tokens sat in the last target forward (flat row, first position).
+    draft_cached: int = 0
+    last_rows: tuple[int, int] = (0, 0)
 
     @property
     def generated(self) -> list[int]:
@@ -190,33 +194,107 @@ class Scheduler:
             new.append(r)
         return new
 
-    def batch(self) -> ForwardBatch:
+    def batch(
+        self, proposals: Mapping[Request, Sequence[int]] | None = None, seqs: Sequence[Request] | None = None
+    ) -> ForwardBatch:
         """Every running request's tokens not yet cached, in one ragged batch (the
-        whole prompt of a new request, the last token of a decoding one)."""
-        seqs, tpb = self.running, self.tpb
+        whole prompt of a new request, the last token of a decoding one).
+
+        ``proposals`` (speculative decoding): draft tokens that follow a decoding request's
+        last token in the same batch; the batch then asks for the logits of the request's
+        last token and of each proposal (``logits_indices``), and one row for every
+        other request. ``seqs``: these requests instead of the running batch."""
+        seqs = self.running if seqs is None else seqs
+        spans: list[tuple[int, list[int]]] = []
+        rows: list[int] = []
+        offset = 0
+        for s in seqs:
+            start, end = s.num_cached, len(s.tokens)
+            drafted = list(proposals.get(s, ())) if proposals else []
+            spans.append((start, s.tokens[start:end] + drafted))
+            s.last_rows = (offset, start)
+            offset += end - start + len(drafted)
+            rows += range(offset - 1 - len(drafted), offset)
+            s.num_cached = end
+        logits_rows = rows if proposals and len(rows) > len(spans) else None
+        return self._make(seqs, spans, logits_rows=logits_rows)
+
+    def draft_batch(
+        self,
+        seqs: Sequence[Request],
+        step: int,
+        proposals: Mapping[Request, Sequence[int]],
+        *,
+        shift: int = 0,
+        previous: Mapping[Request, int] | None = None,
+    ) -> ForwardBatch:
+        """The draft's batch for proposal ``step`` (0-based) of ``seqs``.
+
+        Step 0 catches the draft's cache up with each request (positions ``draft_cached`` to
+        the last token); a later step feeds the previous proposal. ``shift`` 1 is for drafts
+        that read the target's hidden states (multi-token prediction): cache position p holds
+        token p + 1 with the hidden state of position p, taken from the last target forward
+        (step 0) or from the draft's own previous forward, row ``previous[s]`` (later steps).
+        """
+        spans: list[tuple[int, list[int]]] = []
+        hidden: list[int] = []
+        for s in seqs:
+            if step == 0:
+                start = s.draft_cached
+                ids = s.tokens[start + shift :]
+                base, first = s.last_rows
+                hidden += [base + p - first for p in range(start, start + len(ids))]
+            else:
+                start = len(s.tokens) - shift + step - 1
+                ids = [proposals[s][step - 1]]
+                hidden.append(previous[s] if previous else 0)
+            spans.append((start, ids))
+        rows = torch.tensor(hidden, dtype=torch.int64) if shift else None
+        return self._make(seqs, spans, hidden_rows=rows, hidden_source="target" if step == 0 else "self")
+
+    def _make(
+        self,
+        seqs: Sequence[Request],
+        spans: Sequence[tuple[int, Sequence[int]]],
+        *,
+        logits_rows: Sequence[int] | None = None,
+        hidden_rows: torch.Tensor | None = None,
+        hidden_source: str = "target",
+    ) -> ForwardBatch:
+        """A batch of ``spans`` (first position, token ids) of ``seqs``, one each."""
+        tpb = self.tpb
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         lens: list[int] = []
-        for s in seqs:
-            start, end = s.num_cached, len(s.tokens)
-            ids += s.tokens[start:end]
+        context: list[int] = []
+        for s, (start, tokens) in zip(seqs, spans, strict=True):
+            end = start + len(tokens)
+            ids += tokens
             positions += range(start, end)
             slots += [s.blocks[p // tpb] * tpb + p % tpb for p in range(start, end)]
             lens.append(end - start)
-            s.num_cached = end
+            context.append(end)
         host = torch.tensor([ids, positions, slots], dtype=torch.int64)  # (3, T)
-        context = torch.tensor([len(s.tokens) for s in seqs], dtype=torch.int64)  # (B,)
+        lengths = torch.tensor(context, dtype=torch.int64)  # (B,)
+        extra = {}
+        if logits_rows is not None:
+            extra["logits_indices"] = torch.tensor(logits_rows, dtype=torch.int64)
+        if hidden_rows is not None:
+            extra["hidden_rows"] = hidden_rows
         if self.device.type != "cpu":
-            host, context = host.pin_memory().to(self.device, non_blocking=True), context.to(self.device)
+            host, lengths = host.pin_memory().to(self.device, non_blocking=True), lengths.to(self.device)
+            extra = {k: v.to(self.device) for k, v in extra.items()}
         return ForwardBatch(
             input_ids=host[0],
             positions=host[1],
             slots=host[2],
             query_lens=tuple(lens),
-            context_lens=context,
+            context_lens=lengths,
             block_tables=self._block_tables(seqs),
             tokens_per_block=tpb,
+            hidden_source=hidden_source,
+            **extra,
         )
 
     def retire(self, r: Request) -> None:

@@ -149,6 +149,8 @@ class LlamaModel(nn.Module):
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def forward(self, batch: ForwardBatch, kv_caches: Sequence[LayerKVCache]) -> torch.Tensor:
+        """(B, V) logits after each sequence's last new token (rows ``batch.logits_indices``
+        when set)."""
         if batch.max_context_len > self.cos.shape[0]:
             self._grow_rope(max(batch.max_context_len, 2 * self.cos.shape[0]))
         x = F.embedding(batch.input_ids, self.embed)  # (T, E)
@@ -159,8 +161,9 @@ class LlamaModel(nn.Module):
             if window not in masks:
                 masks[window] = _mask(batch, window)
             x = layer(x, cos, sin, batch, cache, masks[window])
-        if not batch.is_decode:
-            x = x[batch.last_token_index]  # (B, E)
+        rows = batch.logits_index
+        if rows is not None:
+            x = x[rows]  # (B, E), or (N, E) for logits_indices
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return self.lm_head(x)  # (B, V)
 

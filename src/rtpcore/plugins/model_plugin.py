@@ -24,6 +24,16 @@ Forward contract (the same for every model; see ``rtpcore.engine.batch``)::
     #            concatenated (T tokens in all) with their positions and cache slots
     # kv_caches: list[rtpcore.kv.pools.LayerKVCache], one per KVCacheSpecDesc, in order
     # logits:    (B, vocab) float tensor, one row per sequence: the logits after its last new token
+    #            (rows batch.logits_indices of the flat batch instead when that is set: speculative
+    #            decoding scores a draft's proposals in one forward)
+
+Drafts for speculative decoding (docs/design.md §10): a draft checkpoint is served like any
+other, by the plugin its config.json names. ``draft_model="mtp"`` asks the target's plugin for
+the optional ``Plugin.mtp_draft(config)``: another ModelPlugin class that describes the
+checkpoint's multi-token-prediction layers (their tensors, KV descriptors and module). The
+engine loads it like a model from the same checkpoint (reading only its tensors) and calls
+its ``build_model`` with ``target=`` the target model too; its forward reads the target's
+hidden states through ``batch.hidden_rows`` (see ``rtpcore.engine.batch``).
 """
 
 from __future__ import annotations
@@ -129,6 +139,19 @@ class ModelPlugin:
         raise NotImplementedError(f"{cls.__qualname__} does not support tensor parallelism")
 
     @classmethod
+    def mtp_draft(cls, config: Any) -> type[ModelPlugin] | None:
+        """Optional: the ModelPlugin of this checkpoint's multi-token-prediction layers, served
+        as the draft of ``draft_model="mtp"``, or None when the model has none (the default).
+
+        The returned class gets the same ``config.json`` in ``config_from_hf``; its
+        ``weight_patterns`` name only the MTP tensors, which must be in the checkpoint (a
+        missing one is a ``MissingTensorsError``); ``build_model`` also receives ``target``,
+        the target model built on the same rank, whose hidden states the draft reads
+        (``ForwardBatch.hidden_rows``). Its forward returns (N, vocab) logits like any model.
+        """
+        return None
+
+    @classmethod
     def demo_config(cls) -> Mapping[str, Any] | None:
         """Optional: a small Hugging Face style config.json dict for ``--demo``."""
         return None
@@ -140,6 +163,7 @@ _OPTIONAL_CLASSMETHODS = (
     "weight_shapes",
     "weight_dtypes",
     "tensor_parallel_shard",
+    "mtp_draft",
     "demo_config",
 )
 
@@ -150,6 +174,7 @@ _SWITCHED_OFF: dict[str, Any] = {
     "weight_shapes": {},  # no shape checks
     "weight_dtypes": {},  # every tensor in the engine's dtype
     "demo_config": None,  # no demo model
+    "mtp_draft": None,  # no multi-token-prediction draft
 }
 
 

@@ -6,9 +6,11 @@ step); counters and histograms are fed as tokens stream out.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["ServerMetrics"]
 
@@ -33,6 +35,7 @@ class ServerMetrics:
         for name, doc in gauges.items():
             gauge = Gauge(f"rtpcore_{name}", doc, registry=self.registry)
             gauge.set_function(self._reader(name.removeprefix("requests_")))
+        self.registry.register(_EngineCounters(stats))
         self.generated_tokens = Counter(
             "rtpcore_generated_tokens", "tokens generated for clients", registry=self.registry
         )
@@ -54,3 +57,22 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+# EngineStats fields exposed as counters (rtpcore_<name without _total>_tokens_total).
+_ENGINE_COUNTERS = {
+    "speculative_proposed_total": "draft tokens proposed by speculative decoding",
+    "speculative_accepted_total": "proposed draft tokens the target model accepted",
+}
+
+
+class _EngineCounters(Collector):
+    """Counters the engine keeps itself, read at scrape time: speculative decoding's
+    proposed and accepted draft tokens (0 without a draft)."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        values = self._stats()
+        for key, doc in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"rtpcore_{key.removesuffix('_total')}_tokens", doc, value=values.get(key, 0))
