@@ -105,6 +105,12 @@ def _write_checkpoint(plugin: Any, config: dict[str, Any], path: Path) -> None:
     shapes = dict(call_optional(plugin, "weight_shapes", model_config))
     ranges = {k: list(v) for k, v in call_optional(plugin, "placeholder_ranges", model_config).items()}
     names = _expand(plugin.weight_patterns(model_config), ranges, shapes)
+    mtp = call_optional(plugin, "mtp_draft", model_config)
+    if mtp is not None:  # the checkpoint's multi-token-prediction layers, for draft_model="mtp"
+        mtp_config = mtp.config_from_hf(config)
+        mtp_ranges = {k: list(v) for k, v in call_optional(mtp, "placeholder_ranges", mtp_config).items()}
+        mtp_shapes = dict(call_optional(mtp, "weight_shapes", mtp_config))
+        names.update(_expand(mtp.weight_patterns(mtp_config), mtp_ranges, mtp_shapes))
     generator = torch.Generator().manual_seed(SEED)
     tensors = {}
     for name, shape in sorted(names.items()):
@@ -115,7 +121,7 @@ def _write_checkpoint(plugin: Any, config: dict[str, Any], path: Path) -> None:
             tensors[name] = torch.randn(shape, generator=generator) * std
     vocab = config.get("vocab_size")
     for name, t in tensors.items():
-        if name.endswith("lm_head.weight") and t.shape[0] == vocab:
+        if name.endswith(("lm_head.weight", "shared_head.head.weight")) and t.shape[0] == vocab:
             keep = torch.zeros(t.shape[0], dtype=torch.bool)
             keep[PRINTABLE] = True
             t[~keep] = 0.0  # zero logits: greedy output stays printable ASCII, easier on a terminal

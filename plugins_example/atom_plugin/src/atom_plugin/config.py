@@ -147,6 +147,9 @@ class DeepseekConfig:
     rope_interleave: bool
     attention_bias: bool
     tie_word_embeddings: bool
+    # DeepSeek-V3's multi-token-prediction layers, stored after the decoder layers
+    # (layer num_hidden_layers onwards); served as a draft by atom_plugin.mtp.
+    num_nextn_predict_layers: int = 0
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], *, variant: str) -> DeepseekConfig:
@@ -217,6 +220,7 @@ class DeepseekConfig:
             rope_interleave=interleave,
             attention_bias=cf.optional_bool(hf, "attention_bias", False),
             tie_word_embeddings=cf.optional_bool(hf, "tie_word_embeddings", False),
+            num_nextn_predict_layers=cf.optional_int(hf, "num_nextn_predict_layers", 0, minimum=0, null_ok=True),
         )
         cfg.validate()
         return cfg

@@ -180,9 +180,20 @@ class DeepseekV3Plugin(ModelPlugin):
         return model.eval()
 
     @classmethod
+    def mtp_draft(cls, config: DeepseekConfig) -> Any:
+        """The checkpoint's multi-token-prediction layer as the draft of ``draft_model="mtp"``
+        (:mod:`atom_plugin.mtp`), when config.json declares ``num_nextn_predict_layers``."""
+        if config.variant != "deepseek_v3" or config.num_nextn_predict_layers < 1:
+            return None
+        from atom_plugin.mtp import DeepseekMTPPlugin
+
+        return DeepseekMTPPlugin
+
+    @classmethod
     def demo_config(cls) -> dict[str, Any]:
-        """A tiny random-weight DeepSeek-V3 (3 layers, 8 experts) for ``rtpcore generate --demo``."""
-        return dict(_DEMO, architectures=list(cls.architectures), model_type=cls.model_type)
+        """A tiny random-weight DeepSeek-V3 (3 layers, 8 experts, one MTP layer) for
+        ``rtpcore generate --demo``."""
+        return dict(_DEMO, architectures=list(cls.architectures), model_type=cls.model_type, num_nextn_predict_layers=1)
 
 
 class DeepseekV2Plugin(DeepseekV3Plugin):

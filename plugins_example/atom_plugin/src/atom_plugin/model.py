@@ -3,7 +3,8 @@
 ``logits = model(batch, kv_caches)``: ``batch`` is an ``rtpcore.engine.batch.ForwardBatch``
 (T new tokens of B sequences), ``kv_caches`` one ``rtpcore.kv.pools.LayerKVCache``
 per layer (MLA: k = latent ``c_kv``, v = roped ``k_pe``), logits are (B, vocab)
-float32, one row per sequence after its last new token.
+float32, one row per sequence after its last new token (rows ``batch.logits_indices``
+when set: speculative decoding scores a draft's proposals).
 
 Built with ``parallel`` (an ``rtpcore.parallel.context.ParallelContext`` of more
 than one rank) from a sharded config and its weight slices (see
@@ -95,6 +96,8 @@ class DeepseekModel(nn.Module):
         self.lm_head: nn.Module = GatherColumns(lm_head, parallel) if split else lm_head
         inv_freq = rope_inv_freq(cfg.rope, cfg.qk_rope_head_dim).to(device)  # (R/2,)
         self.rope = RopeTables(inv_freq, cfg.rope.attention_factor, dtype)
+        self.keep_hidden = False  # set by a multi-token-prediction draft built on this model
+        self.hidden: torch.Tensor | None = None  # (T, D) last forward's final hidden states, before the norm
 
     def forward(self, batch: Any, kv_caches: Sequence[Any]) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
@@ -102,14 +105,21 @@ class DeepseekModel(nn.Module):
                 f"got {len(kv_caches)} KV caches for a model with {len(self.layers)} layers"
             )
         x = F.embedding(batch.input_ids, self.embed)  # (T, D)
+        step = self.step_tensors(batch)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, step, batch, cache)  # (T, D)
+        if self.keep_hidden:  # read by the multi-token-prediction draft (atom_plugin.mtp)
+            self.hidden = x
+        rows = batch.logits_index
+        last = x if rows is None else x[rows]  # (B, D), or (N, D) for batch.logits_indices
+        return self.lm_head(self.norm(last)).float()  # (B, V), gathered in rank order when split
+
+    def step_tensors(self, batch: Any) -> StepTensors:
+        """RoPE tables and the decode mask of one step, shared by every layer."""
         max_len, decode = batch.max_context_len, batch.is_decode
         cos, sin = self.rope(batch.positions, max_len)  # (T, 1, R/2) each
         mask = None
         if decode and batch.num_seqs > 1:  # one sequence fills the whole context: nothing to mask
-            pos = torch.arange(max_len, device=x.device)  # (L,)
+            pos = torch.arange(max_len, device=batch.positions.device)  # (L,)
             mask = (pos[None, :] >= batch.context_lens[:, None])[:, None, :]  # (B, 1, L)
-        step = StepTensors(cos, sin, max_len, decode, mask)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, step, batch, cache)  # (T, D)
-        last = x if decode else x[batch.last_token_index]  # (B, D)
-        return self.lm_head(self.norm(last)).float()  # (B, V), gathered in rank order when split
+        return StepTensors(cos, sin, max_len, decode, mask)
