@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "ConfigFieldError",
+    "DeviceError",
     "EngineBuildError",
     "EngineClosedError",
     "InvalidRequestError",
@@ -265,6 +266,25 @@ class WorkerError(RtpcoreError):
         self.rank = rank
         self.exitcode = exitcode
         self.cause_type = cause_type
+
+
+class DeviceError(RtpcoreError):
+    """A device an engine was asked to run on is unusable (``rtpcore.engine.devices``).
+
+    ``.device`` is the value given. ``.malformed`` is True when it is of none of the forms
+    ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (a usage error: exit status 2 on the
+    command line), False when it is well formed but this process's torch cannot see it
+    or the tensor-parallel ranks cannot each take a device of their own (exit status 1);
+    ``.available`` then lists the devices torch sees (``"cpu"``, ``"cuda:0"``, ...).
+    """
+
+    def __init__(
+        self, message: str, *, device: object, malformed: bool = False, available: Sequence[str] = ()
+    ):
+        super().__init__(message)
+        self.device = device
+        self.malformed = malformed
+        self.available = tuple(available)
 
 
 class EngineBuildError(RtpcoreError):

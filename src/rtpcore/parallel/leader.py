@@ -126,13 +126,23 @@ class WorkerGroup:
         too, until :meth:`close`) uses ``num_threads`` torch threads, by default
         the usable cores divided by ``world_size`` (unless OMP_NUM_THREADS is
         set); oversubscribed ranks spin against each other in every collective.
+
+        ``device``: for a group, ``"cpu"`` (gloo), ``"cuda"`` (rank r on ``cuda:r``,
+        nccl) or None (nccl when every rank has a GPU, else gloo), see
+        :func:`~rtpcore.parallel.context.init_parallel`. A single rank runs in this
+        process on ``device`` itself: ``"cpu"`` (also for None), ``"cuda"`` (``"cuda:0"``)
+        or ``"cuda:N"``; its context names it.
         """
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {world_size!r}")
         if world_size == 1:
             group = cls(1, {}, None)
+            local = "cpu" if device is None else "cuda:0" if device == "cuda" else device
+            group.context = ParallelContext.single(local)
             group.local = resolve_factory(factory)(group.context, spec)
             return group
+        if device not in (None, "cpu", "cuda"):  # before any process starts
+            raise ValueError(f"a group's device must be 'cpu', 'cuda' or None, got {device!r}")
         threads = _cpu_threads(world_size, device, num_threads)
         store = local_store(world_size, timeout)
         mp = multiprocessing.get_context("spawn")
