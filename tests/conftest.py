@@ -28,3 +28,20 @@ def plugin_env(tmp_path: Path) -> Iterator[object]:
             if (getattr(module, "__file__", None) or "").startswith(root):
                 del sys.modules[name]
         importlib.invalidate_caches()
+
+
+# --- devices: the gpu marker ----------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip, saying why, where torch sees no CUDA/ROCm device."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA/ROCm device: torch {torch.__version__} sees none")
+    for item in gpu:
+        item.add_marker(skip)

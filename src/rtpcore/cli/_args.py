@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from rtpcore.engine.devices import check_device_form, resolve_device
+from rtpcore.errors import DeviceError
 from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
 
@@ -43,6 +45,15 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def device_arg(text: str) -> str:
+    """argparse ``type=`` for ``--device``: the form rule of :func:`rtpcore.engine.devices.check_device_form`
+    (imports no torch); a malformed value is a usage error (exit status 2) naming it."""
+    try:
+        return check_device_form(text)
+    except DeviceError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """CHECKPOINT or ``--demo NAME``, the allowlist flags, and the engine's dtype and KV options."""
     p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, safetensors, tokenizer.json)")
@@ -52,14 +63,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"])
     p.add_argument("--kv-layout", default=None, metavar="NAME", help="fp8 layout (built-in or from a plugin)")
+    p.add_argument("--device", type=device_arg, default="auto", metavar="DEVICE",
+                   help="auto (default: the first CUDA/ROCm GPU torch sees, else cpu), cpu, cuda or cuda:N")
 
 
 def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path, dict[str, Any]]:
     """The checkpoint folder (a demo's is built on first use) and the engine keywords of the
-    arguments :func:`add_model_arguments` added; the allowlist is validated first, importing nothing."""
+    arguments :func:`add_model_arguments` added; the allowlist is validated first, importing nothing,
+    then the device (a device torch cannot see raises DeviceError before a demo is built)."""
     if (args.checkpoint is None) == (args.demo is None):
         parser.error("give exactly one of CHECKPOINT or --demo NAME")
     allow = Allowlist.from_args(args)
+    device = resolve_device(args.device)  # the engine checks it against tensor_parallel_size too
     plugins = [str(r) for r in allow.plugins]
     if args.demo is not None:
         from rtpcore.cli.demo import demo_checkpoint
@@ -73,4 +88,5 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         "dtype": args.dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
         "kv_layout": args.kv_layout,
+        "device": device,
     }

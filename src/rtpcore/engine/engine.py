@@ -86,6 +86,8 @@ class EngineConfig:
     kv_cache_memory: int | None
     max_batch_size: int
     tensor_parallel_size: int
+    # resolved (rtpcore.engine.devices): "cpu" or "cuda:N", rank 0's device when sharded
+    device: str = "cpu"
     # Whether bf16/fp16 linear layers keep a float32 copy for several-row inputs
     # (rtpcore.models.layers, kernel "packed+fp32"); None: automatic, see rtpcore.engine.rank.
     fp32_batched_linear: bool | None = None
@@ -106,9 +108,14 @@ class EngineConfig:
         max_batch_size: int = 8,
         tensor_parallel_size: int = 1,
         fp32_batched_linear: bool | None = None,
+        device: Any = "auto",
     ) -> EngineConfig:
-        """Validate the arguments and resolve the allowlist (imports no plugin)."""
+        """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
+        a device torch cannot see raises DeviceError here, before anything loads) and the
+        allowlist (imports no plugin)."""
+        from rtpcore.engine.devices import resolve_device
         from rtpcore.kv.specs import resolve_kv_cache_dtype
+        from rtpcore.parallel.context import env_world_size
         from rtpcore.plugins.allowlist import Allowlist
 
         if dtype not in DTYPES:
@@ -123,6 +130,10 @@ class EngineConfig:
             raise RtpcoreError(f"fp32_batched_linear must be None (automatic), True or False, got {fp32_batched_linear!r}")
         if isinstance(plugins, str) or isinstance(external_model_packages, str):
             raise RtpcoreError("plugins and external_model_packages take a sequence of strings, not one string")
+        # Under env:// rendezvous (torchrun) the ranks may sit on other machines: this process
+        # checks only its own device; every rank checks its own when the group forms.
+        local_ranks = 1 if tensor_parallel_size > 1 and env_world_size() is not None else tensor_parallel_size
+        resolved_device = resolve_device(device, tensor_parallel_size=local_ranks)
         plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages).resolve()
         return cls(
             checkpoint=str(path),
@@ -135,6 +146,7 @@ class EngineConfig:
             kv_cache_memory=kv_cache_memory,
             max_batch_size=max_batch_size,
             tensor_parallel_size=tensor_parallel_size,
+            device=resolved_device,
             fp32_batched_linear=fp32_batched_linear,
         )
 
@@ -154,6 +166,7 @@ class Engine:
     num_kv_blocks: int  # blocks per layer
     hf_config: dict[str, Any]  # the parsed config.json
     model_config: Any  # what the plugin's config_from_hf returned
+    device: torch.device  # where this process's weights, KV pools and sampling live (rank 0's device)
     model: Any  # the plugin's model (forward contract of rtpcore.plugins.model_plugin); None once closed
     kv_caches: list[Any]  # one LayerKVCache / PackedLayerKVCache per layer
     _group: Any  # rtpcore.parallel.leader.WorkerGroup: every rank's EngineShard (rank 0 here)
@@ -180,9 +193,17 @@ class Engine:
         max_batch_size: int = 8,
         tensor_parallel_size: int = 1,
         fp32_batched_linear: bool | None = None,
+        device: Any = "auto",
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
-        preallocate the KV cache (see the module docstring for its default size)."""
+        preallocate the KV cache (see the module docstring for its default size).
+
+        ``device``: ``"auto"`` (the first CUDA or ROCm device when torch sees one, else
+        the CPU), ``"cpu"``, ``"cuda"`` (``"cuda:0"``), ``"cuda:N"`` or a ``torch.device``;
+        ROCm GPUs are ``cuda`` devices. Weights, KV pools, step batches and sampling live
+        there. With ``tensor_parallel_size`` > 1 on CUDA rank r takes ``cuda:r`` (NCCL);
+        on the CPU every rank uses gloo. A malformed or unavailable device raises
+        :class:`~rtpcore.errors.DeviceError` before anything is loaded."""
         config = EngineConfig.create(
             path,
             plugins=plugins,
@@ -196,6 +217,7 @@ class Engine:
             max_batch_size=max_batch_size,
             tensor_parallel_size=tensor_parallel_size,
             fp32_batched_linear=fp32_batched_linear,
+            device=device,
         )
         return cls.from_config(config)
 
@@ -213,12 +235,14 @@ class Engine:
         self.model = None
         self.kv_caches = []
         self.plugins = tuple(config.plan.entries)
+        self.device = torch.device(config.device)
         try:
             # Every rank builds an EngineShard (rtpcore.engine.rank) from the config: this process is
             # rank 0; with tensor_parallel_size > 1, ranks 1..N-1 are worker processes that load
             # exactly config.plan (no discovery) and build their part of the model.
             self._group = _start_ranks(config)
             shard = self._group.local
+            self.device = torch.device(self._group.context.device)  # what the group gave rank 0
             self.hf_config = hf = shard.hf_config
             self.model_type = shard.model_type
             self.model_config = shard.model_config
@@ -241,6 +265,7 @@ class Engine:
                 max_positions=self.max_positions,
                 vocab_size=self.vocab_size,
                 block_bytes=sum(s.block_bytes for s in self.kv_cache_specs),
+                device=self.device,  # per-request generators and step inputs live there
             )
         except BaseException as exc:
             self._release()  # every rank's model, pools and processes
@@ -252,8 +277,9 @@ class Engine:
             raise
         self._closed = False
         logger.info(
-            "engine ready: model_type=%s dtype=%s kv=%s, %d blocks of %d tokens",
-            self.model_type, config.dtype, config.kv_cache_dtype, self.num_kv_blocks, config.tokens_per_block,
+            "engine ready: model_type=%s dtype=%s kv=%s on %s, %d blocks of %d tokens",
+            self.model_type, config.dtype, config.kv_cache_dtype, self.device, self.num_kv_blocks,
+            config.tokens_per_block,
         )
 
     # -- generation ------------------------------------------------------------------------
@@ -405,9 +431,11 @@ def _start_ranks(config: EngineConfig) -> Any:
     from rtpcore.parallel.leader import WorkerGroup
 
     n = config.tensor_parallel_size
+    # One rank runs on config.device itself; a group is "cuda" (rank r on cuda:r, nccl) or "cpu" (gloo).
+    device = config.device if n == 1 else ("cpu" if config.device == "cpu" else "cuda")
     world = env_world_size() if n > 1 else None
     if world is None:
-        return WorkerGroup.spawn("rtpcore.engine.rank:build_shard", config, n, plan=config.plan)
+        return WorkerGroup.spawn("rtpcore.engine.rank:build_shard", config, n, plan=config.plan, device=device)
     rank = int(os.environ["RANK"])
     if world != n or rank != 0:
         raise RtpcoreError(
@@ -415,7 +443,7 @@ def _start_ranks(config: EngineConfig) -> Any:
             f"process to be RANK=0 (got WORLD_SIZE={world}, RANK={rank}); "
             "ranks > 0 run `python -m rtpcore.parallel.leader`"
         )
-    return WorkerGroup.join_env("rtpcore.engine.rank:build_shard", config, plan=config.plan)
+    return WorkerGroup.join_env("rtpcore.engine.rank:build_shard", config, plan=config.plan, device=device)
 
 
 def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int) -> int:
