@@ -405,3 +405,26 @@ def test_serve_usage_errors_exit_2_naming_the_flag(
         main(["serve", *argv])
     assert excinfo.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def test_a_server_with_a_draft_answers_as_without_and_counts_proposals(server: Server, checkpoint: Path) -> None:
+    """The checkpoint as its own draft (every proposal accepted): the same greedy texts, a stop
+    string inside an accepted run cuts the text there, and /metrics counts the draft tokens."""
+    base = server.client()
+    prompt = "Caf\u00e9 na"
+    whole = base.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0).choices[0].text
+    stop = whole[3:6]
+    spec = Server(checkpoint, "--draft-model", str(checkpoint), "--num-speculative-tokens", "3")
+    try:
+        c = spec.client()
+        got = c.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0)
+        assert got.choices[0].text == whole
+        assert got.usage.completion_tokens == 32
+        cut = c.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0, stop=[stop], stream=True)
+        assert "".join(ch.choices[0].text for ch in cut if ch.choices) == whole[: whole.index(stop)]
+        m = spec.wait_idle()
+        assert m["rtpcore_speculative_proposed_tokens_total"] > 0
+        assert m["rtpcore_speculative_accepted_tokens_total"] == m["rtpcore_speculative_proposed_tokens_total"]
+    finally:
+        code, out = spec.stop()
+    assert code == 0, out

@@ -65,6 +65,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layout", default=None, metavar="NAME", help="fp8 layout (built-in or from a plugin)")
     p.add_argument("--device", type=device_arg, default="auto", metavar="DEVICE",
                    help="auto (default: the first CUDA/ROCm GPU torch sees, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--draft-model", metavar="PATH|mtp", default=None,
+                   help="speculative decoding: a draft checkpoint sharing the vocabulary (any model type the "
+                   "loaded plugins serve), or 'mtp' for the checkpoint's own multi-token-prediction layers")
+    p.add_argument("--num-speculative-tokens", type=positive_int, metavar="K", default=None,
+                   help="tokens the draft proposes per step (default 4 with --draft-model)")
 
 
 def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path, dict[str, Any]]:
@@ -73,6 +78,8 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
     then the device (a device torch cannot see raises DeviceError before a demo is built)."""
     if (args.checkpoint is None) == (args.demo is None):
         parser.error("give exactly one of CHECKPOINT or --demo NAME")
+    if args.num_speculative_tokens is not None and args.draft_model is None:
+        parser.error("--num-speculative-tokens needs --draft-model (a draft checkpoint or 'mtp')")
     allow = Allowlist.from_args(args)
     device = resolve_device(args.device)  # the engine checks it against tensor_parallel_size too
     plugins = [str(r) for r in allow.plugins]
@@ -89,4 +96,6 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         "kv_cache_dtype": args.kv_cache_dtype,
         "kv_layout": args.kv_layout,
         "device": device,
+        "draft_model": args.draft_model,
+        "num_speculative_tokens": args.num_speculative_tokens,
     }

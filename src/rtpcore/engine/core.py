@@ -388,6 +388,8 @@ class EngineCore:
         first = dict(zip(plain, sample_step(
             _plain_rows(logits, seqs, proposals), [seqs[i].params for i in plain], [seqs[i].generator for i in plain]
         ), strict=True))
+        greedy = any(s.params.greedy for s in proposals)
+        best = logits.argmax(dim=-1).tolist() if greedy else None  # one transfer for every greedy verification
         out: list[list[SampledToken]] = []
         row, proposed, accepted = 0, 0, 0
         for i, s in enumerate(seqs):
@@ -397,7 +399,8 @@ class EngineCore:
                 row += 1
                 continue
             k = len(drafted)
-            emitted, n = verify(logits[row : row + k + 1], drafted, dists[s], s.params, s.generator)
+            rows = None if best is None else best[row : row + k + 1]
+            emitted, n = verify(logits[row : row + k + 1], drafted, dists[s], s.params, s.generator, rows)
             row += k + 1
             # Roll back: the target keeps the positions of the accepted proposals; the draft
             # those it computed from accepted tokens alone (not from its own hidden states).

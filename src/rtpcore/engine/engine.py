@@ -47,6 +47,7 @@ import torch
 from rtpcore.engine.core import EngineCore, EngineStats, RequestOutput
 from rtpcore.engine.sampling import SamplingParams
 from rtpcore.engine.scheduler import BlockAllocator
+from rtpcore.engine.speculative import SpeculativeStats
 from rtpcore.errors import (
     EngineBuildError,
     EngineClosedError,
@@ -91,6 +92,10 @@ class EngineConfig:
     # Whether bf16/fp16 linear layers keep a float32 copy for several-row inputs
     # (rtpcore.models.layers, kernel "packed+fp32"); None: automatic, see rtpcore.engine.rank.
     fp32_batched_linear: bool | None = None
+    # Speculative decoding (docs/design.md §10): a draft checkpoint's path or "mtp", and
+    # how many tokens it proposes per step (0: no speculation).
+    draft_model: str | None = None
+    num_speculative_tokens: int = 0
 
     @classmethod
     def create(
@@ -108,6 +113,8 @@ class EngineConfig:
         max_batch_size: int = 8,
         tensor_parallel_size: int = 1,
         fp32_batched_linear: bool | None = None,
+        draft_model: str | os.PathLike[str] | None = None,
+        num_speculative_tokens: int | None = None,
         device: Any = "auto",
     ) -> EngineConfig:
         """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
@@ -128,6 +135,7 @@ class EngineConfig:
         _positive_int("tensor_parallel_size", tensor_parallel_size)
         if fp32_batched_linear not in (None, True, False):
             raise RtpcoreError(f"fp32_batched_linear must be None (automatic), True or False, got {fp32_batched_linear!r}")
+        draft, k = _speculative_options(draft_model, num_speculative_tokens)
         if isinstance(plugins, str) or isinstance(external_model_packages, str):
             raise RtpcoreError("plugins and external_model_packages take a sequence of strings, not one string")
         # Under env:// rendezvous (torchrun) the ranks may sit on other machines: this process
@@ -148,6 +156,8 @@ class EngineConfig:
             tensor_parallel_size=tensor_parallel_size,
             device=resolved_device,
             fp32_batched_linear=fp32_batched_linear,
+            draft_model=draft,
+            num_speculative_tokens=k,
         )
 
     @property
@@ -168,6 +178,8 @@ class Engine:
     model_config: Any  # what the plugin's config_from_hf returned
     device: torch.device  # where this process's weights, KV pools and sampling live (rank 0's device)
     model: Any  # the plugin's model (forward contract of rtpcore.plugins.model_plugin); None once closed
+    draft: Any  # rtpcore.engine.rank.LoadedModel of the speculative draft on this rank, or None
+    draft_kv_cache_specs: list[Any]  # the draft's, one per layer (empty without a draft)
     kv_caches: list[Any]  # one LayerKVCache / PackedLayerKVCache per layer
     _group: Any  # rtpcore.parallel.leader.WorkerGroup: every rank's EngineShard (rank 0 here)
     max_positions: int
@@ -193,10 +205,18 @@ class Engine:
         max_batch_size: int = 8,
         tensor_parallel_size: int = 1,
         fp32_batched_linear: bool | None = None,
+        draft_model: str | os.PathLike[str] | None = None,
+        num_speculative_tokens: int | None = None,
         device: Any = "auto",
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
         preallocate the KV cache (see the module docstring for its default size).
+
+        ``draft_model``: speculative decoding with a draft checkpoint (any model type the
+        loaded plugins serve, inferred from its config.json) or ``"mtp"`` (the target's own
+        multi-token-prediction layers, when its plugin offers them); it proposes
+        ``num_speculative_tokens`` tokens per step (default 4 with a draft; see
+        ``rtpcore.engine.speculative``).
 
         ``device``: ``"auto"`` (the first CUDA or ROCm device when torch sees one, else
         the CPU), ``"cpu"``, ``"cuda"`` (``"cuda:0"``), ``"cuda:N"`` or a ``torch.device``;
@@ -217,6 +237,8 @@ class Engine:
             max_batch_size=max_batch_size,
             tensor_parallel_size=tensor_parallel_size,
             fp32_batched_linear=fp32_batched_linear,
+            draft_model=draft_model,
+            num_speculative_tokens=num_speculative_tokens,
             device=device,
         )
         return cls.from_config(config)
@@ -233,6 +255,8 @@ class Engine:
         self._step_lock = threading.Lock()
         self._group = None
         self.model = None
+        self.draft = None
+        self.draft_kv_cache_specs = []
         self.kv_caches = []
         self.plugins = tuple(config.plan.entries)
         self.device = torch.device(config.device)
@@ -248,8 +272,11 @@ class Engine:
             self.model_config = shard.model_config
             self.kv_cache_specs = shard.kv_cache_specs  # this rank's part of each layer
             self.model = shard.model
+            self.draft = shard.draft
+            self.draft_kv_cache_specs = list(shard.draft.kv_cache_specs) if shard.draft else []
+            specs = [*self.kv_cache_specs, *self.draft_kv_cache_specs]  # the draft's blocks are the target's
             self.max_positions = _max_positions(hf)
-            self.num_kv_blocks = _plan_blocks(self.kv_cache_specs, config, self.max_positions)
+            self.num_kv_blocks = _plan_blocks(specs, config, self.max_positions)
             self._group.run("allocate", self.num_kv_blocks)
             self.kv_caches = shard.kv_caches
             self.eos_token_ids = _eos_token_ids(hf, Path(config.checkpoint))
@@ -264,7 +291,10 @@ class Engine:
                 eos_token_ids=self.eos_token_ids,
                 max_positions=self.max_positions,
                 vocab_size=self.vocab_size,
-                block_bytes=sum(s.block_bytes for s in self.kv_cache_specs),
+                block_bytes=sum(s.block_bytes for s in specs),
+                draft_forward=self._draft_forward if self.draft is not None else None,
+                num_speculative_tokens=config.num_speculative_tokens,
+                draft_shift=1 if config.draft_model == "mtp" else 0,
                 device=self.device,  # per-request generators and step inputs live there
             )
         except BaseException as exc:
@@ -355,6 +385,17 @@ class Engine:
         """(B, vocab) logits of one step; every rank steps."""
         return self._group.run("forward", batch, sync=False)
 
+    def _draft_forward(self, batch: Any) -> Any:
+        """The draft's logits for one proposal step; every rank steps."""
+        return self._group.run("draft_forward", batch, sync=False)
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats:
+        """Tokens the draft ``proposed`` and the target ``accepted`` over the engine's life
+        (both 0 without a draft)."""
+        self._check_open()
+        return self._core.speculative_stats
+
     def _step(self) -> bool:
         """One core step under the step lock (AsyncEngine's loop); False when idle."""
         with self._step_lock:
@@ -407,6 +448,7 @@ class Engine:
         """Drop this process's model and KV cache and close the worker group (every
         rank's shard, pools and processes); safe to call more than once."""
         self.model = None
+        self.draft = None
         self.kv_caches = []
         group, self._group = self._group, None
         if group is not None:
@@ -421,6 +463,28 @@ class Engine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.num_kv_blocks} KV blocks"
         return f"<Engine {self.model_type} {self.config.dtype} from {self.config.checkpoint!r}, {state}>"
+
+
+DEFAULT_SPECULATIVE_TOKENS = 4  # proposals per step when a draft is given without a count
+
+
+def _speculative_options(draft_model: Any, num_speculative_tokens: Any) -> tuple[str | None, int]:
+    """The checked ``draft_model`` (a path as a string, or "mtp") and proposal count."""
+    if draft_model is None:
+        if num_speculative_tokens not in (None, 0):
+            raise RtpcoreError(
+                f"num_speculative_tokens={num_speculative_tokens!r} needs a draft_model (a checkpoint path or 'mtp')"
+            )
+        return None, 0
+    if isinstance(draft_model, os.PathLike):
+        draft_model = os.fspath(draft_model)
+    if not isinstance(draft_model, str) or not draft_model:
+        raise RtpcoreError(
+            f"draft_model must be a checkpoint path (str or os.PathLike) or 'mtp', got {draft_model!r}"
+        )
+    if num_speculative_tokens is None:
+        return draft_model, DEFAULT_SPECULATIVE_TOKENS
+    return draft_model, _positive_int("num_speculative_tokens", num_speculative_tokens)
 
 
 def _start_ranks(config: EngineConfig) -> Any:

@@ -71,14 +71,16 @@ def verify(
     draft_dists: Sequence[torch.Tensor | None],
     params: SamplingParams,
     generator: torch.Generator | None,
+    best: Sequence[int] | None = None,
 ) -> tuple[list[SampledToken], int]:
     """One request's verification: the target's (k + 1, V) logits after its last token and
     after each of its ``k`` proposals -> the tokens to emit (the accepted proposals, then
-    the target's own token) and how many proposals were accepted."""
+    the target's own token) and how many proposals were accepted. ``best``: the rows'
+    argmax when the caller has it already (one transfer for a whole batch)."""
     logits = logits.float()
     k = len(proposals)
     if params.greedy:
-        best = logits.argmax(dim=-1).tolist()
+        best = logits.argmax(dim=-1).tolist() if best is None else best
         n = 0
         while n < k and best[n] == proposals[n]:
             n += 1
