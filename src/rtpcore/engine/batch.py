@@ -48,6 +48,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None  # (N,) int64
     hidden_rows: torch.Tensor | None = None  # (T,) int64
     hidden_source: str = "target"
+    # max(context_lens) known on the host (the scheduler sets it): reading it then costs no
+    # device synchronisation; None computes it from context_lens.
+    host_max_context_len: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -64,6 +67,8 @@ class ForwardBatch:
 
     @property
     def max_context_len(self) -> int:
+        if self.host_max_context_len is not None:
+            return self.host_max_context_len
         return int(self.context_lens.max())
 
     @property

@@ -294,6 +294,7 @@ class Scheduler:
             block_tables=self._block_tables(seqs),
             tokens_per_block=tpb,
             hidden_source=hidden_source,
+            host_max_context_len=max(context),
             **extra,
         )
 
