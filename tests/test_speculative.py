@@ -225,3 +225,101 @@ def test_tensor_parallel_ranks_build_the_draft_from_the_plan(ckpts: dict[str, Pa
         assert engine.generate(PROMPTS, max_new_tokens=N, stop_token_ids=[]) == reference
         ranks = engine._group.run("stats", None, gather=True)
     assert len({r["kv_block_bytes"] for r in ranks}) == 1 and len(ranks) == 2
+
+
+@pytest.mark.slow
+def test_sampled_tokens_through_the_engine_follow_the_targets_distribution(
+    ckpts: dict[str, Path], tmp_path: Path
+) -> None:
+    """3000 samples (temperature 1.5, top-k 3) with a draft that half agrees proposing the
+    second token: the joint distribution of (first, second) is the target's, computed with
+    transformers on the same checkpoint (9 outcomes; total variation within sampling noise,
+    while the draft's own conditional is far from the target's)."""
+    import transformers
+
+    prompt, temperature, top_k, n = [5, 9, 33, 7], 1.5, 3, 3000
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpts["target"]).eval()
+    # A draft that half agrees: the target with a perturbed head.
+    draft_hf = transformers.AutoModelForCausalLM.from_pretrained(ckpts["target"]).eval()
+    with torch.no_grad():
+        head = draft_hf.lm_head.weight
+        head.add_(torch.randn(head.shape, generator=torch.Generator().manual_seed(3)) * head.std() * 1.5)
+    near = tmp_path / "near"
+    draft_hf.save_pretrained(near)
+
+    def dist(model: Any, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].float() / temperature
+        keep = logits >= logits.topk(top_k).values[-1]
+        return logits.masked_fill(~keep, float("-inf")).softmax(-1)
+
+    first = dist(hf, prompt)
+    exact = {(a, b): float(first[a]) * float(dist(hf, [*prompt, a])[b])
+             for a in first.nonzero().flatten().tolist() for b in dist(hf, [*prompt, a]).nonzero().flatten().tolist()}
+    a0 = int(first.argmax())
+    p1, q1 = dist(hf, [*prompt, a0]), dist(draft_hf, [*prompt, a0])
+    assert 0.5 * float((p1 - q1).abs().sum()) > 0.2  # accepting every proposal would show
+    torch.manual_seed(0)
+    with spec_engine({**ckpts, "near": near}, "near", 1, max_batch_size=64) as engine:
+        # 3 tokens: the first from the prefill, the second proposed by the draft (at most
+        # max_tokens - 2 proposals per request, see test_max_tokens_reached_mid_run)
+        outs = engine.generate([prompt] * n, max_new_tokens=3, temperature=temperature, top_k=top_k, stop_token_ids=[])
+        stats = engine.speculative_stats
+    assert stats.proposed == n and 0 < stats.accepted < n
+    counts: dict[tuple[int, int], int] = {}
+    for a, b, _ in outs:
+        counts[(a, b)] = counts.get((a, b), 0) + 1
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    assert tv < 0.05, (tv, counts, exact)
+
+
+def test_logprobs_with_a_draft_are_the_targets(ckpts: dict[str, Path]) -> None:
+    """Accepted proposals report the target's log-probabilities, as plain decoding does."""
+    from rtpcore.engine.core import RequestOutput
+
+    def run(engine: Engine) -> list[Any]:
+        got: list[RequestOutput] = []
+        engine._core.add_request([5, 9, 33], SamplingParams(max_tokens=10, logprobs=2), got.append)
+        while engine._core.step():
+            pass
+        return [t for out in got for t in (out.logprobs or ())]
+
+    with Engine.from_pretrained(ckpts["target"]) as engine:
+        plain = run(engine)
+    with spec_engine(ckpts, "same", 3) as engine:
+        spec = run(engine)
+        assert engine.speculative_stats.accepted > 0
+    assert [t.token_id for t in spec] == [t.token_id for t in plain] and len(plain) == 10
+    for a, b in zip(spec, plain, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [i for i, _ in a.top] == [i for i, _ in b.top]
+
+
+def test_async_streams_with_a_draft_equal_generate_and_aborts_free_blocks(
+    ckpts: dict[str, Path], reference: list[list[int]]
+) -> None:
+    import asyncio
+
+    from rtpcore import AsyncEngine
+
+    async def main() -> None:
+        async with AsyncEngine(spec_engine(ckpts, "same", 3, max_batch_size=3)) as engine:
+            async def one(p: list[int]) -> list[int]:
+                out: list[int] = []
+                async for o in engine.stream(p, SamplingParams(max_tokens=N, ignore_eos=True)):
+                    out += o.token_ids
+                return out
+
+            assert await asyncio.gather(*(one(p) for p in PROMPTS)) == reference
+            stream = engine.stream(PROMPTS[1], SamplingParams(max_tokens=N, ignore_eos=True))
+            await stream.__anext__()
+            await stream.aclose()
+            for _ in range(200):
+                if engine.stats().kv_blocks_free == engine.stats().kv_blocks_total:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
+            assert engine.speculative_stats.accepted > 0
+
+    asyncio.run(main())
