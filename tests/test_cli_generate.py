@@ -255,3 +255,25 @@ def test_chat_without_a_template_or_with_prompt_ids_is_refused(tmp_path: Path, c
     assert "has no chat template" in err and str(tmp_path) in err and err.count("\n") == 1
     code, _, err = run(capsys, str(tmp_path), "--chat", "--prompt-ids", "1,2")
     assert code == 2 and "--chat" in err
+
+
+def test_num_speculative_tokens_needs_a_draft_model(capsys: pytest.CaptureFixture[str], cache: Path) -> None:
+    code, _, err = run(capsys, "--demo", "llama", "--num-speculative-tokens", "2", "--prompt-ids", "1,2")
+    assert code == 2 and "--num-speculative-tokens needs --draft-model" in err
+    code, _, err = run(capsys, "--demo", "llama", "--draft-model", "mtp", "--num-speculative-tokens", "0",
+                       "--prompt-ids", "1,2")
+    assert code == 2 and "--num-speculative-tokens" in err and "positive integer" in err
+
+
+def test_generate_with_a_draft_checkpoint_gives_the_same_tokens(capsys: pytest.CaptureFixture[str], cache: Path) -> None:
+    args = ["--demo", "llama", "--prompt-ids", "256,72,105", "--max-new-tokens", "6", "--json"]
+    code, out, _ = run(capsys, *args)
+    assert code == 0
+    plain = json.loads(out)
+    code, out, _ = run(capsys, *args, "--draft-model", plain["checkpoint"], "--num-speculative-tokens", "3")
+    assert code == 0
+    spec = json.loads(out)
+    assert spec["output_ids"] == plain["output_ids"] and len(plain["output_ids"]) == 6
+    assert spec["speculative"]["proposed"] == spec["speculative"]["accepted"] > 0
+    code, _, err = run(capsys, "--demo", "llama", "--prompt-ids", "1", "--draft-model", "mtp")
+    assert code == 1 and "offers no multi-token-prediction draft" in err

@@ -142,3 +142,18 @@ def test_cli_generate_with_the_mtp_draft(tmp_path: Path) -> None:
     a, b = json.loads(plain.stdout), json.loads(spec.stdout)
     assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 8
     assert b["speculative"]["draft_model"] == "mtp" and b["speculative"]["proposed"] > 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_each_build_their_part_of_the_mtp_draft(demo: Path) -> None:
+    plain, _ = generate(demo, 12)
+    with Engine.from_pretrained(
+        demo, plugins=PLUGINS, tokens_per_block=4, draft_model="mtp", num_speculative_tokens=2, tensor_parallel_size=2
+    ) as engine:
+        assert engine.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[]) == plain
+        ranks = engine._group.run("stats", None, gather=True)
+        assert engine.speculative_stats.proposed > 0
+    with Engine.from_pretrained(demo, plugins=PLUGINS, draft_model="mtp") as engine:
+        whole = engine._group.run("stats")
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert all(r["elements"] < whole["elements"] for r in ranks)  # heads and experts split, MTP block too
