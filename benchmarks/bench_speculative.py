@@ -1,11 +1,11 @@
 """Speculative decoding: tokens/s with and without a draft, and the acceptance rate.
 
     python benchmarks/bench_speculative.py [--batches 1,8] [--ks 2,4] [--new-tokens 64]
-        [--layers 16] [--hidden 768] [--draft-layers 1] [--residual-scale 0.01] [--repeats 3] [--threads N]
+        [--layers 24] [--hidden 768] [--draft-layers 1] [--residual-scale 0.005] [--repeats 3] [--threads N]
 
 Random-weight models do not agree, so the pair is built to agree, honestly: a seeded
-Llama target (``--hidden`` 768, ``--layers`` 16, vocab 32000: ~130M parameters, a quarter of
-them in the head) whose layers past the first
+Llama target (``--hidden`` 768, ``--layers`` 24, vocab 32000: ~180M parameters, 14% of them
+in the head) whose layers past the first
 ``--draft-layers`` have their residual branches (``o_proj`` and ``down_proj``) scaled by
 ``--residual-scale``, so they change its predictions a little, and a draft made of the
 target's first ``--draft-layers`` layers, its final norm and its head. The target is a
@@ -101,10 +101,10 @@ def main() -> int:
     p.add_argument("--ks", default="2,4")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--draft-layers", type=int, default=1)
-    p.add_argument("--residual-scale", type=float, default=0.01)
+    p.add_argument("--residual-scale", type=float, default=0.005)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-mtp", action="store_true")
