@@ -96,6 +96,8 @@ def test_fp8_kv_cache_with_a_draft_matches_fp8_without(ckpts: dict[str, Path]) -
 
 
 def test_draft_cache_shares_the_targets_blocks_and_memory_budget(ckpts: dict[str, Path]) -> None:
+    with Engine.from_pretrained(ckpts["target"], draft_model=ckpts["other"]) as engine:
+        assert engine.config.num_speculative_tokens == 4  # the default with a draft
     memory = 1 << 20
     with spec_engine(ckpts, "other", 2, kv_cache_memory=memory) as engine:
         per_block = sum(s.block_bytes for s in [*engine.kv_cache_specs, *engine.draft_kv_cache_specs])
@@ -210,7 +212,7 @@ def test_mtp_on_a_model_without_mtp_layers(ckpts: dict[str, Path]) -> None:
         ({"num_speculative_tokens": 2}, "needs a draft_model"),
         ({"draft_model": 3}, "draft_model must be a checkpoint path"),
         ({"draft_model": ""}, "draft_model must be a checkpoint path"),
-        ({"draft_model": "mtp", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+        ({"draft_model": "mtp", "num_speculative_tokens": -1}, "num_speculative_tokens must be a positive integer"),
         ({"draft_model": "mtp", "num_speculative_tokens": True}, "num_speculative_tokens must be a positive integer"),
     ],
 )

@@ -114,7 +114,7 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         fp32_batched_linear: bool | None = None,
         draft_model: str | os.PathLike[str] | None = None,
-        num_speculative_tokens: int | None = None,
+        num_speculative_tokens: int = 0,
         device: Any = "auto",
     ) -> EngineConfig:
         """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
@@ -206,7 +206,7 @@ class Engine:
         tensor_parallel_size: int = 1,
         fp32_batched_linear: bool | None = None,
         draft_model: str | os.PathLike[str] | None = None,
-        num_speculative_tokens: int | None = None,
+        num_speculative_tokens: int = 0,
         device: Any = "auto",
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
@@ -215,7 +215,7 @@ class Engine:
         ``draft_model``: speculative decoding with a draft checkpoint (any model type the
         loaded plugins serve, inferred from its config.json) or ``"mtp"`` (the target's own
         multi-token-prediction layers, when its plugin offers them); it proposes
-        ``num_speculative_tokens`` tokens per step (default 4 with a draft; see
+        ``num_speculative_tokens`` tokens per step (0, the default: 4 with a draft; see
         ``rtpcore.engine.speculative``).
 
         ``device``: ``"auto"`` (the first CUDA or ROCm device when torch sees one, else
@@ -482,8 +482,8 @@ def _speculative_options(draft_model: Any, num_speculative_tokens: Any) -> tuple
         raise RtpcoreError(
             f"draft_model must be a checkpoint path (str or os.PathLike) or 'mtp', got {draft_model!r}"
         )
-    if num_speculative_tokens is None:
-        return draft_model, DEFAULT_SPECULATIVE_TOKENS
+    if num_speculative_tokens is None or (num_speculative_tokens == 0 and not isinstance(num_speculative_tokens, bool)):
+        return draft_model, DEFAULT_SPECULATIVE_TOKENS  # 0: the default
     return draft_model, _positive_int("num_speculative_tokens", num_speculative_tokens)
 
 
