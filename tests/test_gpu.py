@@ -162,3 +162,20 @@ def test_a_numbered_gpu_other_than_0_is_refused_for_several_ranks() -> None:
         resolve_device("cuda:1", tensor_parallel_size=2)
     assert excinfo.value.malformed is False
     assert "ranks take cuda:0..cuda:1" in str(excinfo.value)
+
+
+def test_speculative_decoding_on_the_gpu(llama: tuple[Path, Any], tmp_path: Path, no_tf32: None) -> None:
+    """A draft on the GPU (its own pools there too): greedy tokens equal decoding without it,
+    and seeded sampling runs on the device's generators."""
+    path, _ = llama
+    draft = tmp_path / "draft"
+    make_checkpoint(draft, seed=1, num_hidden_layers=1)
+    with Engine.from_pretrained(path, device="cuda") as engine:
+        plain = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+    for d in (path, draft):
+        with Engine.from_pretrained(path, device="cuda", draft_model=d, num_speculative_tokens=3) as engine:
+            assert engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) == plain
+            assert all(t.is_cuda for c in engine._group.local.draft_kv_caches for t in (c.k, c.v))
+            sampled = engine.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=3, stop_token_ids=[])
+            assert [len(s) for s in sampled] == [8] * len(PROMPTS)
+            assert engine.speculative_stats.proposed > 0
