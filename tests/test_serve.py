@@ -422,6 +422,11 @@ def test_a_server_with_a_draft_answers_as_without_and_counts_proposals(server: S
         assert got.usage.completion_tokens == 32
         cut = c.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0, stop=[stop], stream=True)
         assert "".join(ch.choices[0].text for ch in cut if ch.choices) == whole[: whole.index(stop)]
+        # usage counts the tokens up to the one completing the stop string, as one token per step does
+        plain = base.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0, stop=[stop])
+        spec_cut = c.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0, stop=[stop])
+        assert spec_cut.choices[0].text == plain.choices[0].text
+        assert spec_cut.usage.completion_tokens == plain.usage.completion_tokens < 32
         m = spec.wait_idle()
         assert m["rtpcore_speculative_proposed_tokens_total"] > 0
         assert m["rtpcore_speculative_accepted_tokens_total"] == m["rtpcore_speculative_proposed_tokens_total"]

@@ -273,11 +273,20 @@ class _Run:
     def _take(self, out: RequestOutput) -> tuple[str, list[SampledToken]]:
         self._observe(out)
         ids = list(out.token_ids)
-        self.completion_tokens += len(ids)  # a stop token counts, its text is not returned
-        if out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
+        stop_token = out.stop_token_id is not None and bool(ids) and ids[-1] == out.stop_token_id
+        if stop_token:
             ids = ids[:-1]
-        text = self.decoder.push(ids)
-        return text, list(out.logprobs or ())[: len(ids)]
+        # One token at a time: an output holds several tokens (a lagging consumer, an accepted
+        # speculative run), and tokens after the one completing a stop string are not the client's.
+        pieces, taken = [], 0
+        for token in ids:
+            pieces.append(self.decoder.push([token]))
+            taken += 1
+            if self.decoder.stopped:
+                break
+        # a stop token counts, its text is not returned
+        self.completion_tokens += taken + (stop_token and not self.decoder.stopped)
+        return "".join(pieces), list(out.logprobs or ())[:taken]
 
     def _observe(self, out: RequestOutput) -> None:
         m = self.served.metrics
