@@ -179,3 +179,18 @@ def test_speculative_decoding_on_the_gpu(llama: tuple[Path, Any], tmp_path: Path
             sampled = engine.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=3, stop_token_ids=[])
             assert [len(s) for s in sampled] == [8] * len(PROMPTS)
             assert engine.speculative_stats.proposed > 0
+
+
+def test_decode_reads_kv_blocks_in_place_with_the_triton_kernel(llama: tuple[Path, Any], no_tf32: None) -> None:
+    """On the GPU decode steps use the paged kernel (rtpcore.kv.paged_attention) by default; its
+    tokens equal the gather path's."""
+    from rtpcore.kv.paged_attention import decode_backend, use_backend
+
+    path, _ = llama
+    with Engine.from_pretrained(path, device="cuda") as engine:
+        q = torch.zeros(1, engine.model_config.num_attention_heads, engine.model_config.head_dim, device="cuda")
+        assert decode_backend(engine.kv_caches[0], q) == "triton"
+        paged = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+        with use_backend("gather"):
+            gathered = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+    assert paged == gathered

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rtpcore.kv.paged_attention import decode_backend, paged_decode_attention
 from rtpcore.models.layers import Linear
 from rtpcore.models.llama_config import LlamaConfig, rope_inv_freq
 from rtpcore.parallel.layers import GatherColumns, row_parallel
@@ -88,18 +89,26 @@ class LlamaLayer(nn.Module):
         batch: ForwardBatch,
         cache: LayerKVCache,
         mask: torch.Tensor | None,  # (B, 1, Tq, L) bool, None: every cached key visible
+        window: int | None = None,  # the layer's sliding window (already in mask)
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(rms_norm(x, self.norm1, self.eps))  # (T, q + 2 kv)
         qk = rotate(qkv[:, : self.qk_size].view(t, self.heads + self.kv_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)  # (T, H, D), (T, Hkv, D)
         cache.write(batch.slots, k, qkv[:, self.qk_size :].view(t, self.kv_heads, self.head_dim))
-        max_len = batch.max_context_len if mask is None else mask.shape[-1]
-        kc, vc = cache.read(batch.block_tables, max_len)  # (B, L, Hkv, D) each
-        qp = batch.to_padded(q).transpose(1, 2)  # (B, H, Tq, D)
-        kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # (B, Hkv, L, D), the cache's dtype
-        out = attend(qp, kc, vc, mask, self.scale).transpose(1, 2)  # (B, Tq, H, D)
-        x = x + self.o(batch.from_padded(out).reshape(t, -1))  # (T, E)
+        if batch.is_decode and decode_backend(cache, q) == "triton":  # KV blocks read in place
+            out = paged_decode_attention(
+                q, cache.k, cache.v, batch.block_tables, batch.context_lens,
+                tokens_per_block=batch.tokens_per_block, scale=self.scale, window=window,
+            )  # (B, H, D)
+            x = x + self.o(out.reshape(t, -1))  # (T, E)
+        else:
+            max_len = batch.max_context_len if mask is None else mask.shape[-1]
+            kc, vc = cache.read(batch.block_tables, max_len)  # (B, L, Hkv, D) each
+            qp = batch.to_padded(q).transpose(1, 2)  # (B, H, Tq, D)
+            kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # (B, Hkv, L, D), the cache's dtype
+            out = attend(qp, kc, vc, mask, self.scale).transpose(1, 2)  # (B, Tq, H, D)
+            x = x + self.o(batch.from_padded(out).reshape(t, -1))  # (T, E)
         gate, up = self.gate_up(rms_norm(x, self.norm2, self.eps)).chunk(2, dim=-1)  # (T, I) each
         return x + self.down(F.silu(gate) * up)
 
@@ -160,7 +169,7 @@ class LlamaModel(nn.Module):
         for layer, cache, window in zip(self.layers, kv_caches, self.config.sliding_windows, strict=True):
             if window not in masks:
                 masks[window] = _mask(batch, window)
-            x = layer(x, cos, sin, batch, cache, masks[window])
+            x = layer(x, cos, sin, batch, cache, masks[window], window)
         rows = batch.logits_index
         if rows is not None:
             x = x[rows]  # (B, E), or (N, E) for logits_indices

@@ -1,0 +1,178 @@
+"""Paged decode attention that reads KV blocks in place: a Triton kernel.
+
+A decode step (one new token per sequence) attends over each sequence's cached keys and
+values straight from the layer's pool, block by block through its block table, with an
+online softmax -- instead of gathering every sequence's whole context into a dense
+(B, L, ...) tensor per layer (``LayerKVCache.read``) and running dense attention on it.
+
+Where it runs: tensors on a CUDA/ROCm device when Triton is importable (Triton ships with
+the GPU builds of torch), and CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``
+set before Triton is imported: how the tests check the kernel on machines without a GPU;
+far too slow for serving). What it covers: unquantized (fp32/fp16/bf16) MHA/GQA pools, with
+or without a sliding window. fp8 pools (their byte layouts are decoded by the codecs of
+``rtpcore.kv.codecs``) and MLA's latent caches take the gather path.
+
+:func:`decode_backend` picks the path of one layer's decode: ``"auto"`` (the default) uses
+the kernel on CUDA tensors when it can; :func:`use_backend` forces ``"triton"`` or
+``"gather"`` for a block of code (tests, debugging, a suspected kernel problem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["BACKENDS", "decode_backend", "paged_decode_attention", "triton_available", "use_backend"]
+
+BACKENDS = ("auto", "triton", "gather")
+_backend: contextvars.ContextVar[str] = contextvars.ContextVar("rtpcore_paged_attention", default="auto")
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Within the block, decode attention uses ``name``: ``"auto"``, ``"triton"`` (an error
+    where the kernel cannot run) or ``"gather"``."""
+    if name not in BACKENDS:
+        raise ValueError(f"paged attention backend must be one of {BACKENDS}, got {name!r}")
+    token = _backend.set(name)
+    try:
+        yield
+    finally:
+        _backend.reset(token)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports (it ships with the CUDA and ROCm builds of torch)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreted() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def decode_backend(cache: Any, q: torch.Tensor) -> str:
+    """``"triton"`` or ``"gather"`` for a decode step of one layer with ``cache``."""
+    from rtpcore.kv.pools import LayerKVCache
+
+    choice = _backend.get()
+    if choice == "gather":
+        return "gather"
+    eligible = isinstance(cache, LayerKVCache) and cache.spec.kind == "mha"
+    runnable = triton_available() and (q.is_cuda or _interpreted())
+    if choice == "triton":
+        if not (eligible and runnable):
+            raise RuntimeError(
+                "the Triton paged attention kernel cannot run here: it needs an unquantized MHA cache "
+                "and Triton with a CUDA/ROCm device (or TRITON_INTERPRET=1 for CPU tensors)"
+            )
+        return "triton"
+    return "triton" if eligible and runnable and q.is_cuda else "gather"
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    tokens_per_block: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context, read in place.
+
+    q (B, H, D); k_pool / v_pool (slots, Hkv, D), slot = block * tokens_per_block + offset;
+    block_tables (B, max_blocks) int; context_lens (B,) int, the new token included (its keys
+    are already written). A query sees positions ``context_len - window .. context_len - 1``
+    with a window, else all. Returns (B, H, D) in q's dtype; softmax in float32.
+    """
+    kernel = _kernel()
+    b, h, d = q.shape
+    hkv = k_pool.shape[1]
+    if h % hkv:
+        raise ValueError(f"{h} query heads do not group over {hkv} KV heads")
+    g = h // hkv
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    kernel[(b, hkv)](
+        q, k_pool, v_pool, block_tables, context_lens, out,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        float(scale), int(window or 0),
+        G=g, D=d, TPB=tokens_per_block,
+        BLOCK_G=_pow2(g), BLOCK_D=_pow2(d), BLOCK_T=_pow2(tokens_per_block),
+    )
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The jitted kernel, defined on first use (importing this module never imports Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode_kernel(
+        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ob, stride_oh,
+        scale, window,
+        G: tl.constexpr, D: tl.constexpr, TPB: tl.constexpr,
+        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):  # one program per (sequence, KV head): its G query heads share every K/V row it loads
+        seq = tl.program_id(0)
+        kv = tl.program_id(1)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        t = tl.arange(0, BLOCK_T)
+        g_ok = g < G
+        d_ok = d < D
+        heads = kv * G + g
+        q = tl.load(
+            q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=g_ok[:, None] & d_ok[None, :], other=0.0,
+        ).to(tl.float32)  # (G, D)
+        length = tl.load(lens_ptr + seq).to(tl.int32)
+        start = tl.maximum(length - window, 0) if window > 0 else 0
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for j in range(start // TPB, tl.cdiv(length, TPB)):  # every block holds a visible position
+            block = tl.load(tables_ptr + seq * stride_tb + j).to(tl.int64)
+            pos = j * TPB + t
+            visible = (t < TPB) & (pos < length) & (pos >= start)
+            slots = block * TPB + t
+            row_ok = visible[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + slots[:, None] * stride_ks + kv * stride_kh + d[None, :], mask=row_ok, other=0.0)
+            v = tl.load(v_ptr + slots[:, None] * stride_vs + kv * stride_vh + d[None, :], mask=row_ok, other=0.0)
+            scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # (G, T)
+            scores = tl.where(visible[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])  # (G, T)
+            total = total * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            m = m_new
+        out = acc / total[:, None]
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :],
+        )
+
+    return decode_kernel
