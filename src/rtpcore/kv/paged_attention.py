@@ -70,7 +70,7 @@ def decode_backend(cache: Any, q: torch.Tensor) -> str:
     if choice == "gather":
         return "gather"
     eligible = isinstance(cache, LayerKVCache) and cache.spec.kind == "mha"
-    runnable = triton_available() and (q.is_cuda or _interpreted())
+    runnable = (q.is_cuda or _interpreted()) and triton_available()  # Triton is imported only then
     if choice == "triton":
         if not (eligible and runnable):
             raise RuntimeError(
