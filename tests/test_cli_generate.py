@@ -277,3 +277,9 @@ def test_generate_with_a_draft_checkpoint_gives_the_same_tokens(capsys: pytest.C
     assert spec["speculative"]["proposed"] == spec["speculative"]["accepted"] > 0
     code, _, err = run(capsys, "--demo", "llama", "--prompt-ids", "1", "--draft-model", "mtp")
     assert code == 1 and "offers no multi-token-prediction draft" in err
+
+
+def test_no_cuda_graphs_is_accepted_on_the_cpu(capsys: pytest.CaptureFixture[str], cache: Path) -> None:
+    code, out, _ = run(capsys, "--demo", "llama", "--no-cuda-graphs", "--prompt-ids", "256,72", "--max-new-tokens", "2",
+                       "--json")
+    assert code == 0 and len(json.loads(out)["output_ids"]) == 2

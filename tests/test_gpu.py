@@ -194,3 +194,36 @@ def test_decode_reads_kv_blocks_in_place_with_the_triton_kernel(llama: tuple[Pat
         with use_backend("gather"):
             gathered = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
     assert paged == gathered
+
+
+def test_decode_steps_replay_cuda_graphs(llama: tuple[Path, Any], no_tf32: None) -> None:
+    """A single-rank GPU engine captures one graph per batch-size bucket by default; the tokens
+    equal those of the same engine without graphs, at every batch size."""
+    from rtpcore.engine.graphs import buckets
+
+    path, _ = llama
+    with Engine.from_pretrained(path, device="cuda", max_batch_size=4, cuda_graphs=False) as engine:
+        eager = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+        assert engine._group.local.graphs is None
+    with Engine.from_pretrained(path, device="cuda", max_batch_size=4) as engine:
+        graphs = engine._group.local.graphs
+        assert graphs is not None and graphs.failure is None
+        assert sorted(graphs.graphs) == buckets(4)
+        assert engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) == eager
+        assert engine.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS, stop_token_ids=[]) == eager[:1]
+
+
+def test_a_forward_that_cannot_be_captured_runs_eagerly() -> None:
+    """atom-plugin's DeepSeek demo with a compact fp8 cache (its scale may grow: a host
+    synchronisation) still decodes; either the graphs captured or the failure is recorded."""
+    pytest.importorskip("atom_plugin")
+    from rtpcore.cli.demo import demo_checkpoint
+
+    path = demo_checkpoint("deepseek_v3", plugins=["atom-plugin"])
+    options: dict[str, Any] = {"plugins": ["atom-plugin"], "device": "cuda", "kv_cache_dtype": "fp8", "kv_layout": "compact"}
+    with Engine.from_pretrained(path, cuda_graphs=False, **options) as engine:
+        eager = engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
+    with Engine.from_pretrained(path, **options) as engine:
+        graphs = engine._group.local.graphs
+        assert graphs is not None and (graphs.failure is not None or graphs.graphs)
+        assert engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[]) == eager

@@ -65,6 +65,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-layout", default=None, metavar="NAME", help="fp8 layout (built-in or from a plugin)")
     p.add_argument("--device", type=device_arg, default="auto", metavar="DEVICE",
                    help="auto (default: the first CUDA/ROCm GPU torch sees, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
+                   help="run every decode step eagerly on a GPU (default: replay CUDA graphs, one engine rank)")
     p.add_argument("--draft-model", metavar="PATH|mtp", default=None,
                    help="speculative decoding: a draft checkpoint sharing the vocabulary (any model type the "
                    "loaded plugins serve), or 'mtp' for the checkpoint's own multi-token-prediction layers")
@@ -96,6 +98,7 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         "kv_cache_dtype": args.kv_cache_dtype,
         "kv_layout": args.kv_layout,
         "device": device,
+        "cuda_graphs": args.cuda_graphs,
         "draft_model": args.draft_model,
         "num_speculative_tokens": args.num_speculative_tokens,
     }

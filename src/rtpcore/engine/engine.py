@@ -45,6 +45,7 @@ import attrs
 import torch
 
 from rtpcore.engine.core import EngineCore, EngineStats, RequestOutput
+from rtpcore.engine.rank import max_positions
 from rtpcore.engine.sampling import SamplingParams
 from rtpcore.engine.scheduler import BlockAllocator
 from rtpcore.engine.speculative import SpeculativeStats
@@ -62,7 +63,6 @@ __all__ = ["Engine", "EngineConfig"]
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MAX_POSITIONS = 4096  # when config.json has no max_position_embeddings
 RAM_FRACTION = 0.25  # cap of the default KV memory
 
 
@@ -96,6 +96,9 @@ class EngineConfig:
     # how many tokens it proposes per step (0: no speculation).
     draft_model: str | None = None
     num_speculative_tokens: int = 0
+    # Decode steps replayed from CUDA graphs (rtpcore.engine.graphs): None = on for a
+    # single-rank engine on a CUDA/ROCm device, off otherwise.
+    cuda_graphs: bool | None = None
 
     @classmethod
     def create(
@@ -116,6 +119,7 @@ class EngineConfig:
         draft_model: str | os.PathLike[str] | None = None,
         num_speculative_tokens: int = 0,
         device: Any = "auto",
+        cuda_graphs: bool | None = None,
     ) -> EngineConfig:
         """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
         a device torch cannot see raises DeviceError here, before anything loads) and the
@@ -142,6 +146,10 @@ class EngineConfig:
         # checks only its own device; every rank checks its own when the group forms.
         local_ranks = 1 if tensor_parallel_size > 1 and env_world_size() is not None else tensor_parallel_size
         resolved_device = resolve_device(device, tensor_parallel_size=local_ranks)
+        if cuda_graphs not in (None, True, False):
+            raise RtpcoreError(f"cuda_graphs must be None (automatic), True or False, got {cuda_graphs!r}")
+        if cuda_graphs and resolved_device == "cpu":
+            raise RtpcoreError("cuda_graphs=True needs a CUDA/ROCm device; the engine runs on the CPU")
         plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages).resolve()
         return cls(
             checkpoint=str(path),
@@ -158,6 +166,7 @@ class EngineConfig:
             fp32_batched_linear=fp32_batched_linear,
             draft_model=draft,
             num_speculative_tokens=k,
+            cuda_graphs=cuda_graphs,
         )
 
     @property
@@ -208,6 +217,7 @@ class Engine:
         draft_model: str | os.PathLike[str] | None = None,
         num_speculative_tokens: int = 0,
         device: Any = "auto",
+        cuda_graphs: bool | None = None,
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
         preallocate the KV cache (see the module docstring for its default size).
@@ -223,7 +233,10 @@ class Engine:
         ROCm GPUs are ``cuda`` devices. Weights, KV pools, step batches and sampling live
         there. With ``tensor_parallel_size`` > 1 on CUDA rank r takes ``cuda:r`` (NCCL);
         on the CPU every rank uses gloo. A malformed or unavailable device raises
-        :class:`~rtpcore.errors.DeviceError` before anything is loaded."""
+        :class:`~rtpcore.errors.DeviceError` before anything is loaded.
+
+        ``cuda_graphs``: decode steps replayed from CUDA graphs (``rtpcore.engine.graphs``);
+        None (the default) turns them on for a single-rank engine on a GPU, False off."""
         config = EngineConfig.create(
             path,
             plugins=plugins,
@@ -240,6 +253,7 @@ class Engine:
             draft_model=draft_model,
             num_speculative_tokens=num_speculative_tokens,
             device=device,
+            cuda_graphs=cuda_graphs,
         )
         return cls.from_config(config)
 
@@ -275,7 +289,7 @@ class Engine:
             self.draft = shard.draft
             self.draft_kv_cache_specs = list(shard.draft.kv_cache_specs) if shard.draft else []
             specs = [*self.kv_cache_specs, *self.draft_kv_cache_specs]  # the draft's blocks are the target's
-            self.max_positions = _max_positions(hf)
+            self.max_positions = max_positions(hf)
             self.num_kv_blocks = _plan_blocks(specs, config, self.max_positions)
             self._group.run("allocate", self.num_kv_blocks)
             self.kv_caches = shard.kv_caches
@@ -531,12 +545,6 @@ def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int)
     return blocks
 
 
-def _max_positions(hf: dict[str, Any]) -> int:
-    """``max_position_embeddings`` of config.json, the longest sequence the engine admits;
-    ``DEFAULT_MAX_POSITIONS`` when missing or null."""
-    from rtpcore.plugins import config_fields
-
-    return config_fields.optional_int(hf, "max_position_embeddings", DEFAULT_MAX_POSITIONS, null_ok=True)
 
 
 def _eos_token_ids(hf: dict[str, Any], path: Path) -> tuple[int, ...]:

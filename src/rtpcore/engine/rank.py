@@ -96,23 +96,48 @@ class EngineShard:
         self.bytes_read = target.bytes_read + (self.draft.bytes_read if self.draft else 0)
         self.kv_caches: list[Any] = []
         self.draft_kv_caches: list[Any] = []
+        self.graphs: Any = None  # rtpcore.engine.graphs.DecodeGraphs when decode steps replay CUDA graphs
 
     def allocate(self, num_blocks: int) -> None:
         """Preallocate ``num_blocks`` KV blocks per layer (rank 0 decides the number), for
         the draft's layers too."""
         from rtpcore.kv.pools import allocate_kv_caches
 
-        self.kv_caches, self.draft_kv_caches = [], []  # free the old pools before allocating new ones
+        self.kv_caches, self.draft_kv_caches, self.graphs = [], [], None  # free the old pools first
         options = {"device": self.ctx.device, "compute_dtype": self.config.torch_dtype, "layouts": self.registry}
-        self.kv_caches = allocate_kv_caches(self.kv_cache_specs, num_blocks, **options)
+        graphs = self.uses_cuda_graphs
+        # With graphs, one more block than the engine hands out: the padding rows' scratch block.
+        self.kv_caches = allocate_kv_caches(self.kv_cache_specs, num_blocks + graphs, **options)
         if self.draft is not None:
             self.draft_kv_caches = allocate_kv_caches(self.draft.kv_cache_specs, num_blocks, **options)
+        if graphs:
+            from rtpcore.engine.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                max_batch_size=self.config.max_batch_size,
+                max_positions=max_positions(self.hf_config),
+                tokens_per_block=self.config.tokens_per_block,
+                scratch_block=num_blocks,
+                device=self.ctx.device,
+            )
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """``config.cuda_graphs``, or when None: a single rank on a CUDA/ROCm device."""
+        choice = self.config.cuda_graphs
+        on_gpu = torch.device(self.ctx.device).type == "cuda"
+        return bool(on_gpu and (choice if choice is not None else self.ctx.world_size == 1))
 
     def forward(self, batch: Any) -> torch.Tensor | None:
         """Run the model on one step's batch; (B, vocab) logits on rank 0, None elsewhere
         (so nothing travels back)."""
-        with torch.inference_mode():
-            logits = self.model(batch, self.kv_caches)
+        if self.graphs is not None and self.graphs.supports(batch):
+            logits = self.graphs.run(batch)
+        else:
+            with torch.inference_mode():
+                logits = self.model(batch, self.kv_caches)
         return logits if self.ctx.rank == 0 else None
 
     def draft_forward(self, batch: Any) -> torch.Tensor | None:
@@ -219,6 +244,17 @@ def _load(
     if isinstance(model, torch.nn.Module):
         model.eval()
     return LoadedModel(model_type, plugin, hf_config, model_config, local_config, specs, model, bytes_read)
+
+
+DEFAULT_MAX_POSITIONS = 4096  # when config.json has no max_position_embeddings
+
+
+def max_positions(hf: dict[str, Any]) -> int:
+    """``max_position_embeddings`` of config.json, the longest sequence the engine admits;
+    ``DEFAULT_MAX_POSITIONS`` when missing or null."""
+    from rtpcore.plugins import config_fields
+
+    return config_fields.optional_int(hf, "max_position_embeddings", DEFAULT_MAX_POSITIONS, null_ok=True)
 
 
 def build_shard(ctx: ParallelContext, config: Any) -> EngineShard:

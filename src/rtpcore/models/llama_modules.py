@@ -90,13 +90,14 @@ class LlamaLayer(nn.Module):
         cache: LayerKVCache,
         mask: torch.Tensor | None,  # (B, 1, Tq, L) bool, None: every cached key visible
         window: int | None = None,  # the layer's sliding window (already in mask)
+        paged: bool = False,  # decode with the paged kernel (rtpcore.kv.paged_attention), no mask
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(rms_norm(x, self.norm1, self.eps))  # (T, q + 2 kv)
         qk = rotate(qkv[:, : self.qk_size].view(t, self.heads + self.kv_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)  # (T, H, D), (T, Hkv, D)
         cache.write(batch.slots, k, qkv[:, self.qk_size :].view(t, self.kv_heads, self.head_dim))
-        if batch.is_decode and decode_backend(cache, q) == "triton":  # KV blocks read in place
+        if paged:  # KV blocks read in place
             out = paged_decode_attention(
                 q, cache.k, cache.v, batch.block_tables, batch.context_lens,
                 tokens_per_block=batch.tokens_per_block, scale=self.scale, window=window,
@@ -165,11 +166,13 @@ class LlamaModel(nn.Module):
         x = F.embedding(batch.input_ids, self.embed)  # (T, E)
         cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
         sin = self.sin[batch.positions].unsqueeze(1)
+        # Decode over unquantized caches on a GPU reads the blocks in place: no mask to build.
+        paged = batch.is_decode and bool(kv_caches) and decode_backend(kv_caches[0], x) == "triton"
         masks: dict[int | None, torch.Tensor | None] = {}
         for layer, cache, window in zip(self.layers, kv_caches, self.config.sliding_windows, strict=True):
             if window not in masks:
-                masks[window] = _mask(batch, window)
-            x = layer(x, cos, sin, batch, cache, masks[window], window)
+                masks[window] = None if paged else _mask(batch, window)
+            x = layer(x, cos, sin, batch, cache, masks[window], window, paged)
         rows = batch.logits_index
         if rows is not None:
             x = x[rows]  # (B, E), or (N, E) for logits_indices

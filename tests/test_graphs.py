@@ -1,0 +1,102 @@
+"""Decode graphs (rtpcore.engine.graphs): the padded static batches, checked eagerly on the CPU
+(``capture=False``; capturing needs a GPU: tests/test_gpu.py), and the engine option."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rtpcore import Engine
+from rtpcore.engine.batch import ForwardBatch
+from rtpcore.engine.graphs import DecodeGraphs, buckets
+from rtpcore.errors import RtpcoreError
+from rtpcore.kv.pools import allocate_kv_caches
+from test_llama import make_checkpoint
+
+TPB = 4
+
+
+def test_buckets() -> None:
+    assert buckets(1) == [1]
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(6) == [1, 2, 4, 6]
+
+
+def _batch(tables: torch.Tensor, starts: list[int], chunks: list[list[int]]) -> ForwardBatch:
+    pos = [list(range(s, s + len(c))) for s, c in zip(starts, chunks, strict=True)]
+    flat = torch.tensor([p for ps in pos for p in ps])
+    rows = torch.tensor([b for b, ps in enumerate(pos) for _ in ps])
+    return ForwardBatch(
+        input_ids=torch.tensor([t for c in chunks for t in c]), positions=flat,
+        slots=tables[rows, flat // TPB] * TPB + flat % TPB, query_lens=tuple(map(len, chunks)),
+        context_lens=torch.tensor([s + len(c) for s, c in zip(starts, chunks, strict=True)]),
+        block_tables=tables, tokens_per_block=TPB,
+    )
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "mistral-window"])
+def test_padded_static_decode_equals_the_eager_step(tmp_path: Path, variant: str) -> None:
+    """Three sequences (ragged contexts, scattered blocks) decode through the bucket of 4: the
+    logits equal the model's own on the same batch, and the padding row writes nothing but
+    the scratch block."""
+    make_checkpoint(tmp_path, variant)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=6, kv_cache_memory=1 << 20) as engine:
+        blocks = 24
+        caches = allocate_kv_caches(engine.kv_cache_specs, blocks + 1, compute_dtype=torch.float32)
+        graphs = DecodeGraphs(
+            engine.model, caches, max_batch_size=6, max_positions=engine.max_positions,
+            tokens_per_block=TPB, scratch_block=blocks, device="cpu", capture=False,
+        )
+        prompts = [[5, 9, 33, 7, 81, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [100]]
+        tables = torch.tensor([[7, 2, 19, 11, 0, 0, 0], [3, 14, 5, 9, 21, 16, 8], [12, 0, 0, 0, 0, 0, 0]])
+        with torch.inference_mode():
+            logits = engine.model(_batch(tables, [0, 0, 0], prompts), caches)
+        tokens = logits.argmax(-1).tolist()
+        lens = [len(p) for p in prompts]
+        for _ in range(6):
+            batch = _batch(tables, lens, [[t] for t in tokens])
+            assert graphs.supports(batch)
+            before = [c.k.clone() for c in caches]
+            got = graphs.run(batch)
+            for c, old in zip(caches, before, strict=True):  # only this step's slots and the scratch block changed
+                changed = set((c.k != old).any(-1).any(-1).nonzero().flatten().tolist())
+                allowed = set(batch.slots.tolist()) | set(range(blocks * TPB, (blocks + 1) * TPB))
+                assert changed <= allowed
+            with torch.inference_mode():
+                want = engine.model(batch, caches)  # rewrites the same keys and values
+            assert got.shape == want.shape == (3, want.shape[-1])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            tokens = want.argmax(-1).tolist()
+            lens = [n + 1 for n in lens]
+
+
+def test_graphs_refuse_what_they_cannot_replay(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, kv_cache_memory=1 << 20) as engine:
+        caches = allocate_kv_caches(engine.kv_cache_specs, 9, compute_dtype=torch.float32)
+        graphs = DecodeGraphs(
+            engine.model, caches, max_batch_size=2, max_positions=16,
+            tokens_per_block=TPB, scratch_block=8, device="cpu", capture=False,
+        )
+        tables = torch.tensor([[1, 2], [3, 4], [5, 6]])
+        assert graphs.supports(_batch(tables[:2], [3, 5], [[1], [2]]))
+        assert not graphs.supports(_batch(tables, [3, 5, 1], [[1], [2], [3]]))  # more rows than the largest bucket
+        assert not graphs.supports(_batch(tables[:2], [0, 0], [[1, 2], [2]]))  # a prefill
+        wide = torch.tensor([[1, 2, 3, 4, 5]])
+        assert not graphs.supports(_batch(wide, [3], [[1]]))  # a table wider than max_positions needs
+
+
+def test_cuda_graphs_option(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path)
+    with pytest.raises(RtpcoreError, match="cuda_graphs=True needs a CUDA/ROCm device"):
+        Engine.from_pretrained(tmp_path, device="cpu", cuda_graphs=True)
+    with pytest.raises(RtpcoreError, match="cuda_graphs must be None"):
+        Engine.from_pretrained(tmp_path, device="cpu", cuda_graphs="on")  # type: ignore[arg-type]
+    with Engine.from_pretrained(tmp_path, device="cpu") as engine:
+        shard: Any = engine._group.local
+        assert shard.graphs is None and not shard.uses_cuda_graphs
