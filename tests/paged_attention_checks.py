@@ -1,6 +1,6 @@
 """Checks of the Triton paged decode kernel, run by tests/test_paged_attention.py in a child
 process with ``TRITON_INTERPRET=1`` (set before Triton is imported: Triton then runs the
-kernel on CPU tensors). ``python paged_attention_checks.py kernel|engine`` prints one JSON
+kernel on CPU tensors). ``python paged_attention_checks.py kernel|mla|atom|engine`` prints one JSON
 line of results; a failed check raises (exit status 1)."""
 
 from __future__ import annotations
@@ -58,6 +58,60 @@ def kernel() -> dict[str, float]:
     return worst
 
 
+def mla() -> dict[str, float]:
+    """The latent kernel against softmax(scale * (q_lat . c + q_rope . k_pe)) @ c per sequence."""
+    from rtpcore.kv.paged_attention import paged_mla_decode
+
+    gen = torch.Generator().manual_seed(1)
+    worst: dict[str, float] = {}
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5), (torch.float16, 1e-5)):
+        for b, h, r, rope, tpb in ((3, 5, 24, 8, 4), (2, 16, 128, 32, 16), (1, 20, 64, 16, 3), (4, 4, 32, 32, 1)):
+            blocks = 60
+            latent = torch.randn(blocks * tpb, r, generator=gen).to(dtype)
+            roped = torch.randn(blocks * tpb, rope, generator=gen).to(dtype)
+            lens = torch.randint(1, 8 * tpb, (b,), generator=gen)
+            width = int(-(-lens.max() // tpb))
+            tables = torch.randperm(blocks, generator=gen)[: b * width].view(b, width)
+            q_lat = torch.randn(b, h, r, generator=gen)
+            q_rope = torch.randn(b, h, rope, generator=gen)
+            got = paged_mla_decode(q_lat, q_rope, latent, roped, tables, lens, tokens_per_block=tpb, scale=0.2)
+            want = []
+            for i in range(b):
+                pos = torch.arange(int(lens[i]))
+                slots = tables[i, pos // tpb] * tpb + pos % tpb
+                c, k = latent[slots].float(), roped[slots].float()
+                want.append(((q_lat[i] @ c.T + q_rope[i] @ k.T) * 0.2).softmax(-1) @ c)
+            err = float((got - torch.stack(want)).abs().max())
+            assert got.dtype == torch.float32 and err < tol, (dtype, b, h, r, rope, tpb, err)
+            key = str(dtype).removeprefix("torch.")
+            worst[key] = max(worst.get(key, 0.0), err)
+    return worst
+
+
+def atom() -> dict[str, object]:
+    """atom-plugin's DeepSeek-V3 demo (MLA) decodes the same greedy tokens with the latent
+    kernel as with the gather path, the MTP draft's layer included."""
+    import tempfile
+
+    from rtpcore import Engine
+    from rtpcore.cli.demo import demo_checkpoint
+    from rtpcore.kv.paged_attention import use_backend
+
+    prompts = [[256, 72, 101, 108], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [256, 33]]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = demo_checkpoint("deepseek_v3", plugins=["atom-plugin"], cache_dir=Path(tmp))
+        result: dict[str, object] = {}
+        for name, options in (("plain", {}), ("mtp", {"draft_model": "mtp", "num_speculative_tokens": 2})):
+            with Engine.from_pretrained(path, plugins=["atom-plugin"], tokens_per_block=4, **options) as e:
+                with use_backend("triton"):
+                    paged = e.generate(prompts, max_new_tokens=12, stop_token_ids=[])
+                with use_backend("gather"):
+                    gathered = e.generate(prompts, max_new_tokens=12, stop_token_ids=[])
+            assert paged == gathered, (name, paged, gathered)
+            result[name] = "same"
+    return result
+
+
 def engine() -> dict[str, object]:
     """Greedy tokens of tiny Llama-family checkpoints (a sliding window included) with the
     kernel equal the gather path's and transformers'."""
@@ -84,4 +138,4 @@ def engine() -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"kernel": kernel, "engine": engine}[sys.argv[1]]()))
+    print(json.dumps({"kernel": kernel, "mla": mla, "atom": atom, "engine": engine}[sys.argv[1]]()))

@@ -41,6 +41,20 @@ def test_kernel_equals_dense_attention_over_scattered_blocks() -> None:
 
 
 @needs_triton
+def test_mla_kernel_equals_absorbed_latent_attention() -> None:
+    """fp32/bf16/fp16 latent pools, head counts that are not multiples of the kernel's 16,
+    latent and rope sizes, block sizes down to one token; blocks in random order."""
+    assert set(interpreted("mla")) == {"float32", "bfloat16", "float16"}
+
+
+@needs_triton
+@pytest.mark.slow
+def test_atom_plugin_decodes_the_same_tokens_with_the_latent_kernel() -> None:
+    pytest.importorskip("atom_plugin")
+    assert interpreted("atom") == {"plain": "same", "mtp": "same"}
+
+
+@needs_triton
 @pytest.mark.slow
 def test_engine_decodes_transformers_tokens_with_the_kernel() -> None:
     assert interpreted("engine") == {"llama-gqa": "same", "mistral-window": "same"}
@@ -60,7 +74,7 @@ def test_backend_rules_on_the_cpu() -> None:
         assert decode_backend(plain, q) == "gather"  # auto: the kernel only for CUDA tensors
         with use_backend("triton"), pytest.raises(RuntimeError, match="cannot run here"):
             decode_backend(plain, q)
-    with use_backend("triton"), pytest.raises(RuntimeError, match="unquantized MHA cache"):
+    with use_backend("triton"), pytest.raises(RuntimeError, match="unquantized MHA or MLA cache"):
         decode_backend(fp8, q)  # fp8 byte layouts go through their codecs
     with use_backend("gather"):
         assert decode_backend(plain, q) == "gather"

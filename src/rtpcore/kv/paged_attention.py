@@ -8,9 +8,11 @@ online softmax -- instead of gathering every sequence's whole context into a den
 Where it runs: tensors on a CUDA/ROCm device when Triton is importable (Triton ships with
 the GPU builds of torch), and CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``
 set before Triton is imported: how the tests check the kernel on machines without a GPU;
-far too slow for serving). What it covers: unquantized (fp32/fp16/bf16) MHA/GQA pools, with
-or without a sliding window. fp8 pools (their byte layouts are decoded by the codecs of
-``rtpcore.kv.codecs``) and MLA's latent caches take the gather path.
+far too slow for serving). What it covers: unquantized (fp32/fp16/bf16) pools -- MHA/GQA
+(:func:`paged_decode_attention`, with or without a sliding window) and MLA's latent cache
+(:func:`paged_mla_decode`: scores against the latent and the rotary key, values from the
+latent, as in absorbed MLA decode). fp8 pools (their byte layouts are decoded by the codecs
+of ``rtpcore.kv.codecs``) take the gather path.
 
 :func:`decode_backend` picks the path of one layer's decode: ``"auto"`` (the default) uses
 the kernel on CUDA tensors when it can; :func:`use_backend` forces ``"triton"`` or
@@ -27,7 +29,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "decode_backend", "paged_decode_attention", "triton_available", "use_backend"]
+__all__ = [
+    "BACKENDS", "decode_backend", "paged_decode_attention", "paged_mla_decode", "triton_available", "use_backend",
+]
 
 BACKENDS = ("auto", "triton", "gather")
 _backend: contextvars.ContextVar[str] = contextvars.ContextVar("rtpcore_paged_attention", default="auto")
@@ -69,12 +73,12 @@ def decode_backend(cache: Any, q: torch.Tensor) -> str:
     choice = _backend.get()
     if choice == "gather":
         return "gather"
-    eligible = isinstance(cache, LayerKVCache) and cache.spec.kind == "mha"
+    eligible = isinstance(cache, LayerKVCache)  # unquantized: MHA (paged_decode_attention) or MLA (paged_mla_decode)
     runnable = (q.is_cuda or _interpreted()) and triton_available()  # Triton is imported only then
     if choice == "triton":
         if not (eligible and runnable):
             raise RuntimeError(
-                "the Triton paged attention kernel cannot run here: it needs an unquantized MHA cache "
+                "the Triton paged attention kernel cannot run here: it needs an unquantized MHA or MLA cache "
                 "and Triton with a CUDA/ROCm device (or TRITON_INTERPRET=1 for CPU tensors)"
             )
         return "triton"
@@ -114,6 +118,42 @@ def paged_decode_attention(
         float(scale), int(window or 0),
         G=g, D=d, TPB=tokens_per_block,
         BLOCK_G=_pow2(g), BLOCK_D=_pow2(d), BLOCK_T=_pow2(tokens_per_block),
+    )
+    return out
+
+
+def paged_mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_pool: torch.Tensor,
+    rope_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    tokens_per_block: int,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA decode over a paged latent cache, read in place.
+
+    q_latent (B, H, r): the queries with W_UK absorbed; q_rope (B, H, R); latent_pool
+    (slots, r) the cached normalised latents (the spec's k part), rope_pool (slots, R) the
+    roped shared keys (its v part); context_lens count the new token (already written).
+    score = scale * (q_latent . latent + q_rope . rope); returns softmax(score) @ latent,
+    (B, H, r) float32 (multiply by W_UV afterwards).
+    """
+    kernel = _mla_kernel()
+    b, h, r = q_latent.shape
+    rope = q_rope.shape[-1]
+    q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
+    out = torch.empty(b, h, r, dtype=torch.float32, device=q_latent.device)
+    block_h, block_n = 16, 16
+    kernel[(b, -(-h // block_h))](
+        q_latent, q_rope, latent_pool, rope_pool, block_tables, context_lens, out,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        latent_pool.stride(0), rope_pool.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
+        float(scale), h,
+        R_LAT=r, R_ROPE=rope, TPB=tokens_per_block,
+        BLOCK_H=block_h, BLOCK_L=max(16, _pow2(r)), BLOCK_R=max(16, _pow2(rope)), BLOCK_N=block_n,
     )
     return out
 
@@ -176,3 +216,62 @@ def _kernel() -> Any:
         )
 
     return decode_kernel
+
+
+@functools.cache
+def _mla_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def mla_kernel(
+        ql_ptr, qr_ptr, lat_ptr, rope_ptr, tables_ptr, lens_ptr, out_ptr,
+        stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_ls, stride_rs, stride_tb, stride_ob, stride_oh,
+        scale, H,
+        R_LAT: tl.constexpr, R_ROPE: tl.constexpr, TPB: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # one program per (sequence, 16 heads); BLOCK_N positions per iteration, any block size
+        seq = tl.program_id(0)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        lat = tl.arange(0, BLOCK_L)
+        rot = tl.arange(0, BLOCK_R)
+        n = tl.arange(0, BLOCK_N)
+        h_ok = h < H
+        lat_ok = lat < R_LAT
+        rot_ok = rot < R_ROPE
+        q_lat = tl.load(
+            ql_ptr + seq * stride_qlb + h[:, None] * stride_qlh + lat[None, :], mask=h_ok[:, None] & lat_ok[None, :], other=0.0
+        ).to(tl.float32)  # (H, r)
+        q_rot = tl.load(
+            qr_ptr + seq * stride_qrb + h[:, None] * stride_qrh + rot[None, :], mask=h_ok[:, None] & rot_ok[None, :], other=0.0
+        ).to(tl.float32)  # (H, R)
+        length = tl.load(lens_ptr + seq).to(tl.int32)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+        for start in range(0, length, BLOCK_N):
+            pos = start + n
+            visible = pos < length
+            block = tl.load(tables_ptr + seq * stride_tb + pos // TPB, mask=visible, other=0).to(tl.int64)
+            slots = block * TPB + pos % TPB
+            latent = tl.load(
+                lat_ptr + slots[:, None] * stride_ls + lat[None, :], mask=visible[:, None] & lat_ok[None, :], other=0.0
+            ).to(tl.float32)  # (N, r)
+            rope = tl.load(
+                rope_ptr + slots[:, None] * stride_rs + rot[None, :], mask=visible[:, None] & rot_ok[None, :], other=0.0
+            ).to(tl.float32)  # (N, R)
+            scores = tl.dot(q_lat, tl.trans(latent), input_precision="ieee")
+            scores = (scores + tl.dot(q_rot, tl.trans(rope), input_precision="ieee")) * scale  # (H, N)
+            scores = tl.where(visible[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, latent, input_precision="ieee")
+            m = m_new
+        out = acc / total[:, None]
+        tl.store(
+            out_ptr + seq * stride_ob + h[:, None] * stride_oh + lat[None, :], out, mask=h_ok[:, None] & lat_ok[None, :]
+        )
+
+    return mla_kernel

@@ -49,6 +49,8 @@ class StepTensors(NamedTuple):
     max_len: int  # L: the longest context after this step
     decode: bool  # one new token per sequence
     decode_mask: torch.Tensor | None  # (B, 1, L) True past each context; None when nothing is masked
+    # decode reads the latent cache in place (rtpcore.kv.paged_attention.paged_mla_decode)
+    paged: bool = False
 
 
 class MLAttention(nn.Module):
@@ -126,6 +128,8 @@ class MLAttention(nn.Module):
         pe = apply_rope(torch.cat((q_pe, k_pe[:, None, :]), 1), step.cos, step.sin, cfg.rope_interleave)
         q_pe, k_pe = pe[:, :h], pe[:, h]  # (T, H, R), (T, R): one rotation for queries and key
         cache.write(batch.slots, c_kv, k_pe)
+        if step.paged:
+            return self.o_proj(self._decode_paged(q_nope, q_pe, cache, batch))  # (T, D)
         ckv_all, kpe_all = cache.read(batch.block_tables, step.max_len)  # (B, L, r), (B, L, R)
         if step.decode:
             out = self._decode(q_nope, q_pe, ckv_all, kpe_all, step.decode_mask)  # (B, H*dv)
@@ -158,6 +162,19 @@ class MLAttention(nn.Module):
             scores = scores.masked_fill(masked, float("-inf"))
         probs = scores.softmax(dim=-1)  # (B, H, L) float32
         o_lat = torch.bmm(probs, ckv).to(q_nope.dtype)  # (B, H, r)
+        o = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t)  # (H, B, dv): W_UV absorbed
+        return o.transpose(0, 1).reshape(b, h * self.cfg.v_head_dim)  # (B, H*dv)
+
+    def _decode_paged(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: Any, batch: Any) -> torch.Tensor:
+        """:meth:`_decode` with the attention core reading the paged latent cache in place."""
+        from rtpcore.kv.paged_attention import paged_mla_decode
+
+        b, h = q_nope.shape[:2]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # (B, H, r): W_UK absorbed
+        o_lat = paged_mla_decode(
+            q_lat, q_pe, cache.k, cache.v, batch.block_tables, batch.context_lens,
+            tokens_per_block=batch.tokens_per_block, scale=self.scale,
+        ).to(q_nope.dtype)  # (B, H, r)
         o = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t)  # (H, B, dv): W_UV absorbed
         return o.transpose(0, 1).reshape(b, h * self.cfg.v_head_dim)  # (B, H*dv)
 

@@ -105,7 +105,7 @@ class DeepseekModel(nn.Module):
                 f"got {len(kv_caches)} KV caches for a model with {len(self.layers)} layers"
             )
         x = F.embedding(batch.input_ids, self.embed)  # (T, D)
-        step = self.step_tensors(batch)
+        step = self.step_tensors(batch, kv_caches)
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, step, batch, cache)  # (T, D)
         if self.keep_hidden:  # read by the multi-token-prediction draft (atom_plugin.mtp)
@@ -114,12 +114,16 @@ class DeepseekModel(nn.Module):
         last = x if rows is None else x[rows]  # (B, D), or (N, D) for batch.logits_indices
         return self.lm_head(self.norm(last)).float()  # (B, V), gathered in rank order when split
 
-    def step_tensors(self, batch: Any) -> StepTensors:
-        """RoPE tables and the decode mask of one step, shared by every layer."""
+    def step_tensors(self, batch: Any, kv_caches: Sequence[Any] = ()) -> StepTensors:
+        """RoPE tables and the decode mask of one step, shared by every layer. Decode over
+        unquantized caches on a GPU reads them in place (rtpcore.kv.paged_attention): no mask."""
+        from rtpcore.kv.paged_attention import decode_backend
+
         max_len, decode = batch.max_context_len, batch.is_decode
         cos, sin = self.rope(batch.positions, max_len)  # (T, 1, R/2) each
+        paged = decode and bool(kv_caches) and decode_backend(kv_caches[0], batch.positions) == "triton"
         mask = None
-        if decode and batch.num_seqs > 1:  # one sequence fills the whole context: nothing to mask
+        if decode and not paged and batch.num_seqs > 1:  # one sequence fills the whole context: nothing to mask
             pos = torch.arange(max_len, device=batch.positions.device)  # (L,)
             mask = (pos[None, :] >= batch.context_lens[:, None])[:, None, :]  # (B, 1, L)
-        return StepTensors(cos, sin, max_len, decode, mask)
+        return StepTensors(cos, sin, max_len, decode, mask, paged)

@@ -160,7 +160,7 @@ class DeepseekMTP(nn.Module):
         h = source[batch.hidden_rows]  # (T, D): the hidden state before each new token
         e = F.embedding(batch.input_ids, target.embed)  # (T, D)
         x = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(h)), dim=-1))  # (T, D)
-        x = self.block(x, target.step_tensors(batch), batch, kv_caches[0])
+        x = self.block(x, target.step_tensors(batch, kv_caches), batch, kv_caches[0])
         self.hidden = x
         rows = batch.logits_index
         last = x if rows is None else x[rows]
