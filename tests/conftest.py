@@ -45,3 +45,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=f"needs a CUDA/ROCm device: torch {torch.__version__} sees none")
     for item in gpu:
         item.add_marker(skip)
+
+
+# --- engines: the tiny Llama checkpoint most engine tests share --------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """test_llama.make_checkpoint's tiny float32 Llama (seed 0), written once per test module
+    (a module may define its own ``ckpt``)."""
+    from test_llama import make_checkpoint
+
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint(path)
+    return path

@@ -20,7 +20,6 @@ from rtpcore import Engine, errors
 from rtpcore.engine.devices import check_device_form, resolve_device
 from rtpcore.errors import DeviceError, RtpcoreError
 from rtpcore.parallel.leader import WorkerGroup
-from test_llama import make_checkpoint
 
 COUNT = torch.cuda.device_count() if torch.cuda.is_available() else 0
 AVAILABLE = ("cpu", *(f"cuda:{i}" for i in range(COUNT)))
@@ -112,13 +111,6 @@ def test_the_form_check_and_the_cli_arguments_import_no_torch() -> None:
 
 
 # -- the engine ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama")
-    make_checkpoint(path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,6 @@ PROMPTS = [[5, 9, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 1
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama")
-    make_checkpoint(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def engine(ckpt: Path) -> Any:
     with Engine.from_pretrained(ckpt, tokens_per_block=4) as e:
         yield e

@@ -20,13 +20,6 @@ MiB = 1 << 20
 POOL = 256 * MiB
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama")
-    make_checkpoint(path)
-    return path
-
-
 def rss() -> int:
     """Resident bytes of this process, from /proc/self/statm."""
     resident = int(Path("/proc/self/statm").read_text().split()[1])

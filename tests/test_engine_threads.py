@@ -14,19 +14,11 @@ pytest.importorskip("transformers")
 
 from rtpcore import Engine
 from rtpcore.errors import EngineClosedError, KVCacheCapacityError
-from test_llama import make_checkpoint
 
 PROMPTS = [[5, 9, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [100], [7, 7], [3, 1, 4, 1, 5, 9]]
 # one call per thread: different prompts, lengths and batch sizes
 CALLS = [PROMPTS[i:] + PROMPTS[:i] for i in range(len(PROMPTS))] + [[p] for p in PROMPTS[:3]]
 NEW = 12
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama")
-    make_checkpoint(path)
-    return path
 
 
 @pytest.fixture(scope="module")
