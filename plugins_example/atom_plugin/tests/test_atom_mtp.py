@@ -60,13 +60,17 @@ def generate(path: Path, n: int, **kwargs: object) -> tuple[list[list[int]], obj
     return out, stats
 
 
-def test_mtp_on_random_weights_keeps_the_targets_greedy_output(demo: Path) -> None:
-    plain, _ = generate(demo, 16)
-    for kv in ("auto", "fp8"):
-        reference = plain if kv == "auto" else generate(demo, 16, kv_cache_dtype=kv)[0]
-        out, stats = generate(demo, 16, draft_model="mtp", num_speculative_tokens=3, kv_cache_dtype=kv)
-        assert out == reference
-        assert stats.proposed > 0
+@pytest.mark.parametrize(("kv", "layout"), [("auto", None), ("fp8", "padded"), ("fp8", "compact")])
+def test_mtp_on_random_weights_keeps_the_targets_greedy_output(demo: Path, kv: str, layout: str | None) -> None:
+    """Every KV format: the draft's MLA layer is cached in the target's format and layout."""
+    options = {"kv_cache_dtype": kv, "kv_layout": layout}
+    reference, _ = generate(demo, 16, **options)
+    with Engine.from_pretrained(
+        demo, plugins=PLUGINS, tokens_per_block=4, draft_model="mtp", num_speculative_tokens=3, **options
+    ) as engine:
+        assert engine.generate(PROMPTS, max_new_tokens=16, stop_token_ids=[]) == reference
+        assert engine.speculative_stats.proposed > 0
+        assert engine.draft_kv_cache_specs[0].bytes_per_token == engine.kv_cache_specs[0].bytes_per_token
 
 
 def test_mtp_reading_the_next_token_agrees_with_the_target(demo: Path, tmp_path: Path) -> None:
