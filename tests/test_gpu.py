@@ -176,6 +176,7 @@ def test_speculative_decoding_on_the_gpu(llama: tuple[Path, Any], tmp_path: Path
         with Engine.from_pretrained(path, device="cuda", draft_model=d, num_speculative_tokens=3) as engine:
             assert engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) == plain
             assert all(t.is_cuda for c in engine._group.local.draft_kv_caches for t in (c.k, c.v))
+            assert engine._group.local.draft_graphs is not None  # the draft's later proposals replay graphs
             sampled = engine.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=3, stop_token_ids=[])
             assert [len(s) for s in sampled] == [8] * len(PROMPTS)
             assert engine.speculative_stats.proposed > 0

@@ -97,31 +97,38 @@ class EngineShard:
         self.kv_caches: list[Any] = []
         self.draft_kv_caches: list[Any] = []
         self.graphs: Any = None  # rtpcore.engine.graphs.DecodeGraphs when decode steps replay CUDA graphs
+        self.draft_graphs: Any = None  # the same for the draft's decode steps
 
     def allocate(self, num_blocks: int) -> None:
         """Preallocate ``num_blocks`` KV blocks per layer (rank 0 decides the number), for
         the draft's layers too."""
         from rtpcore.kv.pools import allocate_kv_caches
 
-        self.kv_caches, self.draft_kv_caches, self.graphs = [], [], None  # free the old pools first
+        self.kv_caches, self.draft_kv_caches = [], []  # free the old pools first
+        self.graphs = self.draft_graphs = None
         options = {"device": self.ctx.device, "compute_dtype": self.config.torch_dtype, "layouts": self.registry}
         graphs = self.uses_cuda_graphs
         # With graphs, one more block than the engine hands out: the padding rows' scratch block.
         self.kv_caches = allocate_kv_caches(self.kv_cache_specs, num_blocks + graphs, **options)
         if self.draft is not None:
-            self.draft_kv_caches = allocate_kv_caches(self.draft.kv_cache_specs, num_blocks, **options)
+            self.draft_kv_caches = allocate_kv_caches(self.draft.kv_cache_specs, num_blocks + graphs, **options)
         if graphs:
-            from rtpcore.engine.graphs import DecodeGraphs
+            self.graphs = self._decode_graphs(self.model, self.kv_caches, num_blocks)
+            if self.draft is not None:  # its proposals after the first are decode steps too
+                self.draft_graphs = self._decode_graphs(self.draft.model, self.draft_kv_caches, num_blocks)
 
-            self.graphs = DecodeGraphs(
-                self.model,
-                self.kv_caches,
-                max_batch_size=self.config.max_batch_size,
-                max_positions=max_positions(self.hf_config),
-                tokens_per_block=self.config.tokens_per_block,
-                scratch_block=num_blocks,
-                device=self.ctx.device,
-            )
+    def _decode_graphs(self, model: Any, caches: list[Any], scratch_block: int) -> Any:
+        from rtpcore.engine.graphs import DecodeGraphs
+
+        return DecodeGraphs(
+            model,
+            caches,
+            max_batch_size=self.config.max_batch_size,
+            max_positions=max_positions(self.hf_config),
+            tokens_per_block=self.config.tokens_per_block,
+            scratch_block=scratch_block,
+            device=self.ctx.device,
+        )
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -144,8 +151,11 @@ class EngineShard:
         """The draft model's forward over its own KV pools (rank 0 gets the logits)."""
         if self.draft is None:
             raise RtpcoreError("this engine has no draft model")
-        with torch.inference_mode():
-            logits = self.draft.model(batch, self.draft_kv_caches)
+        if self.draft_graphs is not None and self.draft_graphs.supports(batch):
+            logits = self.draft_graphs.run(batch)
+        else:
+            with torch.inference_mode():
+                logits = self.draft.model(batch, self.draft_kv_caches)
         return logits if self.ctx.rank == 0 else None
 
     def stats(self, _: Any = None) -> dict[str, Any]:
