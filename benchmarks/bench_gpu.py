@@ -12,7 +12,8 @@ of ``--new-tokens`` tokens from ``--prompt-len``-token prompts of:
 * a hand-written decode step of the same weights: a contiguous static KV cache, plain
   torch ops, the whole step captured once as a ``torch.cuda.CUDAGraph`` and replayed per
   token (prefill runs eagerly): the baseline of what one GPU does for this model;
-* ``rtpcore.Engine(device="cuda")``.
+* ``rtpcore.Engine(device="cuda")`` (decode steps replaying CUDA graphs), and the same engine
+  with ``cuda_graphs=False`` (every step eager) as the last column.
 
 Each figure is the best of ``--repeats`` runs after a warm-up, prefill included. It prints
 tokens/s and the ratios rtpcore / graph step and rtpcore / transformers, then a float32
@@ -182,9 +183,15 @@ def throughput(args: argparse.Namespace, path: Path) -> None:
     gen = torch.Generator().manual_seed(1)
     prompts = {b: torch.randint(3, SHAPE["vocab_size"], (b, args.prompt_len), generator=gen) for b in args.batches}
     print(f"bfloat16, prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy), best of {args.repeats}")
-    print(f"{'batch':>5} {'hf tok/s':>9} {'graph tok/s':>11} {'rtpcore tok/s':>13} {'rt/graph':>8} {'rt/hf':>6}")
+    print(f"{'batch':>5} {'hf tok/s':>9} {'graph tok/s':>11} {'rtpcore tok/s':>13} {'rt/graph':>8} {'rt/hf':>6}"
+          f" {'rt eager tok/s':>14}")
     rt_tps: dict[int, float] = {}
-    with Engine.from_pretrained(path, dtype="bfloat16", device="cuda", max_batch_size=max(args.batches)) as engine:
+    options: dict[str, Any] = {"dtype": "bfloat16", "device": "cuda", "max_batch_size": max(args.batches)}
+    with Engine.from_pretrained(path, **options) as engine, \
+            Engine.from_pretrained(path, cuda_graphs=False, **options) as eager:
+        graphs = engine._group.local.graphs
+        state = "off" if graphs is None else f"failed ({graphs.failure})" if graphs.failure else sorted(graphs.graphs)
+        print(f"rtpcore decode graphs: {state}")
         for b, ids in prompts.items():
             on_gpu, rows = ids.cuda(), ids.tolist()
             t_hf, _ = best_time(partial(hf_generate, hf, on_gpu, args.new_tokens), args.repeats)
@@ -192,10 +199,14 @@ def throughput(args: argparse.Namespace, path: Path) -> None:
             t_rt, _ = best_time(
                 partial(engine.generate, rows, max_new_tokens=args.new_tokens, stop_token_ids=[]), args.repeats
             )
-            tps = {name: b * args.new_tokens / t for name, t in (("hf", t_hf), ("graph", t_gr), ("rt", t_rt))}
+            t_ea, _ = best_time(
+                partial(eager.generate, rows, max_new_tokens=args.new_tokens, stop_token_ids=[]), args.repeats
+            )
+            pairs = (("hf", t_hf), ("graph", t_gr), ("rt", t_rt), ("eager", t_ea))
+            tps = {name: b * args.new_tokens / t for name, t in pairs}
             rt_tps[b] = tps["rt"]
             print(f"{b:5d} {tps['hf']:9.1f} {tps['graph']:11.1f} {tps['rt']:13.1f}"
-                  f" {tps['rt'] / tps['graph']:7.2f}x {tps['rt'] / tps['hf']:5.2f}x")
+                  f" {tps['rt'] / tps['graph']:7.2f}x {tps['rt'] / tps['hf']:5.2f}x {tps['eager']:14.1f}")
     del hf, graph
     torch.cuda.empty_cache()
     if args.fp8:
