@@ -88,23 +88,22 @@ def verify(
         return _with_logprobs(logits, emitted, params), n
     processed = process(logits, params)  # (k + 1, V)
     p = processed.softmax(dim=-1)
-    n = 0
-    token: int | None = None
-    for i in range(k):
-        q = draft_dists[i]
-        if q is None:
+    n = k
+    if k:
+        if any(q is None for q in draft_dists):
             raise ValueError("a sampled request's proposals need the draft's distributions")
-        d = proposals[i]
-        u = float(torch.rand(1, generator=generator, device=logits.device))
-        if u * float(q[d]) < float(p[i, d]):  # u < p(d) / q(d), without dividing by q
-            n += 1
-            continue
-        residual = (p[i] - q).clamp_(min=0.0)
-        if float(residual.sum()) <= 0.0:  # p == q up to rounding: any draw from p is right
-            residual = p[i]
+        q = torch.stack([d for d in draft_dists if d is not None])  # (k, V)
+        rows = torch.arange(k, device=p.device)
+        drafted = torch.tensor(list(proposals), device=p.device)
+        u = torch.rand(k, generator=generator, device=p.device)
+        # u < p(d) / q(d), without dividing by q; one transfer for every proposal
+        accept = (u * q[rows, drafted] < p[rows, drafted]).tolist()
+        n = accept.index(False) if False in accept else k
+    if n < k:  # the first rejection: a draw from max(0, p - q), normalised (p itself when p == q)
+        residual = (p[n] - q[n]).clamp_(min=0.0)
+        residual = torch.where(residual.sum() > 0, residual, p[n])
         token = int(torch.multinomial(residual, 1, generator=generator)[0])
-        break
-    if token is None:  # every proposal accepted: a bonus token from the target's last row
+    else:  # every proposal accepted: a bonus token from the target's last row
         token = int(torch.multinomial(p[k], 1, generator=generator)[0])
     emitted = [*proposals[:n], token]
     return _with_logprobs(processed, emitted, params), n
