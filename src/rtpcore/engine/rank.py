@@ -109,9 +109,10 @@ class EngineShard:
         options = {"device": self.ctx.device, "compute_dtype": self.config.torch_dtype, "layouts": self.registry}
         graphs = self.uses_cuda_graphs
         # With graphs, one more block than the engine hands out: the padding rows' scratch block.
-        self.kv_caches = allocate_kv_caches(self.kv_cache_specs, num_blocks + graphs, **options)
+        pool_blocks = num_blocks + 1 if graphs else num_blocks
+        self.kv_caches = allocate_kv_caches(self.kv_cache_specs, pool_blocks, **options)
         if self.draft is not None:
-            self.draft_kv_caches = allocate_kv_caches(self.draft.kv_cache_specs, num_blocks + graphs, **options)
+            self.draft_kv_caches = allocate_kv_caches(self.draft.kv_cache_specs, pool_blocks, **options)
         if graphs:
             self.graphs = self._decode_graphs(self.model, self.kv_caches, num_blocks)
             if self.draft is not None:  # its proposals after the first are decode steps too

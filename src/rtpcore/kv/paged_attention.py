@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,8 +62,6 @@ def triton_available() -> bool:
 
 
 def _interpreted() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from atom_plugin.config import DeepseekConfig
 from atom_plugin.layers import RMSNorm, Weights, apply_rope, linear_factory
+from rtpcore.kv.paged_attention import paged_mla_decode
 from rtpcore.models.layers import Linear
 from rtpcore.parallel.layers import row_parallel
 
@@ -167,8 +168,6 @@ class MLAttention(nn.Module):
 
     def _decode_paged(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: Any, batch: Any) -> torch.Tensor:
         """:meth:`_decode` with the attention core reading the paged latent cache in place."""
-        from rtpcore.kv.paged_attention import paged_mla_decode
-
         b, h = q_nope.shape[:2]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # (B, H, r): W_UK absorbed
         o_lat = paged_mla_decode(

@@ -33,6 +33,7 @@ from atom_plugin.layers import (
     rope_inv_freq,
 )
 from atom_plugin.mla import MLAttention, StepTensors
+from rtpcore.kv.paged_attention import decode_backend
 from rtpcore.parallel.layers import GatherColumns
 
 __all__ = ["DecoderLayer", "DeepseekModel"]
@@ -117,8 +118,6 @@ class DeepseekModel(nn.Module):
     def step_tensors(self, batch: Any, kv_caches: Sequence[Any] = ()) -> StepTensors:
         """RoPE tables and the decode mask of one step, shared by every layer. Decode over
         unquantized caches on a GPU reads them in place (rtpcore.kv.paged_attention): no mask."""
-        from rtpcore.kv.paged_attention import decode_backend
-
         max_len, decode = batch.max_context_len, batch.is_decode
         cos, sin = self.rope(batch.positions, max_len)  # (T, 1, R/2) each
         paged = decode and bool(kv_caches) and decode_backend(kv_caches[0], batch.positions) == "triton"
