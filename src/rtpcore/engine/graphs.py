@@ -129,15 +129,17 @@ class DecodeGraphs:
             with torch.inference_mode():
                 return self.model(self.static_batch(n), self.kv_caches)[:b]
         graph, logits = self.graphs[n]
-        graph.replay()
+        with torch.cuda.device(self.device):  # the graph's device, whatever device is current
+            graph.replay()
         return logits[:b]
 
     def _capture_all(self) -> None:
         """Capture every bucket, the largest first (they share one memory pool)."""
-        pool = torch.cuda.graph_pool_handle()
         try:
-            for n in reversed(buckets(self.max_batch_size)):
-                self.graphs[n] = self._capture(n, pool)
+            with torch.cuda.device(self.device):  # capture on the engine's device, whatever is current
+                pool = torch.cuda.graph_pool_handle()
+                for n in reversed(buckets(self.max_batch_size)):
+                    self.graphs[n] = self._capture(n, pool)
         except Exception as exc:  # the forward cannot be captured: every step runs eagerly
             self.graphs.clear()
             self.failure = f"{type(exc).__name__}: {exc}"

@@ -110,14 +110,15 @@ def paged_decode_attention(
     g = h // hkv
     q = q.contiguous()
     out = torch.empty_like(q)
-    kernel[(b, hkv)](
-        q, k_pool, v_pool, block_tables, context_lens, out,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        float(scale), int(window or 0),
-        G=g, D=d, TPB=tokens_per_block,
-        BLOCK_G=_pow2(g), BLOCK_D=_pow2(d), BLOCK_T=_pow2(tokens_per_block),
-    )
+    with _on(q.device):
+        kernel[(b, hkv)](
+            q, k_pool, v_pool, block_tables, context_lens, out,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            float(scale), int(window or 0),
+            G=g, D=d, TPB=tokens_per_block,
+            BLOCK_G=_pow2(g), BLOCK_D=_pow2(d), BLOCK_T=_pow2(tokens_per_block),
+        )
     return out
 
 
@@ -146,15 +147,21 @@ def paged_mla_decode(
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     out = torch.empty(b, h, r, dtype=torch.float32, device=q_latent.device)
     block_h, block_n = 16, 16
-    kernel[(b, -(-h // block_h))](
-        q_latent, q_rope, latent_pool, rope_pool, block_tables, context_lens, out,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        latent_pool.stride(0), rope_pool.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
-        float(scale), h,
-        R_LAT=r, R_ROPE=rope, TPB=tokens_per_block,
-        BLOCK_H=block_h, BLOCK_L=max(16, _pow2(r)), BLOCK_R=max(16, _pow2(rope)), BLOCK_N=block_n,
-    )
+    with _on(q_latent.device):
+        kernel[(b, -(-h // block_h))](
+            q_latent, q_rope, latent_pool, rope_pool, block_tables, context_lens, out,
+            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+            latent_pool.stride(0), rope_pool.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
+            float(scale), h,
+            R_LAT=r, R_ROPE=rope, TPB=tokens_per_block,
+            BLOCK_H=block_h, BLOCK_L=max(16, _pow2(r)), BLOCK_R=max(16, _pow2(rope)), BLOCK_N=block_n,
+        )
     return out
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Launch on ``device`` (Triton launches on the current CUDA device), whatever is current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _pow2(n: int) -> int:
