@@ -100,3 +100,67 @@ def test_cuda_graphs_option(tmp_path: Path) -> None:
     with Engine.from_pretrained(tmp_path, device="cpu") as engine:
         shard: Any = engine._group.local
         assert shard.graphs is None and not shard.uses_cuda_graphs
+
+
+# -- through the engine: the graphs' static path on the CPU -------------------------------------
+
+
+PROMPTS = [[5, 9, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [100], [7, 7], [3, 1, 4, 1, 5]]
+
+
+class _Counting(DecodeGraphs):
+    """The engine's DecodeGraphs without capture (the padded static batches run eagerly),
+    counting the steps it served."""
+
+    steps = 0
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **{**kwargs, "capture": False})
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        type(self).steps += 1
+        return super().run(batch)
+
+
+def _graphs_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rtpcore.engine import rank
+
+    monkeypatch.setattr(rank.EngineShard, "uses_cuda_graphs", property(lambda self: True))
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_engine_decode_through_the_static_buffers_gives_the_same_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, draft: bool
+) -> None:
+    """Five ragged prompts through three slots (requests join and leave; buckets 1, 2, 3; block
+    tables grow), with and without a speculative draft (its later proposals go through its own
+    static buffers): the tokens of the plain engine, the pools one scratch block larger."""
+    make_checkpoint(tmp_path / "t")
+    options: dict[str, Any] = {"tokens_per_block": TPB, "max_batch_size": 3}
+    if draft:
+        make_checkpoint(tmp_path / "d", seed=1, num_hidden_layers=1)
+        options.update(draft_model=tmp_path / "d", num_speculative_tokens=2)
+    with Engine.from_pretrained(tmp_path / "t", **options) as engine:
+        want = engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[])
+    _graphs_on(monkeypatch)
+    monkeypatch.setattr("rtpcore.engine.graphs.DecodeGraphs", _Counting)
+    _Counting.steps = 0
+    with Engine.from_pretrained(tmp_path / "t", **options) as engine:
+        shard: Any = engine._group.local
+        assert isinstance(shard.graphs, _Counting) and (shard.draft_graphs is not None) == draft
+        assert shard.kv_caches[0].num_blocks == engine.num_kv_blocks + 1  # the scratch block
+        assert engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[]) == want
+        assert engine.num_free_kv_blocks == engine.num_kv_blocks
+    assert _Counting.steps > 20
+
+
+def test_a_failed_capture_leaves_every_step_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Capturing cannot work here (no GPU): the failure is recorded and every step runs eagerly."""
+    make_checkpoint(tmp_path)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB) as engine:
+        want = engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
+    _graphs_on(monkeypatch)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB) as engine:
+        graphs: Any = engine._group.local.graphs
+        assert graphs.failure and not graphs.graphs
+        assert engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[]) == want
