@@ -249,8 +249,7 @@ class Scheduler:
                 ids = [proposals[s][step - 1]]
                 hidden.append(previous[s] if previous else 0)
             spans.append((start, ids))
-        rows = torch.tensor(hidden, dtype=torch.int64) if shift else None
-        return self._make(seqs, spans, hidden_rows=rows, hidden_source="target" if step == 0 else "self")
+        return self._make(seqs, spans, hidden_rows=hidden if shift else None, hidden_source="target" if step == 0 else "self")
 
     def _make(
         self,
@@ -258,10 +257,12 @@ class Scheduler:
         spans: Sequence[tuple[int, Sequence[int]]],
         *,
         logits_rows: Sequence[int] | None = None,
-        hidden_rows: torch.Tensor | None = None,
+        hidden_rows: Sequence[int] | None = None,
         hidden_source: str = "target",
     ) -> ForwardBatch:
-        """A batch of ``spans`` (first position, token ids) of ``seqs``, one each."""
+        """A batch of ``spans`` (first position, token ids) of ``seqs``, one each. Every index
+        tensor comes from one host buffer: on a GPU, one pinned, non-blocking copy (no host
+        synchronisation)."""
         tpb = self.tpb
         ids: list[int] = []
         positions: list[int] = []
@@ -275,27 +276,20 @@ class Scheduler:
             slots += [s.blocks[p // tpb] * tpb + p % tpb for p in range(start, end)]
             lens.append(end - start)
             context.append(end)
-        host = torch.tensor([ids, positions, slots], dtype=torch.int64)  # (3, T)
-        lengths = torch.tensor(context, dtype=torch.int64)  # (B,)
-        extra = {}
+        parts = {"input_ids": ids, "positions": positions, "slots": slots, "context_lens": context}
         if logits_rows is not None:
-            extra["logits_indices"] = torch.tensor(logits_rows, dtype=torch.int64)
+            parts["logits_indices"] = list(logits_rows)
         if hidden_rows is not None:
-            extra["hidden_rows"] = hidden_rows
-        if self.device.type != "cpu":
-            host, lengths = host.pin_memory().to(self.device, non_blocking=True), lengths.to(self.device)
-            extra = {k: v.to(self.device) for k, v in extra.items()}
+            parts["hidden_rows"] = list(hidden_rows)
+        flat = self._to_device(torch.tensor([i for part in parts.values() for i in part], dtype=torch.int64))
+        views = dict(zip(parts, flat.split([len(part) for part in parts.values()]), strict=True))
         return ForwardBatch(
-            input_ids=host[0],
-            positions=host[1],
-            slots=host[2],
             query_lens=tuple(lens),
-            context_lens=lengths,
             block_tables=self._block_tables(seqs),
             tokens_per_block=tpb,
             hidden_source=hidden_source,
             host_max_context_len=max(context),
-            **extra,
+            **views,
         )
 
     def retire(self, r: Request) -> None:
@@ -315,6 +309,12 @@ class Scheduler:
             return last[1]
         width = max(len(s.blocks) for s in seqs)
         rows = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
-        tables = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        tables = self._to_device(torch.tensor(rows, dtype=torch.int64))
         self._tables = (list(seqs), tables)
         return tables
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the scheduler's device: pinned, then copied without blocking."""
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
