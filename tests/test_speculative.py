@@ -325,3 +325,24 @@ def test_async_streams_with_a_draft_equal_generate_and_aborts_free_blocks(
             assert engine.speculative_stats.accepted > 0
 
     asyncio.run(main())
+
+
+def test_a_draft_with_a_shorter_context_stops_proposing_at_its_end(
+    ckpts: dict[str, Path], reference: list[list[int]], tmp_path: Path
+) -> None:
+    """A draft of max_position_embeddings=12: sequences longer than that decode without
+    proposals (the draft never sees a position past 11), with the same tokens."""
+    make_checkpoint(tmp_path, seed=1, num_hidden_layers=1, max_position_embeddings=12)
+    with Engine.from_pretrained(ckpts["target"], tokens_per_block=4, draft_model=tmp_path, num_speculative_tokens=3) as e:
+        seen: list[int] = []
+        model = e.draft.model
+        original = model.forward
+
+        def spy(batch: Any, caches: Any) -> Any:
+            seen.append(int(batch.positions.max()))
+            return original(batch, caches)
+
+        model.forward = spy
+        assert e.generate(PROMPTS, max_new_tokens=N, stop_token_ids=[]) == reference
+        assert e.speculative_stats.proposed > 0
+    assert seen and max(seen) == 11  # it proposed up to its last position, never past it

@@ -133,14 +133,18 @@ class EngineCore:
         draft_forward: Callable[[ForwardBatch], torch.Tensor] | None = None,
         num_speculative_tokens: int = 0,
         draft_shift: int = 0,
+        draft_max_positions: int | None = None,
     ):
         """``draft_forward`` and ``num_speculative_tokens`` > 0: speculative decoding
         (``rtpcore.engine.speculative``); ``draft_shift`` 1 for a draft that reads the
-        target's hidden states (multi-token prediction, see ``Scheduler.draft_batch``)."""
+        target's hidden states (multi-token prediction, see ``Scheduler.draft_batch``);
+        ``draft_max_positions``: the draft's longest context (its ``max_position_embeddings``),
+        past which a request decodes without proposals."""
         self._forward = forward
         self._draft_forward = draft_forward if num_speculative_tokens > 0 else None
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_shift = draft_shift
+        self.draft_max_positions = draft_max_positions
         self._proposed = 0
         self._accepted = 0
         self.allocator = allocator
@@ -364,9 +368,18 @@ class EngineCore:
         one forward; the tokens each request emits, in ``seqs`` order."""
         assert self._draft_forward is not None
         k_max, shift = self.num_speculative_tokens, self.draft_shift
-        # Never score a token past max_tokens: k shrinks near the end (0: plain decoding).
+        # Never score a token past max_tokens, nor feed the draft a position past its context:
+        # k shrinks near either end (0 or less: plain decoding). The draft's inputs reach
+        # position len(tokens) + k - 2 (len(tokens) - 1 for its catch-up alone, k = 1).
+        limit = self.draft_max_positions
         ks = {
-            s: min(k_max, s.params.max_tokens - (len(s.tokens) - s.prompt_len) - 1) for s in seqs if s not in fresh
+            s: min(
+                k_max,
+                s.params.max_tokens - (len(s.tokens) - s.prompt_len) - 1,
+                k_max if limit is None else limit - len(s.tokens) + 1,
+            )
+            for s in seqs
+            if s not in fresh
         }
         proposals: dict[Request, list[int]] = {s: [] for s, k in ks.items() if k > 0}
         dists: dict[Request, list[torch.Tensor | None]] = {s: [] for s in proposals}

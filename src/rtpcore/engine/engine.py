@@ -309,6 +309,7 @@ class Engine:
                 draft_forward=self._draft_forward if self.draft is not None else None,
                 num_speculative_tokens=config.num_speculative_tokens,
                 draft_shift=1 if config.draft_model == "mtp" else 0,
+                draft_max_positions=max_positions(shard.draft.hf_config) if shard.draft else None,
                 device=self.device,  # per-request generators and step inputs live there
             )
         except BaseException as exc:
