@@ -433,3 +433,4 @@ def test_a_server_with_a_draft_answers_as_without_and_counts_proposals(server: S
     finally:
         code, out = spec.stop()
     assert code == 0, out
+    assert f"draft {str(checkpoint)!r} (llama, 3 tokens per step)" in out  # the startup line says so

@@ -98,7 +98,11 @@ def run(args: argparse.Namespace) -> int:
     # to the handler it found: a no-op one here, so that a drained shutdown exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    print(f"rtpcore: serving {name!r} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    core = engine.engine
+    details = f"{core.model_type} on {core.device}"
+    if core.draft is not None:
+        details += f", draft {args.draft_model!r} ({core.draft.model_type}, {core.config.num_speculative_tokens} tokens per step)"
+    print(f"rtpcore: serving {name!r} ({details}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     try:
         uvicorn.Server(config).run()
     finally:
