@@ -115,7 +115,9 @@ class EngineShard:
             self.draft_kv_caches = allocate_kv_caches(self.draft.kv_cache_specs, pool_blocks, **options)
         if graphs:
             self.graphs = self._decode_graphs(self.model, self.kv_caches, num_blocks)
-            if self.draft is not None:  # its proposals after the first are decode steps too
+            # A draft's proposals after the first are decode steps too (an MTP draft's read the
+            # previous forward's hidden states: never replayed).
+            if self.draft is not None and self.config.draft_model != "mtp":
                 self.draft_graphs = self._decode_graphs(self.draft.model, self.draft_kv_caches, num_blocks)
 
     def _decode_graphs(self, model: Any, caches: list[Any], scratch_block: int) -> Any:
