@@ -14,7 +14,7 @@ only its own context, through ``context_lens``). Attention that reads blocks in 
 the longest context for every row, so graphs pay off with the paged kernel.
 
 A draft of speculative decoding gets graphs of its own (its proposals after the first are
-decode steps). Eager instead: prefill and mixed steps, speculative verification (``logits_indices``),
+decode steps); an engine with an MTP draft (which reads the target's hidden states) uses none. Eager instead: prefill and mixed steps, speculative verification (``logits_indices``),
 drafts that read hidden states, and every decode step when capture failed (logged once
 with the reason: a forward that synchronises with the host -- an fp8 ``compact`` cache
 growing its scale, for one -- cannot be captured). ``capture=False`` runs the same padded

@@ -115,9 +115,7 @@ class EngineShard:
             self.draft_kv_caches = allocate_kv_caches(self.draft.kv_cache_specs, pool_blocks, **options)
         if graphs:
             self.graphs = self._decode_graphs(self.model, self.kv_caches, num_blocks)
-            # A draft's proposals after the first are decode steps too (an MTP draft's read the
-            # previous forward's hidden states: never replayed).
-            if self.draft is not None and self.config.draft_model != "mtp":
+            if self.draft is not None:  # its proposals after the first are decode steps too
                 self.draft_graphs = self._decode_graphs(self.draft.model, self.draft_kv_caches, num_blocks)
 
     def _decode_graphs(self, model: Any, caches: list[Any], scratch_block: int) -> Any:
@@ -135,9 +133,13 @@ class EngineShard:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        """``config.cuda_graphs``, or when None: a single rank on a CUDA/ROCm device."""
+        """``config.cuda_graphs``, or when None: a single rank on a CUDA/ROCm device. Never with
+        an MTP draft: it reads the target's hidden states, which a replayed graph leaves in the
+        buffers of its capture rather than where the model points."""
         choice = self.config.cuda_graphs
         on_gpu = torch.device(self.ctx.device).type == "cuda"
+        if self.config.draft_model == "mtp":
+            return False
         return bool(on_gpu and (choice if choice is not None else self.ctx.world_size == 1))
 
     def forward(self, batch: Any) -> torch.Tensor | None:
