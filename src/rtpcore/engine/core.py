@@ -397,24 +397,26 @@ class EngineCore:
                 row += batch.query_lens[g]
                 previous[s] = row  # the draft's hidden state after this proposal, for the next
         logits = self._forward(self.scheduler.batch(proposals, seqs))  # rows: 1 per request, k + 1 per proposer
+        starts = [0]  # each request's first row of logits
+        for s in seqs:
+            starts.append(starts[-1] + len(proposals.get(s, ())) + 1)
         plain = [i for i, s in enumerate(seqs) if s not in proposals]
-        first = dict(zip(plain, sample_step(
-            _plain_rows(logits, seqs, proposals), [seqs[i].params for i in plain], [seqs[i].generator for i in plain]
-        ), strict=True))
+        sampled = sample_step(
+            logits[[starts[i] for i in plain]], [seqs[i].params for i in plain], [seqs[i].generator for i in plain]
+        )
+        first = dict(zip(plain, sampled, strict=True))
         greedy = any(s.params.greedy for s in proposals)
         best = logits.argmax(dim=-1).tolist() if greedy else None  # one transfer for every greedy verification
         out: list[list[SampledToken]] = []
-        row, proposed, accepted = 0, 0, 0
+        proposed, accepted = 0, 0
         for i, s in enumerate(seqs):
             drafted = proposals.get(s)
             if drafted is None:
                 out.append([first[i]])
-                row += 1
                 continue
-            k = len(drafted)
+            k, row = len(drafted), starts[i]
             rows = None if best is None else best[row : row + k + 1]
             emitted, n = verify(logits[row : row + k + 1], drafted, dists[s], s.params, s.generator, rows)
-            row += k + 1
             # Roll back: the target keeps the positions of the accepted proposals; the draft
             # those it computed from accepted tokens alone (not from its own hidden states).
             s.num_cached += n
@@ -513,16 +515,3 @@ def _deliver(r: Request, out: RequestOutput) -> None:
         r.on_output(out)
     except Exception:  # a consumer's callback must not break the step of the others
         logger.exception("the output callback of request %r failed", r.request_id)
-
-
-def _plain_rows(logits: torch.Tensor, seqs: Sequence[Request], proposals: dict[Request, list[int]]) -> torch.Tensor:
-    """The rows of a speculative step's logits that belong to requests without proposals."""
-    if not proposals:
-        return logits
-    rows, row = [], 0
-    for s in seqs:
-        k = len(proposals.get(s, ()))
-        if not k:
-            rows.append(row)
-        row += k + 1
-    return logits[rows]
