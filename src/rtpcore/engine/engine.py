@@ -485,8 +485,9 @@ DEFAULT_SPECULATIVE_TOKENS = 4  # proposals per step when a draft is given witho
 
 def _speculative_options(draft_model: Any, num_speculative_tokens: Any) -> tuple[str | None, int]:
     """The checked ``draft_model`` (a path as a string, or "mtp") and proposal count."""
+    unset = num_speculative_tokens is None or (num_speculative_tokens == 0 and not isinstance(num_speculative_tokens, bool))
     if draft_model is None:
-        if num_speculative_tokens not in (None, 0):
+        if not unset:
             raise RtpcoreError(
                 f"num_speculative_tokens={num_speculative_tokens!r} needs a draft_model (a checkpoint path or 'mtp')"
             )
@@ -497,8 +498,8 @@ def _speculative_options(draft_model: Any, num_speculative_tokens: Any) -> tuple
         raise RtpcoreError(
             f"draft_model must be a checkpoint path (str or os.PathLike) or 'mtp', got {draft_model!r}"
         )
-    if num_speculative_tokens is None or (num_speculative_tokens == 0 and not isinstance(num_speculative_tokens, bool)):
-        return draft_model, DEFAULT_SPECULATIVE_TOKENS  # 0: the default
+    if unset:
+        return draft_model, DEFAULT_SPECULATIVE_TOKENS  # 0, the default: 4 with a draft
     return draft_model, _positive_int("num_speculative_tokens", num_speculative_tokens)
 
 
