@@ -12,11 +12,15 @@ far too slow for serving). What it covers: unquantized (fp32/fp16/bf16) pools --
 (:func:`paged_decode_attention`, with or without a sliding window) and MLA's latent cache
 (:func:`paged_mla_decode`: scores against the latent and the rotary key, values from the
 latent, as in absorbed MLA decode). fp8 pools (their byte layouts are decoded by the codecs
-of ``rtpcore.kv.codecs``) take the gather path.
+of ``rtpcore.kv.codecs``) take the gather path. Prefill and mixed steps (several new tokens
+per sequence, chunked prefill, decodes among them) over an unquantized MHA/GQA pool have
+:func:`paged_prefill_attention` (``rtpcore.kv.paged_prefill``, re-exported here): varlen
+causal attention of flat queries over the cache, in place, no padding.
 
-:func:`decode_backend` picks the path of one layer's decode: ``"auto"`` (the default) uses
-the kernel on CUDA tensors when it can; :func:`use_backend` forces ``"triton"`` or
-``"gather"`` for a block of code (tests, debugging, a suspected kernel problem).
+:func:`decode_backend` picks the path of one layer's decode, :func:`prefill_backend` that
+of a prefill or mixed step: ``"auto"`` (the default) uses the kernel on CUDA tensors when it
+can; :func:`use_backend` forces ``"triton"`` or ``"gather"`` for both, for a block of code
+(tests, debugging, a suspected kernel problem).
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ from typing import Any
 
 import torch
 
+from rtpcore.kv.paged_prefill import paged_prefill_attention
+
 __all__ = [
-    "BACKENDS", "decode_backend", "paged_decode_attention", "paged_mla_decode", "triton_available", "use_backend",
+    "BACKENDS", "decode_backend", "paged_decode_attention", "paged_mla_decode", "paged_prefill_attention",
+    "prefill_backend", "triton_available", "use_backend",
 ]
 
 BACKENDS = ("auto", "triton", "gather")
@@ -40,8 +47,8 @@ _backend: contextvars.ContextVar[str] = contextvars.ContextVar("rtpcore_paged_at
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Within the block, decode attention uses ``name``: ``"auto"``, ``"triton"`` (an error
-    where the kernel cannot run) or ``"gather"``."""
+    """Within the block, paged attention (decode and prefill) uses ``name``: ``"auto"``,
+    ``"triton"`` (an error where the kernel cannot run) or ``"gather"``."""
     if name not in BACKENDS:
         raise ValueError(f"paged attention backend must be one of {BACKENDS}, got {name!r}")
     token = _backend.set(name)
@@ -82,6 +89,27 @@ def decode_backend(cache: Any, q: torch.Tensor) -> str:
             )
         return "triton"
     return "triton" if eligible and runnable and q.is_cuda else "gather"
+
+
+def prefill_backend(cache: Any, x: torch.Tensor) -> str:
+    """``"triton"`` (:func:`paged_prefill_attention`) or ``"gather"`` for a prefill or mixed
+    step of one layer with ``cache``, by the rules of :func:`decode_backend`; the kernel takes
+    unquantized MHA/GQA caches only (MLA latents and fp8 pools gather)."""
+    from rtpcore.kv.pools import LayerKVCache
+
+    choice = _backend.get()
+    if choice == "gather":
+        return "gather"
+    eligible = isinstance(cache, LayerKVCache) and cache.spec.kind == "mha"
+    runnable = (x.is_cuda or _interpreted()) and triton_available()  # Triton is imported only then
+    if choice == "triton":
+        if not (eligible and runnable):
+            raise RuntimeError(
+                "the Triton paged prefill kernel cannot run here: it needs an unquantized MHA cache "
+                "and Triton with a CUDA/ROCm device (or TRITON_INTERPRET=1 for CPU tensors)"
+            )
+        return "triton"
+    return "triton" if eligible and runnable and x.is_cuda else "gather"
 
 
 def paged_decode_attention(
