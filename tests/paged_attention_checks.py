@@ -1,7 +1,7 @@
-"""Checks of the Triton paged decode kernel, run by tests/test_paged_attention.py in a child
-process with ``TRITON_INTERPRET=1`` (set before Triton is imported: Triton then runs the
-kernel on CPU tensors). ``python paged_attention_checks.py kernel|mla|atom|engine`` prints one JSON
-line of results; a failed check raises (exit status 1)."""
+"""Checks of the Triton paged decode and prefill kernels, run by tests/test_paged_attention.py
+in a child process with ``TRITON_INTERPRET=1`` (set before Triton is imported: Triton then runs
+the kernel on CPU tensors). ``python paged_attention_checks.py kernel|mla|prefill|atom|engine``
+prints one JSON line of results; a failed check raises (exit status 1)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
@@ -88,6 +87,97 @@ def mla() -> dict[str, float]:
     return worst
 
 
+def prefill_reference(q, k, v, tables, lens, starts, tpb, scale, window):  # type: ignore[no-untyped-def]
+    """Each sequence alone: its context gathered by its block table, queries at the last
+    positions, a causal (and window) mask with that offset, torch's sdpa in float32."""
+    out = []
+    groups = q.shape[1] // k.shape[1]
+    for b in range(lens.shape[0]):
+        length, first, end = int(lens[b]), int(starts[b]), int(starts[b + 1])
+        pos = torch.arange(length)
+        slots = tables[b, pos // tpb] * tpb + pos % tpb
+        kk = k[slots].float().transpose(0, 1).repeat_interleave(groups, 0)  # (H, L, D)
+        vv = v[slots].float().transpose(0, 1).repeat_interleave(groups, 0)
+        q_pos = (length - (end - first) + torch.arange(end - first))[:, None]  # (n, 1)
+        mask = pos[None, :] <= q_pos
+        if window:
+            mask &= pos[None, :] > q_pos - window
+        qq = q[first:end].float().transpose(0, 1)  # (H, n, D)
+        out.append(F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale).transpose(0, 1))
+    return torch.cat(out)
+
+
+def prefill() -> dict[str, float]:
+    """prefill_backend's rules under the interpreter, then the kernel on CPU tensors."""
+    from rtpcore.kv.paged_attention import prefill_backend, use_backend
+    from rtpcore.kv.pools import allocate_kv_caches
+    from rtpcore.kv.specs import build_specs
+    from rtpcore_native import KVCacheSpecDesc
+
+    descs = [
+        KVCacheSpecDesc(tag="mha", kind="mha", dtype="fp32", num_kv_heads=2, head_dim=16, tokens_per_block=4),
+        KVCacheSpecDesc(tag="mla", kind="mla", dtype="fp32", kv_lora_rank=16, rope_head_dim=8, tokens_per_block=4),
+    ]
+    mha, mla_cache = allocate_kv_caches(build_specs(descs), 2, compute_dtype=torch.float32)
+    x = torch.zeros(3, 32)
+    assert prefill_backend(mha, x) == "gather"  # auto: the kernel only for CUDA tensors
+    with use_backend("triton"):
+        assert prefill_backend(mha, x) == "triton"
+        try:
+            prefill_backend(mla_cache, x)  # latents: no prefill kernel
+            raise AssertionError("an MLA cache took the prefill kernel")
+        except RuntimeError as e:
+            assert "unquantized MHA cache" in str(e)
+    return prefill_errors("cpu")
+
+
+def prefill_errors(device: str) -> dict[str, float]:
+    """The varlen prefill kernel on ``device`` against per-sequence dense causal attention
+    (on the CPU); slots no visible position holds are NaN (read one and the output is NaN).
+    The worst error per pool dtype."""
+    from rtpcore.kv.paged_attention import paged_prefill_attention
+
+    gen = torch.Generator().manual_seed(2)
+    worst: dict[str, float] = {}
+    cases = [  # (tokens per block, H, Hkv, D, window, query lengths, context lengths)
+        (4, 4, 2, 24, None, (1, 7, 33), (19, 7, 70)),  # mixed: a decode, a prompt, a later chunk
+        (16, 2, 1, 64, None, (1, 7, 33), (40, 7, 33)),
+        (3, 6, 2, 24, 5, (1, 7, 33), (11, 9, 60)),  # a window shorter than the query tile
+        (1, 2, 2, 64, None, (12, 5), (12, 9)),
+        (16, 2, 1, 24, 20, (70, 3), (90, 3)),  # two query tiles; the short sequence's second is empty
+    ]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        for tpb, h, hkv, d, window, qlens, ctx in cases:
+            blocks = 48
+            lens = torch.tensor(ctx)
+            starts = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
+            used = [-(-n // tpb) for n in ctx]
+            width = max(used)
+            ids = torch.randperm(blocks, generator=gen)[: sum(used)]  # scattered blocks
+            tables = torch.full((len(ctx), width), -1)  # entries past a sequence's blocks: never read
+            for b, part in enumerate(ids.split(used)):
+                tables[b, : len(part)] = part
+            k = torch.full((blocks * tpb, hkv, d), float("nan"))
+            v = torch.full((blocks * tpb, hkv, d), float("nan"))
+            for b, n in enumerate(ctx):
+                pos = torch.arange(n)
+                slots = tables[b, pos // tpb] * tpb + pos % tpb
+                k[slots] = torch.randn(n, hkv, d, generator=gen)
+                v[slots] = torch.randn(n, hkv, d, generator=gen)
+            k, v = k.to(dtype), v.to(dtype)
+            q = torch.randn(int(starts[-1]), h, d, generator=gen).to(dtype)
+            on = [t.to(device) for t in (q, k, v, tables, lens, starts)]
+            got = paged_prefill_attention(
+                *on, tokens_per_block=tpb, scale=d**-0.5, window=window, max_query_len=max(qlens)
+            ).cpu()
+            assert got.dtype == dtype and got.shape == q.shape
+            err = float((got.float() - prefill_reference(q, k, v, tables, lens, starts, tpb, d**-0.5, window)).abs().max())
+            assert err < tol, (dtype, tpb, h, hkv, d, window, qlens, ctx, err)
+            key = str(dtype).removeprefix("torch.")
+            worst[key] = max(worst.get(key, 0.0), err)
+    return worst
+
+
 def atom() -> dict[str, object]:
     """atom-plugin's DeepSeek-V3 demo (MLA) decodes the same greedy tokens with the latent
     kernel as with the gather path, the MTP draft's layer included."""
@@ -138,4 +228,5 @@ def engine() -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"kernel": kernel, "mla": mla, "atom": atom, "engine": engine}[sys.argv[1]]()))
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps({"kernel": kernel, "mla": mla, "prefill": prefill, "atom": atom, "engine": engine}[sys.argv[1]]()))

@@ -1,6 +1,6 @@
-"""The Triton paged decode kernel (rtpcore.kv.paged_attention): checked on the CPU under
-Triton's interpreter in a child process (tests/paged_attention_checks.py), and the rules
-that pick it."""
+"""The Triton paged decode and prefill kernels (rtpcore.kv.paged_attention): checked on the
+CPU under Triton's interpreter in a child process (tests/paged_attention_checks.py), and the
+rules that pick them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rtpcore.kv.paged_attention import decode_backend, use_backend
+from rtpcore.kv.paged_attention import decode_backend, prefill_backend, use_backend
 from rtpcore.kv.pools import allocate_kv_caches
 from rtpcore.kv.specs import build_specs
 
@@ -46,6 +46,24 @@ def test_mla_kernel_equals_absorbed_latent_attention() -> None:
     latent and rope sizes, block sizes down to one token; blocks in random order."""
     assert set(interpreted("mla")) == {"float32", "bfloat16", "float16"}
 
+
+@needs_triton
+def test_prefill_kernel_equals_causal_attention_per_sequence() -> None:
+    """Varlen queries over scattered blocks of 1/3/4/16 tokens: a mixed batch (a decode, a
+    7-token prompt, a 33-token later chunk of a longer context), grouped heads, head sizes
+    24 and 64, windows shorter than a query tile, two query tiles with one of them empty for
+    a short sequence; fp32/bf16/fp16 pools; slots outside the visible context are NaN. The
+    rules of prefill_backend under the interpreter, an MLA cache refused."""
+    assert set(interpreted("prefill")) == {"float32", "bfloat16", "float16"}
+
+
+@pytest.mark.gpu
+def test_prefill_kernel_on_the_gpu() -> None:
+    """The same cases compiled for the GPU: bf16/fp16 pools multiply in their own dtype
+    there (the interpreter, whose tl.dot misreads bf16, runs bf16 pools in float32)."""
+    from paged_attention_checks import prefill_errors
+
+    assert set(prefill_errors("cuda")) == {"float32", "bfloat16", "float16"}
 
 @needs_triton
 @pytest.mark.slow
@@ -80,3 +98,16 @@ def test_backend_rules_on_the_cpu() -> None:
         assert decode_backend(plain, q) == "gather"
     with pytest.raises(ValueError, match="backend must be one of"), use_backend("flash"):
         pass
+
+
+def test_prefill_backend_rules_on_the_cpu() -> None:
+    x = torch.zeros(3, 32)
+    plain, fp8 = _cache("fp32"), _cache("fp8_e4m3")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert prefill_backend(plain, x) == "gather"  # auto: the kernel only for CUDA tensors
+        with use_backend("triton"), pytest.raises(RuntimeError, match="cannot run here"):
+            prefill_backend(plain, x)
+    with use_backend("triton"), pytest.raises(RuntimeError, match="unquantized MHA cache"):
+        prefill_backend(fp8, x)
+    with use_backend("gather"):
+        assert prefill_backend(plain, x) == "gather"
