@@ -1,8 +1,11 @@
 """Serving throughput and latency of ``rtpcore serve`` against ``transformers serve
 --continuous-batching`` on the same checkpoint, driven by the real ``openai`` client.
 
-    python benchmarks/bench_serve.py [--clients 16] [--tokens 64] [--rounds 3]
-        [--max-batch-size 16] [--skip-transformers]
+    python benchmarks/bench_serve.py [--scenario steady|load|both] [--quick]
+        [--clients N] [--skip-transformers]
+      steady: [--tokens 64] [--rounds 3] [--max-batch-size 16]
+      load:   [--prompt-tokens 64:768] [--output-tokens 256:512] [--arrival-rate 4]
+              [--kv-fraction 0.25] [--max-batch-size N] [--max-num-batched-tokens N] [--seed 0]
 
 Builds, in a temporary folder, a seeded ~56M-parameter Llama (the shape of
 ``bench_decode.py``: hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1376) whose
@@ -18,7 +21,29 @@ streaming chat completions of ``--tokens`` tokens each. Per engine it prints out
 token (first chunk with text) and p50 time between tokens (per request: from its first to
 its last text chunk, over its tokens after the first; chunks that carry several tokens
 are counted as such), and the ratio rtpcore/transformers. A server that cannot start or
-fails is reported and the other row is still printed.
+fails is reported and the other row is still printed. This is ``--scenario steady``, the
+default (``--clients`` 16).
+
+``--scenario load`` (``--clients`` 64): one warm-up of a few short requests, then one timed
+run of ``--clients`` streaming chat completions that arrive as a seeded Poisson process of
+``--arrival-rate`` requests/s (the first at t=0). Prompt lengths are spread uniformly over
+``--prompt-tokens`` (seeded, stratified: one length per equal slice of the range, shuffled),
+counted as the servers count them: the ChatML-rendered conversation encoded by the
+checkpoint's tokenizer, checked against each response's ``usage.prompt_tokens``. Each
+request's ``max_tokens`` is drawn uniformly from ``--output-tokens`` (seeded). rtpcore gets a
+KV pool of ``--kv-fraction`` (a quarter) of the worst case, the sum over requests of their
+prompt + max_tokens tokens in whole KV blocks (block bytes from ``rtpcore kv-spec --json``),
+as ``--kv-cache-memory``; ``--max-batch-size`` and ``--max-num-batched-tokens`` are passed to
+it only when given (otherwise rtpcore's defaults). transformers sizes its own cache. Per
+engine: output tokens/s (completion tokens over the time from the first arrival to the last
+completion), TTFT p50/p99 (from each request's arrival time), time between tokens p50/p99
+(every gap between consecutive text chunks, pooled over all requests: p99 is what prompts
+arriving mid-run do to the streams that are decoding), requests completed, then the ratios
+and the targets (tokens/s >= 3x transformers, p50 TTFT <= 0.5x transformers', rtpcore's p99
+TBT <= 3x its own p50 TBT). ``--scenario both`` runs steady, then load, on one checkpoint.
+
+``--quick`` shrinks everything (a handful of clients, short prompts and completions) to check
+that the script and both servers work; explicit options win over it.
 """
 
 from __future__ import annotations
@@ -127,7 +152,12 @@ def free_port() -> int:
 
 
 class ServerFailed(RuntimeError):
-    pass
+    def summary(self) -> str:
+        """The first line, and the last one when the first only introduces a log tail."""
+        lines = [line for line in str(self).splitlines() if line.strip()]
+        if len(lines) > 1 and lines[0].endswith(":"):
+            return f"{lines[0]} {lines[-1].strip()}"
+        return lines[0] if lines else "failed"
 
 
 class Server:
@@ -174,10 +204,14 @@ class Server:
             return "(no log)"
 
 
-def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int) -> Server:
+def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: list[str] | None = None) -> Server:
+    """``rtpcore serve``; ``--max-batch-size`` only when given, then ``extra`` options."""
     port = free_port()
     argv = [sys.executable, "-m", "rtpcore", "serve", str(ckpt), "--host", HOST, "--port", str(port),
-            "--dtype", "float32", "--max-batch-size", str(max_batch_size), "--served-model-name", "bench"]
+            "--dtype", "float32", "--served-model-name", "bench"]
+    if max_batch_size is not None:
+        argv += ["--max-batch-size", str(max_batch_size)]
+    argv += extra or []
     return Server("rtpcore", argv, port, tmp / "rtpcore.log", model="bench")
 
 
@@ -200,6 +234,7 @@ class Sample:
     start: float
     text_times: list[float] = field(default_factory=list)
     tokens: int = 0
+    prompt_tokens: int = 0
 
     @property
     def ttft(self) -> float:
@@ -213,13 +248,17 @@ class Sample:
         return (self.text_times[-1] - self.text_times[0]) / (self.tokens - 1)
 
 
-async def one_request(client: Any, server: Server, i: int, tokens: int) -> Sample:
+async def one_request(client: Any, server: Server, i: int, tokens: int, content: str | None = None,
+                      start: float | None = None) -> Sample:
+    """One streaming chat completion; ``start`` (default: now) is when the request counts as sent."""
     extra: dict[str, Any] = {"ignore_eos": True} if server.name == "rtpcore" else {}
-    sample = Sample(start=time.perf_counter())
+    sample = Sample(start=time.perf_counter() if start is None else start)
+    if content is None:
+        content = f"Request {i}: tell me a long story about city number {i}."
     stream = await client.chat.completions.create(
         model=server.model, stream=True, max_tokens=tokens, temperature=0.0,
         stream_options={"include_usage": True}, extra_body=extra or None,
-        messages=[{"role": "user", "content": f"Request {i}: tell me a long story about city number {i}."}],
+        messages=[{"role": "user", "content": content}],
     )
     async for chunk in stream:
         now = time.perf_counter()
@@ -227,6 +266,7 @@ async def one_request(client: Any, server: Server, i: int, tokens: int) -> Sampl
             sample.text_times.append(now)
         if chunk.usage is not None:
             sample.tokens = chunk.usage.completion_tokens
+            sample.prompt_tokens = chunk.usage.prompt_tokens
     if not sample.text_times:
         raise ServerFailed(f"{server.name}: request {i} streamed no text")
     return sample
@@ -269,10 +309,19 @@ def transformers_missing() -> list[str]:
     return [m for m in ("fastapi", "uvicorn", "accelerate", "rich") if importlib.util.find_spec(m) is None]
 
 
-def bench(server: Server, args: argparse.Namespace) -> Result:
-    """Start ``server``, one warm-up round, ``args.rounds`` timed rounds; always stops it."""
+def check_missing(server: Server) -> None:
     if server.name == "transformers" and (missing := transformers_missing()):
         raise ServerFailed(f"transformers serve needs transformers[serving]; missing: {', '.join(missing)}")
+
+
+def warn_no_cb(server: Server) -> None:
+    if server.name == "transformers" and "CB: True" not in server.log.read_text(errors="replace"):
+        print("  warning: transformers' log does not show 'CB: True' (continuous batching)", flush=True)
+
+
+def bench(server: Server, args: argparse.Namespace) -> Result:
+    """Start ``server``, one warm-up round, ``args.rounds`` timed rounds; always stops it."""
+    check_missing(server)
     try:
         server.start(args.start_timeout)
         asyncio.run(one_round(server, args.clients, args.tokens, args.round_timeout))  # warm-up
@@ -290,8 +339,7 @@ def bench(server: Server, args: argparse.Namespace) -> Result:
         raise ServerFailed(f"{server.name}: {type(exc).__name__}: {exc}\n{server.log_tail()}") from exc
     finally:
         server.stop()
-    if server.name == "transformers" and "CB: True" not in server.log.read_text(errors="replace"):
-        print("  warning: transformers' log does not show 'CB: True' (continuous batching)", flush=True)
+    warn_no_cb(server)
     tbts = [x for x in (s.tbt for s in samples) if x is not None]
     return Result(
         tok_s=sum(s.tokens for s in samples) / sum(walls),
@@ -318,44 +366,393 @@ def table(results: dict[str, Result | str]) -> str:
     return "\n".join(rows)
 
 
+# ---------------------------------------------------------------- load scenario
+
+
+@dataclass
+class LoadPlan:
+    """The seeded requests of the load scenario: prompt texts and their token counts (as the
+    servers count them), ``max_tokens``, arrival offsets (s), and the rtpcore KV pool."""
+    contents: list[str]
+    prompt_tokens: list[int]
+    max_tokens: list[int]
+    arrivals: list[float]
+    bytes_per_block: int
+    tokens_per_block: int
+    worst_case_bytes: int
+    kv_cache_memory: int
+    kv_note: str
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"64:768"`` (or ``64-768``) -> (64, 768)."""
+    lo, sep, hi = text.replace("-", ":").partition(":")
+    try:
+        a, b = int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX, got {text!r}") from None
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return a, b
+
+
+def chat_prompt_counter(ckpt: Path) -> Any:
+    """``count(content) -> int``: tokens of the one-user-message conversation rendered with the
+    checkpoint's chat template and encoded without added special tokens (as both servers do)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+
+    def count(content: str) -> int:
+        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    return count
+
+
+def build_prompts(ckpt: Path, lengths: list[int], seed: int) -> list[str]:
+    """One user message per length whose rendered conversation is exactly that many tokens:
+    seeded words of the training corpus (each a pre-token of its own, so counts add up),
+    topped up with one-token words, then checked with the full tokenizer."""
+    from tokenizers import Tokenizer
+
+    count = chat_prompt_counter(ckpt)
+    overhead = count("")
+    if min(lengths) <= overhead:
+        raise SystemExit(f"prompts need more than the chat template's {overhead} tokens; raise --prompt-tokens")
+    words = sorted({w.strip(".,!?;") for line in corpus() for w in line.split()} - {""})
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    spaced = {w: len(e.ids) for w, e in zip(words, tok.encode_batch([" " + w for w in words], add_special_tokens=False))}
+    bare = {w: len(e.ids) for w, e in zip(words, tok.encode_batch(words, add_special_tokens=False))}
+    ones = [w for w in words if spaced[w] == 1 and bare[w] == 1]
+    rng = random.Random(seed)
+    prompts = []
+    for n in lengths:
+        want = n - overhead
+        parts: list[str] = []
+        got = 0
+        while got < want:
+            w = rng.choice(words) if want - got > 8 else rng.choice(ones)
+            c = spaced[w] if parts else bare[w]
+            if got + c <= want:
+                parts.append(w)
+                got += c
+        content = " ".join(parts)
+        if (real := count(content)) != n:
+            raise SystemExit(f"prompt built for {n} tokens renders to {real}; the tokenizer does not add up")
+        prompts.append(content)
+    return prompts
+
+
+def kv_block_spec(ckpt: Path) -> tuple[int, int, str]:
+    """(bytes per block over all layers, tokens per block, source) from ``rtpcore kv-spec
+    --json``; else the float32 Llama formula 2 * layers * kv_heads * head_dim * 4 bytes per
+    token, 16 tokens per block."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "rtpcore", "kv-spec", str(ckpt), "--json", "--dtype", "float32"],
+                             capture_output=True, text=True, timeout=120, check=True).stdout
+        spec = json.loads(out)
+        return int(spec["bytes_per_block"]), int(spec["tokens_per_block"]), "rtpcore kv-spec --json"
+    except (subprocess.SubprocessError, OSError, ValueError, KeyError) as exc:
+        cfg = json.loads((ckpt / "config.json").read_text())
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+        return per_token * 16, 16, f"Llama float32 formula (rtpcore kv-spec failed: {type(exc).__name__})"
+
+
+def load_plan(ckpt: Path, args: argparse.Namespace) -> LoadPlan:
+    n = args.clients
+    lo, hi = args.prompt_tokens
+    rng = random.Random(args.seed)
+    # Stratified: one length per equal slice of [lo, hi], in seeded order.
+    lengths = [min(hi, lo + int((hi - lo + 1) * (k + rng.random()) / n)) for k in range(n)]
+    rng.shuffle(lengths)
+    out_lo, out_hi = args.output_tokens
+    max_tokens = [random.Random(f"{args.seed}-out-{i}").randint(out_lo, out_hi) for i in range(n)]
+    arrival_rng = random.Random(f"{args.seed}-arrivals")
+    arrivals = [0.0]
+    for _ in range(n - 1):
+        arrivals.append(arrivals[-1] + arrival_rng.expovariate(args.arrival_rate))
+    contents = build_prompts(ckpt, lengths, args.seed)
+    block, tpb, source = kv_block_spec(ckpt)
+    blocks = [-(-(p + m) // tpb) for p, m in zip(lengths, max_tokens)]
+    worst = sum(blocks) * block
+    memory = int(worst * args.kv_fraction)
+    note = f"block {block} bytes / {tpb} tokens from {source}"
+    if memory < max(blocks) * block:  # every request must fit an empty cache
+        memory = max(blocks) * block
+        note += f"; raised to the largest request ({max(blocks)} blocks)"
+    return LoadPlan(contents, lengths, max_tokens, arrivals, block, tpb, worst, memory, note)
+
+
+@dataclass
+class LoadResult:
+    tok_s: float
+    ttft_p50: float
+    ttft_p99: float
+    tbt_p50: float
+    tbt_p99: float
+    completed: int
+    total: int
+    exact: bool  # every completed request produced exactly its max_tokens
+    wall: float
+    chunks_per_token: float
+    prompts_as_planned: bool
+    first_error: str
+
+
+async def load_run(server: Server, plan: LoadPlan, timeout: float) -> tuple[float, float, list[Sample | BaseException]]:
+    """The requests of ``plan`` sent at their arrival offsets; (t0, last completion, samples or errors)."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    n = len(plan.contents)
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4), trust_env=False)
+    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=timeout, http_client=http) as client:
+        t0 = time.perf_counter() + 0.05
+        ends: list[float] = []
+
+        async def arrive(i: int) -> Sample:
+            at = t0 + plan.arrivals[i]
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            sample = await one_request(client, server, i, plan.max_tokens[i], plan.contents[i], start=at)
+            ends.append(time.perf_counter())
+            return sample
+
+        got = await asyncio.wait_for(asyncio.gather(*(arrive(i) for i in range(n)), return_exceptions=True),
+                                     timeout + plan.arrivals[-1])
+        return t0, max(ends, default=time.perf_counter()), list(got)
+
+
+def bench_load(server: Server, plan: LoadPlan, args: argparse.Namespace) -> LoadResult:
+    """Start ``server``, a warm-up of a few short requests, one timed load run; always stops it."""
+    check_missing(server)
+    n = len(plan.contents)
+    shortest = min(range(n), key=lambda i: plan.prompt_tokens[i])
+    warm = LoadPlan([plan.contents[shortest]] * min(4, n), [plan.prompt_tokens[shortest]] * min(4, n),
+                    [8] * min(4, n), [0.0] * min(4, n), 0, 0, 0, 0, "")
+    try:
+        server.start(args.start_timeout)
+        _, _, got = asyncio.run(load_run(server, warm, args.round_timeout))
+        if errors := [g for g in got if isinstance(g, BaseException)]:
+            raise errors[0]
+        t0, end, got = asyncio.run(load_run(server, plan, args.round_timeout))
+    except TimeoutError as exc:
+        raise ServerFailed(f"{server.name}: the load run ran past {args.round_timeout:.0f} s:\n{server.log_tail()}") from exc
+    except Exception as exc:
+        if isinstance(exc, ServerFailed):
+            raise
+        raise ServerFailed(f"{server.name}: {type(exc).__name__}: {exc}\n{server.log_tail()}") from exc
+    finally:
+        server.stop()
+    warn_no_cb(server)
+    done = [(i, g) for i, g in enumerate(got) if isinstance(g, Sample)]
+    errors = [g for g in got if not isinstance(g, Sample)]
+    first_error = f"{type(errors[0]).__name__}: {errors[0]}".splitlines()[0][:200] if errors else ""
+    if not done:
+        raise ServerFailed(f"{server.name}: no request completed ({len(errors)} failed; first: {first_error})"
+                           f"\n{server.log_tail()}")
+    wall = end - t0
+    samples = [g for _, g in done]
+    gaps = [b - a for s in samples for a, b in zip(s.text_times, s.text_times[1:])]
+    ttfts = [s.ttft for s in samples]
+    print(f"  {server.name}: {len(samples)}/{n} requests completed in {wall:.2f} s (last arrival at "
+          f"{plan.arrivals[-1]:.2f} s: arrivals span {plan.arrivals[-1] / wall:.0%} of the run)", flush=True)
+    return LoadResult(
+        tok_s=sum(s.tokens for s in samples) / wall,
+        ttft_p50=percentile(ttfts, 0.5),
+        ttft_p99=percentile(ttfts, 0.99),
+        tbt_p50=percentile(gaps, 0.5) if gaps else float("nan"),
+        tbt_p99=percentile(gaps, 0.99) if gaps else float("nan"),
+        completed=len(samples),
+        total=n,
+        exact=all(s.tokens == plan.max_tokens[i] for i, s in done),
+        wall=wall,
+        chunks_per_token=sum(len(s.text_times) for s in samples) / max(1, sum(s.tokens for s in samples)),
+        prompts_as_planned=all(s.prompt_tokens == plan.prompt_tokens[i] for i, s in done),
+        first_error=first_error,
+    )
+
+
+def load_table(results: dict[str, LoadResult | str]) -> str:
+    rows = ["| engine | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TBT p50 (ms) | TBT p99 (ms) | completed "
+            "| exact tokens |",
+            "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, r in results.items():
+        if isinstance(r, str):
+            rows.append(f"| {name} | failed: {r} | | | | | | |")
+        else:
+            rows.append(f"| {name} | {r.tok_s:.1f} | {r.ttft_p50 * 1e3:.0f} | {r.ttft_p99 * 1e3:.0f} "
+                        f"| {r.tbt_p50 * 1e3:.1f} | {r.tbt_p99 * 1e3:.1f} | {r.completed}/{r.total} "
+                        f"| {'yes' if r.exact else 'no'} |")
+    rt, hf = results.get("rtpcore"), results.get("transformers")
+    if isinstance(rt, LoadResult) and isinstance(hf, LoadResult):
+        rows.append(f"| rtpcore / transformers | {rt.tok_s / hf.tok_s:.2f}x | {rt.ttft_p50 / hf.ttft_p50:.2f}x "
+                    f"| {rt.ttft_p99 / hf.ttft_p99:.2f}x | {rt.tbt_p50 / hf.tbt_p50:.2f}x "
+                    f"| {rt.tbt_p99 / hf.tbt_p99:.2f}x | | |")
+    lines = ["\n".join(rows), "", "Targets:"]
+
+    def target(what: str, value: float | None, ok: bool | None) -> str:
+        if value is None:
+            return f"  {what}: n/a"
+        return f"  {what}: {value:.2f}x — {'met' if ok else 'not met'}"
+
+    tok = ttft = own = None
+    if isinstance(rt, LoadResult):
+        own = rt.tbt_p99 / rt.tbt_p50
+        if isinstance(hf, LoadResult):
+            tok, ttft = rt.tok_s / hf.tok_s, rt.ttft_p50 / hf.ttft_p50
+    lines.append(target("output tokens/s >= 3x transformers", tok, tok is not None and tok >= 3))
+    lines.append(target("p50 TTFT <= 0.5x transformers'", ttft, ttft is not None and ttft <= 0.5))
+    lines.append(target("rtpcore p99 TBT <= 3x its own p50 TBT (p99 / p50)", own, own is not None and own <= 3))
+    for name, r in results.items():
+        if isinstance(r, LoadResult):
+            note = (f"  {name}: {r.wall:.2f} s, {r.chunks_per_token:.2f} text chunks per token, prompt tokens as "
+                    f"planned: {'yes' if r.prompts_as_planned else 'no'}")
+            if r.completed < r.total:
+                note += f"; {r.total - r.completed} failed, first: {r.first_error}"
+            lines.append(note)
+    return "\n".join(lines)
+
+
+def run_load(ckpt: Path, tmp: Path, args: argparse.Namespace) -> dict[str, LoadResult | str]:
+    plan = load_plan(ckpt, args)
+    n = len(plan.contents)
+    extra = ["--kv-cache-memory", str(plan.kv_cache_memory)]
+    if args.max_num_batched_tokens is not None:
+        extra += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    server = rtpcore_server(ckpt, tmp, args.max_batch_size, extra)
+    mib = 1 << 20
+    print(f"load: {n} streaming chat completions, prompts {min(plan.prompt_tokens)}-{max(plan.prompt_tokens)} "
+          f"tokens (range {args.prompt_tokens[0]}:{args.prompt_tokens[1]}, {sum(plan.prompt_tokens)} in all), "
+          f"max_tokens {min(plan.max_tokens)}-{max(plan.max_tokens)} (range {args.output_tokens[0]}:"
+          f"{args.output_tokens[1]}, {sum(plan.max_tokens)} in all), Poisson arrivals at {args.arrival_rate:g}/s "
+          f"(last at {plan.arrivals[-1]:.1f} s), seed {args.seed}", flush=True)
+    print(f"load: KV worst case {plan.worst_case_bytes} bytes ({plan.worst_case_bytes / mib:.1f} MiB: sum of "
+          f"prompt + max_tokens in whole blocks; {plan.kv_note}); rtpcore --kv-cache-memory {plan.kv_cache_memory} "
+          f"({plan.kv_cache_memory / mib:.1f} MiB, {plan.kv_cache_memory / plan.worst_case_bytes:.2f} of it, "
+          f"{plan.kv_cache_memory // plan.bytes_per_block} blocks)", flush=True)
+    print(f"load: rtpcore serve {' '.join(server.argv[server.argv.index('--dtype'):])}"
+          f"{'' if args.max_batch_size is not None else ' (rtpcore default --max-batch-size)'}", flush=True)
+    servers = [server] if args.skip_transformers else [server, transformers_server(ckpt, tmp)]
+    results: dict[str, LoadResult | str] = {}
+    for s in servers:
+        try:
+            results[s.name] = bench_load(s, plan, args)
+        except ServerFailed as exc:
+            print(f"{s.name} FAILED: {exc}", file=sys.stderr, flush=True)
+            results[s.name] = exc.summary()
+    return results
+
+
+# --quick: defaults for a fast check that everything runs (not a measurement)
+QUICK: dict[str, Any] = {
+    "steady_clients": 4, "load_clients": 6, "tokens": 16, "rounds": 1, "prompt_tokens": (16, 64),
+    "output_tokens": (8, 24), "arrival_rate": 6.0,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=16, help="concurrent streams per round")
-    parser.add_argument("--tokens", type=int, default=64, help="completion tokens per request")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="rtpcore serve --max-batch-size")
+    parser.add_argument("--scenario", choices=("steady", "load", "both"), default="steady",
+                        help="steady: rounds of equal concurrent requests (default); load: Poisson arrivals of "
+                        "mixed prompt and completion lengths with a quarter-size rtpcore KV pool; both: steady then load")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few clients, short prompts and completions: checks that the script runs")
+    parser.add_argument("--clients", type=int, default=None,
+                        help="concurrent streams per round (steady, default 16) / requests of the load run (default 64)")
+    parser.add_argument("--tokens", type=int, default=None, help="steady: completion tokens per request (default 64)")
+    parser.add_argument("--rounds", type=int, default=None, help="steady: timed rounds after one warm-up round (default 3)")
+    parser.add_argument("--max-batch-size", type=int, default=None,
+                        help="rtpcore serve --max-batch-size (steady: default 16; load: passed only when given)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="rtpcore serve --max-num-batched-tokens, passed only when given")
+    parser.add_argument("--prompt-tokens", type=parse_range, default=None, metavar="MIN:MAX",
+                        help="load: prompt lengths in tokens, chat template included (default 64:768)")
+    parser.add_argument("--output-tokens", type=parse_range, default=None, metavar="MIN:MAX",
+                        help="load: range of each request's max_tokens (default 256:512)")
+    parser.add_argument("--arrival-rate", type=float, default=None,
+                        help="load: Poisson arrivals, requests/s (default 4: 64 requests arrive in about 16 s, "
+                        "a third of a 48 s run, i.e. of 24,500 output tokens at 500 tok/s)")
+    parser.add_argument("--kv-fraction", type=float, default=0.25,
+                        help="load: rtpcore's --kv-cache-memory as a fraction of the worst case (default 0.25)")
+    parser.add_argument("--seed", type=int, default=0, help="load: seed of lengths, max_tokens and arrivals")
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--skip-transformers", action="store_true", help="benchmark rtpcore serve alone")
     parser.add_argument("--start-timeout", type=float, default=180, help="seconds for a server to answer /health")
-    parser.add_argument("--round-timeout", type=float, default=600, help="seconds a round may take")
+    parser.add_argument("--round-timeout", type=float, default=None,
+                        help="seconds a round (steady, default 600) or a request of the load run (default 1800) may take")
     args = parser.parse_args(argv)
-    if min(args.clients, args.tokens, args.rounds, args.max_batch_size) < 1:
-        parser.error("--clients, --tokens, --rounds and --max-batch-size must be >= 1")
+    quick = args.quick
+
+    def pick(value: Any, full: Any, fast: Any) -> Any:
+        """The option as given, else the --quick or the full default."""
+        return value if value is not None else (fast if quick else full)
+
+    steady_clients = pick(args.clients, 16, QUICK["steady_clients"])
+    load_clients = pick(args.clients, 64, QUICK["load_clients"])
+    args.tokens = pick(args.tokens, 64, QUICK["tokens"])
+    args.rounds = pick(args.rounds, 3, QUICK["rounds"])
+    args.prompt_tokens = pick(args.prompt_tokens, (64, 768), QUICK["prompt_tokens"])
+    args.output_tokens = pick(args.output_tokens, (256, 512), QUICK["output_tokens"])
+    args.arrival_rate = pick(args.arrival_rate, 4.0, QUICK["arrival_rate"])
+    if min(steady_clients, load_clients, args.tokens, args.rounds, args.max_batch_size or 1,
+           args.max_num_batched_tokens or 1) < 1:
+        parser.error("--clients, --tokens, --rounds, --max-batch-size and --max-num-batched-tokens must be >= 1")
+    if not args.arrival_rate > 0 or not 0 < args.kv_fraction <= 1:
+        parser.error("--arrival-rate must be > 0 and --kv-fraction in (0, 1]")
+    scenarios = ["steady", "load"] if args.scenario == "both" else [args.scenario]
 
     import torch
 
     print(_bench_decode().cpu_line())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads in this process; "
-          f"servers run one at a time, each with torch's default thread count")
+          f"servers run one at a time, each with torch's default thread count"
+          f"{'; --quick (validation settings, not a measurement)' if quick else ''}")
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp_name:
         tmp = Path(tmp_name)
         ckpt = tmp / "llama-56m"
         params = make_checkpoint(ckpt, args.vocab_size)
         vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
-        print(f"Llama {params / 1e6:.0f}M parameters, vocab {vocab}, float32; {args.clients} concurrent streaming "
-              f"chat completions x {args.tokens} tokens, 1 warm-up + {args.rounds} timed rounds", flush=True)
-        servers = [rtpcore_server(ckpt, tmp, args.max_batch_size)]
-        if not args.skip_transformers:
-            servers.append(transformers_server(ckpt, tmp))
-        results: dict[str, Result | str] = {}
-        for server in servers:
-            try:
-                results[server.name] = bench(server, args)
-            except ServerFailed as exc:
-                print(f"{server.name} FAILED: {exc}", file=sys.stderr, flush=True)
-                results[server.name] = str(exc).splitlines()[0]
-    print(table(results))
-    return 0 if all(isinstance(r, Result) for r in results.values()) else 1
+        print(f"Llama {params / 1e6:.0f}M parameters, vocab {vocab}, float32", flush=True)
+        tables: list[str] = []
+        ok = True
+        if "steady" in scenarios:
+            steady = argparse.Namespace(**vars(args))
+            steady.clients = steady_clients
+            steady.max_batch_size = args.max_batch_size or 16
+            steady.round_timeout = args.round_timeout or 600
+            print(f"steady: {steady.clients} concurrent streaming chat completions x {steady.tokens} tokens, "
+                  f"1 warm-up + {steady.rounds} timed rounds, rtpcore --max-batch-size {steady.max_batch_size}"
+                  f"{f' --max-num-batched-tokens {args.max_num_batched_tokens}' if args.max_num_batched_tokens else ''}",
+                  flush=True)
+            extra = ([] if args.max_num_batched_tokens is None
+                     else ["--max-num-batched-tokens", str(args.max_num_batched_tokens)])
+            servers = [rtpcore_server(ckpt, tmp, steady.max_batch_size, extra)]
+            if not args.skip_transformers:
+                servers.append(transformers_server(ckpt, tmp))
+            results: dict[str, Result | str] = {}
+            for server in servers:
+                try:
+                    results[server.name] = bench(server, steady)
+                except ServerFailed as exc:
+                    print(f"{server.name} FAILED: {exc}", file=sys.stderr, flush=True)
+                    results[server.name] = exc.summary()
+            tables.append(f"Steady: {steady.clients} streams x {steady.tokens} tokens\n\n{table(results)}")
+            ok = ok and all(isinstance(r, Result) for r in results.values())
+        if "load" in scenarios:
+            load = argparse.Namespace(**vars(args))
+            load.clients = load_clients
+            load.round_timeout = args.round_timeout or 1800
+            load_results = run_load(ckpt, tmp, load)
+            tables.append(f"Load: {load.clients} requests, Poisson {load.arrival_rate:g}/s, prompts "
+                          f"{load.prompt_tokens[0]}:{load.prompt_tokens[1]} tokens, max_tokens "
+                          f"{load.output_tokens[0]}:{load.output_tokens[1]}\n\n{load_table(load_results)}")
+            ok = ok and all(isinstance(r, LoadResult) and r.completed == r.total for r in load_results.values())
+    print("\n\n".join(tables))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
