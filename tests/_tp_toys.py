@@ -39,11 +39,15 @@ def run_env_ranks(
     *,
     extra_env: Sequence[Mapping[str, str]] | None = None,
     pythonpath: Sequence[str] = (),
-    timeout: float = 90,
+    timeout: float = 300,
 ) -> list[tuple[int, str, str]]:
     """Run one process per rank of an env:// group on loopback (MASTER_ADDR, MASTER_PORT, RANK,
     WORLD_SIZE set; ``extra_env[rank]`` added; ``pythonpath`` prepended), wait for all, kill
-    any left over, and return (returncode, stdout, stderr) per rank."""
+    any left over, and return (returncode, stdout, stderr) per rank.
+
+    ``timeout`` only keeps a stuck group from hanging the test run: each rank is a Python
+    process importing torch (and transformers), which takes tens of seconds on a slow,
+    busy machine, so it is generous."""
     port, nodes = free_port(), []
     for rank, command in enumerate(commands):
         env = dict(
@@ -214,6 +218,13 @@ def _spy_spec(state: dict[str, Any]) -> DiscoverySpy:
 
 
 def build_toy(ctx: ParallelContext, spec: Any) -> Toy:
+    return Toy(ctx, spec)
+
+
+def slow_build_on_follower(ctx: ParallelContext, spec: Any) -> Toy:
+    """Followers take ``spec["build_s"]`` seconds to build (loading weights, say)."""
+    if ctx.rank > 0:
+        time.sleep(spec["build_s"])
     return Toy(ctx, spec)
 
 

@@ -28,7 +28,9 @@ several contexts, e.g. two engines, can live in one process):
 
 ``cpu``       gloo: step messages, acknowledgements, CPU tensors. Every operation
               has the bounded ``timeout`` except a follower's wait for the next
-              step, which has the long ``idle_timeout``.
+              step, which has the long ``idle_timeout``, and the start (joining
+              the group, building each rank's local object), which has its own,
+              generous ``start_timeout``.
 ``compute``   the tensor collectives: nccl when every rank has CUDA, else ``cpu``.
 
 The store also carries failure reports (see ``rtpcore.parallel.leader``), so it is kept
@@ -62,6 +64,7 @@ from rtpcore.parallel.sealing import (
 __all__ = [
     "DEFAULT_TIMEOUT",
     "IDLE_TIMEOUT",
+    "START_TIMEOUT",
     "ParallelContext",
     "Rendezvous",
     "connect_store",
@@ -77,6 +80,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 #: How long an idle follower waits for rank 0's next step before giving up.
 IDLE_TIMEOUT = timedelta(hours=24)
+#: How long the ranks may take to start: a process starting (importing torch), the
+#: rendezvous, joining the process groups, and every rank building its local object
+#: (an engine shard loads its weights). A separate setting from ``DEFAULT_TIMEOUT``,
+#: which bounds each step's collectives: a start is slower, and slower still on a
+#: busy machine, than any step should be.
+START_TIMEOUT = timedelta(minutes=30)
 
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 _GATHER_SUM_LIMIT = 1 << 20  # elements received per rank below which gloo all_reduce gathers
@@ -107,6 +116,11 @@ class Rendezvous:
     def set_flag(self, key: str) -> None:
         """Set ``key`` to a fixed value nobody unpickles (a presence flag)."""
         self.store.set(key, b"1")
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Bound this process's blocking store requests (``get``, ``wait``) by ``timeout``
+        from here on (the start uses a longer one than the steps)."""
+        self.store.set_timeout(timeout)
 
     def put_object(self, key: str, obj: Any) -> None:
         """Store ``obj`` pickled and sealed (the key is part of the seal)."""
@@ -314,13 +328,13 @@ class ParallelContext:
             for r, (p, s) in enumerate(zip(parts, sizes, strict=True))
         ]
 
-    def barrier(self) -> None:
-        """Wait for every rank (bounded timeout)."""
+    def barrier(self, *, timeout: timedelta | None = None) -> None:
+        """Wait for every rank, up to ``timeout`` (default: the group's bounded timeout)."""
         if self.world_size > 1:
             groups = self._live()
             flag = torch.zeros(1, dtype=torch.int32)
             with self._failing("barrier"):
-                groups.cpu.allreduce(flag, dist.ReduceOp.SUM, groups.timeout).wait()
+                groups.cpu.allreduce(flag, dist.ReduceOp.SUM, timeout or groups.timeout).wait()
 
     def destroy(self) -> None:
         """Drop this rank's process groups; idempotent. Peers waiting on us then fail."""
@@ -447,9 +461,14 @@ def init_parallel(
     device: str | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
     idle_timeout: timedelta = IDLE_TIMEOUT,
+    start_timeout: timedelta = START_TIMEOUT,
 ) -> ParallelContext:
     """Join the process groups of ``world_size`` ranks meeting at ``store``; collective.
     Objects sent through the groups are sealed with ``store.secret``.
+
+    Joining waits up to ``start_timeout`` for the other ranks; every later operation
+    of the context is bounded by ``timeout`` (a follower's wait for work by
+    ``idle_timeout``), see :class:`ParallelContext`.
 
     ``device``: ``"cpu"`` (gloo everywhere), ``"cuda"`` (every rank must have
     CUDA; tensor collectives use nccl) or None (nccl when every rank has CUDA,
@@ -464,10 +483,13 @@ def init_parallel(
     wants_cuda = device != "cpu" and local_rank < torch.cuda.device_count()
     flags = [torch.zeros(1, dtype=torch.int32) for _ in range(world_size)]
     try:
+        # Connecting to every peer and the first exchange are part of the start...
         cpu: Any = dist.ProcessGroupGloo(
-            dist.PrefixStore("rtpcore/gloo", store.store), rank, world_size, timeout
+            dist.PrefixStore("rtpcore/gloo", store.store), rank, world_size, start_timeout
         )
-        cpu.allgather([flags], [torch.tensor([int(wants_cuda)], dtype=torch.int32)]).wait(timeout)
+        mine = torch.tensor([int(wants_cuda)], dtype=torch.int32)
+        cpu.allgather([flags], [mine]).wait(start_timeout)
+        cpu.set_timeout(timeout)  # ...every later operation is bounded by the step timeout
     except RuntimeError as exc:  # a peer died or never came
         raise CollectiveError(
             f"rank {rank} of {world_size} could not join the process group: {exc}",

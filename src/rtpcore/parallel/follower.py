@@ -26,7 +26,13 @@ from typing import Any
 import torch
 from attrs import field, frozen
 
-from rtpcore.parallel.context import ParallelContext, Rendezvous, connect_store, init_parallel
+from rtpcore.parallel.context import (
+    START_TIMEOUT,
+    ParallelContext,
+    Rendezvous,
+    connect_store,
+    init_parallel,
+)
 from rtpcore.parallel.failures import report_failure
 
 __all__ = ["Factory", "Step", "execute", "follow", "resolve_factory"]
@@ -65,6 +71,7 @@ class StartArgs:
     timeout: timedelta
     idle_timeout: timedelta
     num_threads: int | None
+    start_timeout: timedelta
     secret: bytes = field(repr=False)
 
 
@@ -73,9 +80,20 @@ def spawned_main(args: StartArgs) -> None:
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
-    store = connect_store("127.0.0.1", args.port, args.world_size, args.timeout, secret=args.secret)
+    store = connect_store(
+        "127.0.0.1", args.port, args.world_size, args.start_timeout, secret=args.secret
+    )
     build = (args.factory, args.spec, args.plan)
-    follow(store, args.rank, args.world_size, build, args.device, args.timeout, args.idle_timeout)
+    follow(
+        store,
+        args.rank,
+        args.world_size,
+        build,
+        args.device,
+        args.timeout,
+        args.idle_timeout,
+        args.start_timeout,
+    )
 
 
 def follow(
@@ -86,13 +104,24 @@ def follow(
     device: str | None,
     timeout: timedelta,
     idle_timeout: timedelta,
+    start_timeout: timedelta = START_TIMEOUT,
 ) -> None:
     """Build this rank's local object from ``build`` = (factory, spec, plan), received
-    from rank 0 when None, then execute rank 0's steps until it stops us."""
+    from rank 0 when None, then execute rank 0's steps until it stops us.
+
+    Joining the group and the build wait up to ``start_timeout`` for the other
+    ranks; the steps are bounded by ``timeout`` (the wait for the next step by
+    ``idle_timeout``)."""
     store.set_flag(JOINED.format(rank))
     try:
         ctx = init_parallel(
-            store, rank, world_size, device=device, timeout=timeout, idle_timeout=idle_timeout
+            store,
+            rank,
+            world_size,
+            device=device,
+            timeout=timeout,
+            idle_timeout=idle_timeout,
+            start_timeout=start_timeout,
         )
         factory, spec, plan = ctx.broadcast_object() if build is None else build
         if plan is not None:
@@ -100,7 +129,8 @@ def follow(
 
             load_plugins(plan)
         local = resolve_factory(factory)(ctx, spec)
-        ctx.barrier()
+        ctx.barrier(timeout=start_timeout)  # every rank has built its local object
+        store.set_timeout(timeout)  # the start is over: steps are bounded by the step timeout
         while True:
             step = ctx.broadcast_object()
             if step.method == STOP:

@@ -13,6 +13,12 @@ up to the long idle timeout); each follower calls ``getattr(local, method)(paylo
 and acknowledges with a barrier under the bounded timeout, so the call returns
 only when every rank is done.
 
+Two timeouts bound a group, and they are separate settings: ``start_timeout``
+(default ``START_TIMEOUT``, 30 minutes) covers the start, from a follower process
+starting through the rendezvous and the process groups to every rank having built
+its local object (an engine shard loads its weights then); ``timeout`` (default
+``DEFAULT_TIMEOUT``, 5 minutes) bounds every collective of every step afterwards.
+
 Followers (``rtpcore.parallel.follower``) are started with the multiprocessing ``spawn``
 method and receive the spec and the resolved plugin plan as start arguments;
 they call ``load_plugins(plan)`` (no discovery scan) before building. Under
@@ -54,6 +60,7 @@ from rtpcore.errors import CollectiveError, RtpcoreError, WorkerError
 from rtpcore.parallel.context import (
     DEFAULT_TIMEOUT,
     IDLE_TIMEOUT,
+    START_TIMEOUT,
     ParallelContext,
     env_store,
     init_parallel,
@@ -115,12 +122,18 @@ class WorkerGroup:
         timeout: timedelta = DEFAULT_TIMEOUT,
         idle_timeout: timedelta = IDLE_TIMEOUT,
         num_threads: int | None = None,
+        start_timeout: timedelta = START_TIMEOUT,
     ) -> WorkerGroup:
         """Start ranks 1..world_size-1 as spawned processes on this machine; this
         process is rank 0. ``factory`` (a picklable callable or ``"module:name"``)
         is called as ``factory(ctx, spec)`` on every rank; followers first call
         ``load_plugins(plan)`` when a plan is given. Raises WorkerError naming
         the rank when a follower fails to start.
+
+        ``start_timeout`` bounds the start: every follower process starting, joining
+        the group and building its local object. ``timeout`` bounds each
+        collective of every later step (a silent rank fails the step after it);
+        ``idle_timeout`` is how long a follower waits for the next step.
 
         On CPU the ranks share this machine's cores: each rank (this process
         too, until :meth:`close`) uses ``num_threads`` torch threads, by default
@@ -144,7 +157,7 @@ class WorkerGroup:
         if device not in (None, "cpu", "cuda"):  # before any process starts
             raise ValueError(f"a group's device must be 'cpu', 'cuda' or None, got {device!r}")
         threads = _cpu_threads(world_size, device, num_threads)
-        store = local_store(world_size, timeout)
+        store = local_store(world_size, start_timeout)
         mp = multiprocessing.get_context("spawn")
         processes = {}
         for rank in range(1, world_size):
@@ -160,6 +173,7 @@ class WorkerGroup:
                 timeout,
                 idle_timeout,
                 threads,
+                start_timeout=start_timeout,
                 secret=store.secret,  # travels over the spawn pipe only
             )
             processes[rank] = mp.Process(
@@ -172,8 +186,8 @@ class WorkerGroup:
         try:
             for proc in processes.values():
                 proc.start()
-            group._await_joined(timeout)
-            group._start(factory, spec, store, device, timeout, idle_timeout)
+            group._await_joined(start_timeout)
+            group._start(factory, spec, store, device, timeout, idle_timeout, start_timeout)
         except BaseException as exc:
             group._fail(exc)
         return group
@@ -188,6 +202,7 @@ class WorkerGroup:
         device: str | None = "cpu",
         timeout: timedelta = DEFAULT_TIMEOUT,
         idle_timeout: timedelta = IDLE_TIMEOUT,
+        start_timeout: timedelta = START_TIMEOUT,
     ) -> WorkerGroup | None:
         """``env://`` rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; what
         ``torchrun`` sets), for ranks on other machines or started by a launcher.
@@ -197,10 +212,14 @@ class WorkerGroup:
         ``spec`` and ``plan`` (pass None; see :func:`serve`), loads rank 0's plan,
         builds the local object, serves rank 0's steps until it closes the group,
         and returns None.
+
+        ``start_timeout`` bounds the start (the rendezvous, joining the group, every
+        rank building its local object), ``timeout`` each collective of every later
+        step, as for :meth:`spawn`.
         """
-        store, rank, world_size = env_store(timeout)
+        store, rank, world_size = env_store(start_timeout)
         if rank > 0:
-            follow(store, rank, world_size, None, device, timeout, idle_timeout)
+            follow(store, rank, world_size, None, device, timeout, idle_timeout, start_timeout)
             return None
         if factory is None:
             raise RtpcoreError(
@@ -210,7 +229,14 @@ class WorkerGroup:
         group = cls(world_size, {}, store)
         try:
             group._start(
-                factory, spec, store, device, timeout, idle_timeout, send=(factory, spec, plan)
+                factory,
+                spec,
+                store,
+                device,
+                timeout,
+                idle_timeout,
+                start_timeout,
+                send=(factory, spec, plan),
             )
         except BaseException as exc:
             group._fail(exc)
@@ -224,18 +250,28 @@ class WorkerGroup:
         device: str | None,
         timeout: timedelta,
         idle_timeout: timedelta,
+        start_timeout: timedelta,
         send: tuple[Factory, Any, Any] | None = None,
     ) -> None:
+        """Join the group, build rank 0's local object and wait for every follower's,
+        each bounded by ``start_timeout``; then bound the store by ``timeout``."""
         self.context = init_parallel(
-            store, 0, self.world_size, device=device, timeout=timeout, idle_timeout=idle_timeout
+            store,
+            0,
+            self.world_size,
+            device=device,
+            timeout=timeout,
+            idle_timeout=idle_timeout,
+            start_timeout=start_timeout,
         )
         if send is not None:  # env:// followers learn what to build from us
-            self.context.broadcast_object(send)
+            self.context.broadcast_object(send, timeout=start_timeout)
         self.local = resolve_factory(factory)(self.context, spec)
-        self.context.barrier()  # every follower has built its local object
+        self.context.barrier(timeout=start_timeout)  # every follower has built its local object
+        store.set_timeout(timeout)  # the start is over: steps are bounded by the step timeout
 
-    def _await_joined(self, timeout: timedelta) -> None:
-        deadline = time.monotonic() + timeout.total_seconds()
+    def _await_joined(self, start_timeout: timedelta) -> None:
+        deadline = time.monotonic() + start_timeout.total_seconds()
         waiting = set(self._processes)
         while waiting:
             waiting = {r for r in waiting if not self._store.check([JOINED.format(r)])}
@@ -244,7 +280,8 @@ class WorkerGroup:
                     raise _PeerGone(f"rank {rank} exited while starting")
             if time.monotonic() > deadline:
                 raise WorkerError(
-                    f"tensor-parallel rank {min(waiting)} did not start within {timeout}",
+                    f"tensor-parallel rank {min(waiting)} did not start within {start_timeout} "
+                    "(WorkerGroup start_timeout=...)",
                     rank=min(waiting),
                 )
             time.sleep(0.01)
@@ -427,6 +464,7 @@ def serve(
     device: str | None = None,
     timeout: timedelta = DEFAULT_TIMEOUT,
     idle_timeout: timedelta = IDLE_TIMEOUT,
+    start_timeout: timedelta = START_TIMEOUT,
 ) -> None:
     """Be rank RANK (> 0) of an ``env://`` group: build what rank 0 sends, follow its
     steps until it closes the group. ``python -m rtpcore.parallel.leader`` calls this.
@@ -434,7 +472,14 @@ def serve(
     ``device`` None follows rank 0: the group uses nccl only if every rank, rank 0
     included, asks for (or allows) CUDA and has a GPU of its own.
     """
-    WorkerGroup.join_env(None, None, device=device, timeout=timeout, idle_timeout=idle_timeout)
+    WorkerGroup.join_env(
+        None,
+        None,
+        device=device,
+        timeout=timeout,
+        idle_timeout=idle_timeout,
+        start_timeout=start_timeout,
+    )
 
 
 def _cpu_threads(world_size: int, device: str | None, requested: int | None) -> int | None:
