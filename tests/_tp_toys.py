@@ -150,6 +150,11 @@ class Toy(ShardedMLP):
         if self.ctx.rank > 0:
             raise ValueError(message)
 
+    def raise_on_rank0(self, error: BaseException) -> None:
+        """Rank 0 raises ``error`` itself (the same object); the other ranks return."""
+        if self.ctx.rank == 0:
+            raise error
+
     def discovery_calls(self, _: Any) -> list[str]:
         return list(DISCOVERY_CALLS)
 

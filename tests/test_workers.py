@@ -24,7 +24,7 @@ from _tp_toys import (
     toy_inputs,
 )
 from plugin_env import hooks_source
-from rtpcore.errors import PluginVersionError, WorkerError
+from rtpcore.errors import PluginVersionError, RtpcoreError, WorkerError
 from rtpcore.parallel.leader import WorkerGroup
 
 pytestmark = pytest.mark.slow
@@ -76,6 +76,59 @@ def test_single_rank_group_runs_in_process_without_workers():
         assert g.run("whoami", None, gather=True) == [(0, os.getpid())]
         x = toy_inputs()
         assert torch.allclose(g.run("forward", x), mlp_reference(x, mlp_weights(0)), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError("bad request"),
+        torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA error: out of memory"),  # cudaErrorMemoryAllocation: not sticky
+        RuntimeError("the expanded size of the tensor (3) must match"),
+        KeyboardInterrupt(),
+    ],
+    ids=["ValueError", "OutOfMemoryError", "cuda-out-of-memory", "RuntimeError", "KeyboardInterrupt"],
+)
+def test_a_single_rank_step_that_raises_propagates_it_unchanged_and_the_group_stays_usable(error):
+    with WorkerGroup.spawn(build_toy, {"seed": 0}, 1) as g:
+        with pytest.raises(type(error)) as excinfo:
+            g.run("raise_on_rank0", error)
+        assert excinfo.value is error
+        assert g.failure is None
+        x = toy_inputs()
+        assert torch.allclose(g.run("forward", x), mlp_reference(x, mlp_weights(0)), atol=1e-6)
+        assert g.run("whoami", None, gather=True) == [(0, os.getpid())]
+
+
+def _wrapped_device_fault() -> RtpcoreError:
+    error = RtpcoreError("the engine step failed")
+    error.__cause__ = RuntimeError("CUDA error: an illegal memory access was encountered")
+    return error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        RuntimeError("CUDA error: device-side assert triggered"),
+        RuntimeError("../aten/src/ATen/native/cuda/IndexKernel.cu:92: device-side assert triggered"),
+        RuntimeError("HIP error: an illegal memory access was encountered"),
+        _wrapped_device_fault(),  # a device fault in the chain of causes
+    ],
+    ids=["illegal-access", "device-side-assert", "assert-message", "hip", "wrapped"],
+)
+def test_a_device_fault_in_a_single_rank_step_propagates_and_breaks_the_group(error):
+    g = WorkerGroup.spawn(build_toy, {"seed": 0}, 1)
+    with pytest.raises(type(error)) as excinfo:
+        g.run("raise_on_rank0", error)
+    assert excinfo.value is error
+    assert g.failure is not None and g.failure.rank == 0
+    assert f"rank 0 failed: {type(error).__name__}: {error}" in str(g.failure)
+    assert g.local is None  # torn down: the device is unusable
+    with pytest.raises(WorkerError, match="the worker group is broken: rank 0 failed") as later:
+        g.run("whoami")
+    assert later.value.rank == 0
+    g.close()
 
 
 def test_a_worker_that_raises_fails_the_step_naming_its_rank_and_leaves_no_process():

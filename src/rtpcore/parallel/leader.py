@@ -39,7 +39,22 @@ which breaks rank 0's pending collective at once (a
 sentinel; a silent one hits the bounded timeout. Rank 0 then raises
 :class:`~rtpcore.errors.WorkerError` naming the rank and the cause and tears the
 group down. An exception of rank 0's own propagates unchanged (after the same
-teardown). Followers also exit when their parent process dies.
+teardown): with several ranks, any failure in a step breaks the group, since a rank
+may have stopped in the middle of a collective. Followers also exit when their
+parent process dies.
+
+A single rank (``world_size == 1``) runs its steps in this process and has no peer
+to fall out of step with: an exception its step method raises propagates unchanged
+and leaves the group usable (the engine above retries and isolates the faulty
+request). So does an interrupt (KeyboardInterrupt, SystemExit and the other
+BaseExceptions that are not Exceptions): it loses the interrupted step's result and
+nothing else. Only a device fault breaks a single rank's group, because the device
+is unusable for every later step: a RuntimeError (or one in the exception's chain of
+causes and contexts) whose message says "CUDA error", "device-side assert" or "HIP
+error", except out-of-memory errors (``torch.cuda.OutOfMemoryError``, "CUDA error: out
+of memory"), after which the device is still usable; see :func:`is_device_fault`. The
+exception then propagates, the group is torn down, and every later step raises
+WorkerError ("the worker group is broken").
 """
 
 from __future__ import annotations
@@ -80,7 +95,7 @@ from rtpcore.parallel.follower import (
     spawned_main,
 )
 
-__all__ = ["Step", "WorkerGroup", "serve"]
+__all__ = ["Step", "WorkerGroup", "is_device_fault", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -305,16 +320,19 @@ class WorkerGroup:
         like a model's forward) may pass ``sync=False`` to skip that acknowledgement;
         a follower failing after its last collective is then raised by the next call.
 
-        Any failure breaks the group: a follower's failure raises WorkerError naming
-        its rank; rank 0's own exception propagates; both tear the group down.
+        With several ranks any failure breaks the group: a follower's failure raises
+        WorkerError naming its rank; rank 0's own exception propagates; both tear the
+        group down, and every later call raises WorkerError ("the worker group is
+        broken"). With one rank, the step's exception propagates unchanged and the
+        group stays usable (there is no peer to fall out of step with), interrupts
+        included; only a device fault (see :func:`is_device_fault`) breaks it.
         """
         with self._lock:
             self._check_usable()
+            if self.world_size == 1:
+                return self._run_local(method, payload, gather)
             step = Step(method, payload, gather, sync)
             try:
-                if self.world_size == 1:
-                    result = getattr(self.local, method)(payload)
-                    return [result] if gather else result
                 self.context.broadcast_object(step)
                 result = execute(self.local, step, 0)
                 if gather:
@@ -324,6 +342,16 @@ class WorkerGroup:
                 return result
             except BaseException as exc:
                 self._fail(exc)
+
+    def _run_local(self, method: str, payload: Any, gather: bool) -> Any:
+        """A single rank's step: in this process, breaking the group on a device fault only."""
+        try:
+            result = getattr(self.local, method)(payload)
+        except Exception as exc:
+            if is_device_fault(exc):
+                self._fail(exc)  # tears the group down and re-raises ``exc``
+            raise
+        return [result] if gather else result
 
     @property
     def failure(self) -> WorkerError | None:
@@ -480,6 +508,35 @@ def serve(
         idle_timeout=idle_timeout,
         start_timeout=start_timeout,
     )
+
+
+#: Messages of a RuntimeError raised after a fault that leaves the device unusable.
+_DEVICE_FAULT_MARKERS = ("CUDA error", "device-side assert", "HIP error")
+#: ...unless it is an out-of-memory error: the device is still usable.
+_OUT_OF_MEMORY_MARKER = "out of memory"
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """True when ``exc``, or an exception in its chain of causes and contexts, is a
+    device fault after which the device is unusable: a RuntimeError whose message
+    says "CUDA error", "device-side assert" or "HIP error". Out-of-memory errors
+    (``torch.cuda.OutOfMemoryError``, a "CUDA error: out of memory") are recoverable
+    and are not faults."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, RuntimeError) and not isinstance(err, torch.cuda.OutOfMemoryError):
+            message = str(err)
+            if _OUT_OF_MEMORY_MARKER not in message and any(
+                marker in message for marker in _DEVICE_FAULT_MARKERS
+            ):
+                return True
+        todo += [err.__cause__, err.__context__]
+    return False
 
 
 def _cpu_threads(world_size: int, device: str | None, requested: int | None) -> int | None:
