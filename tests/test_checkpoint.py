@@ -415,7 +415,7 @@ def test_progress_bar_on_a_terminal(hf_llama):
     parent, child = pty.openpty()
     # A fresh pty has 0 columns, where tqdm draws nothing: give it a size.
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    proc = subprocess.run([sys.executable, "-c", code], stderr=child, timeout=120, check=True)
+    proc = subprocess.run([sys.executable, "-c", code], stderr=child, timeout=300, check=True)
     os.close(child)
     out = b""
     while True:

@@ -14,7 +14,7 @@ def _in_spawned_child(plan: Plan) -> dict[str, Any]:
     with ProcessPoolExecutor(
         max_workers=1, mp_context=multiprocessing.get_context("spawn")
     ) as pool:
-        return pool.submit(worker_load, plan).result(timeout=120)
+        return pool.submit(worker_load, plan).result(timeout=300)  # only against a hang
 
 
 def _install(plugin_env: PluginEnv, version: str = "1.0") -> Any:
