@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-# --- plugin framework: real dist-info folders on a temporary sys.path -----------------------
 import importlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# --- hypothesis: no outcome may depend on the machine's speed -------------------------------
+# No per-example deadline and no "too slow" health check: both fail a correct test on a slow or
+# busy machine. Tests that set their own settings inherit these for what they leave unset.
+settings.register_profile("rtpcore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("rtpcore")
+
+# --- plugin framework: real dist-info folders on a temporary sys.path -----------------------
 
 
 @pytest.fixture

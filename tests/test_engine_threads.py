@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ PROMPTS = [[5, 9, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 1
 # one call per thread: different prompts, lengths and batch sizes
 CALLS = [PROMPTS[i:] + PROMPTS[:i] for i in range(len(PROMPTS))] + [[p] for p in PROMPTS[:3]]
 NEW = 12
+#: How long a test waits for a thread that a fast machine finishes at once: only against a hang.
+PATIENCE_S = 300.0
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def run_threads(targets: list[Callable[[], Any]]) -> list[Any]:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(PATIENCE_S)
         assert not t.is_alive(), "a generate call did not finish"
     return results
 
@@ -70,39 +71,68 @@ def test_calls_wait_for_blocks_other_calls_hold_and_never_fail_for_that(
         assert e.num_free_kv_blocks == 8
 
 
-def test_a_call_that_can_never_fit_fails_at_once_while_others_hold_blocks(ckpt: Path) -> None:
+def hold_first_forward(e: Engine, monkeypatch: pytest.MonkeyPatch, until: threading.Event) -> threading.Event:
+    """Make the engine's first forward wait for ``until`` (its call then holds its KV blocks
+    for as long as the test needs); returns the event set once that forward has begun."""
+    held = threading.Event()
+    run = e._group.run
+
+    def holding_run(method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "forward" and not held.is_set():
+            held.set()
+            until.wait(PATIENCE_S)
+        return run(method, *args, **kwargs)
+
+    monkeypatch.setattr(e._group, "run", holding_run)
+    return held
+
+
+def test_a_call_that_can_never_fit_fails_at_once_while_others_hold_blocks(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A prompt larger than the whole cache raises KVCacheCapacityError at once, even while another call runs."""
     with Engine.from_pretrained(ckpt, tokens_per_block=4) as probe:
         block_bytes = sum(s.block_bytes for s in probe.kv_cache_specs)
     with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes) as e:
-        busy = threading.Event()
-        done = threading.Event()
-
-        def long_call() -> Any:
-            busy.set()
-            try:
-                return e.generate([PROMPTS[1]], max_new_tokens=12, stop_token_ids=[])
-            finally:
-                done.set()
-
-        worker = threading.Thread(target=long_call)
+        release = threading.Event()
+        held = hold_first_forward(e, monkeypatch, release)
+        worker = threading.Thread(
+            target=lambda: e.generate([PROMPTS[1]], max_new_tokens=12, stop_token_ids=[])
+        )
         worker.start()
-        busy.wait(10)
-        start = time.monotonic()
-        with pytest.raises(KVCacheCapacityError) as excinfo:
-            e.generate([list(range(1, 40))], max_new_tokens=4)
-        assert time.monotonic() - start < 1.0
+        try:
+            assert held.wait(PATIENCE_S), "the long call never stepped"
+            # The long call is inside its first step, holding its blocks until `release`: a call
+            # that waited for blocks would wait for it, so failing here is failing at once.
+            with pytest.raises(KVCacheCapacityError) as excinfo:
+                e.generate([list(range(1, 40))], max_new_tokens=4)
+            assert e.num_free_kv_blocks < 8 and not release.is_set()
+        finally:
+            release.set()
+            worker.join(PATIENCE_S)
+        assert not worker.is_alive()
         assert excinfo.value.blocks_needed == 11 and excinfo.value.blocks_available == 8
-        worker.join(60)
 
 
-def test_close_makes_running_and_waiting_calls_raise_engine_closed_error(ckpt: Path) -> None:
+def test_close_makes_running_and_waiting_calls_raise_engine_closed_error(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Closing the engine while one call runs and another waits for its blocks ends both with EngineClosedError."""
     with Engine.from_pretrained(ckpt, tokens_per_block=4) as probe:
         block_bytes = sum(s.block_bytes for s in probe.kv_cache_specs)
     e = Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes)
     long = [1, 2, 3, 4]  # 4 + 24 - 1 tokens: 7 of the 8 blocks, for 24 steps
     errors: list[BaseException | None] = [None, None]
+    # The first step waits until close() has ended the requests: no call can finish first.
+    closing = threading.Event()
+    core_close = e._core.close
+
+    def close_core(error: Any) -> None:
+        core_close(error)
+        closing.set()
+
+    monkeypatch.setattr(e._core, "close", close_core)
+    held = hold_first_forward(e, monkeypatch, closing)
 
     def call(i: int) -> None:
         try:
@@ -113,10 +143,10 @@ def test_close_makes_running_and_waiting_calls_raise_engine_closed_error(ckpt: P
     threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while e._allocator.num_free == 8 and time.monotonic() < deadline:  # one call holds its blocks
-        time.sleep(0.001)
+    assert held.wait(PATIENCE_S), "no call stepped"
+    assert e.num_free_kv_blocks < 8  # one call is in its first step, holding its blocks
     e.close()
     for t in threads:
-        t.join(30)
+        t.join(PATIENCE_S)
+        assert not t.is_alive()
     assert all(isinstance(err, EngineClosedError) for err in errors), errors

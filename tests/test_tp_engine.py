@@ -96,7 +96,7 @@ def test_an_engine_spans_two_nodes_over_env_rendezvous(tmp_path):
         [sys.executable, "-c", RANK0_SCRIPT, str(tmp_path), json.dumps(PROMPTS)],
         [sys.executable, "-m", "rtpcore.parallel.leader"],
     )
-    (code0, out0, err0), (code1, _, err1) = run_env_ranks(commands, timeout=90)
+    (code0, out0, err0), (code1, _, err1) = run_env_ranks(commands)
     assert (code0, code1) == (0, 0), err0 + err1
     assert json.loads(out0) == expected
 
