@@ -1,27 +1,36 @@
-"""Choosing the next token from logits: the settings of one request and the draw.
+"""The settings of one request (:class:`SamplingParams`) and what a draw returns
+(:class:`SampledToken`).
 
-The order follows transformers' ``generate``: temperature, then top-k, then
-top-p, then one draw from the remaining distribution. In a step, every request
-draws from its own row with its own ``torch.Generator`` (seeded from
-``SamplingParams.seed``), so a seeded request samples the same tokens alone or
-in any batch. Log-probabilities are those of the processed distribution (after
-temperature, top-k and top-p; the raw one for greedy requests).
+The draw itself is :mod:`rtpcore.engine.sampler`: one batched sampler for a whole step on
+the logits' device, in this order: logit_bias, min_tokens, repetition penalty,
+presence/frequency penalties, then temperature, top-k, top-p, min-p, then the draw.
+Every request draws with its own ``torch.Generator`` (seeded from
+``SamplingParams.seed``), so a seeded request samples the same tokens alone or in any
+batch. Log-probabilities are the model's raw ones (log-softmax of the unprocessed
+logits, before temperature, penalties and truncation).
+
+A temperature below :data:`GREEDY_BELOW` (1e-5) is greedy: such degenerate temperatures
+take the argmax and never divide the logits (no overflow to inf).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from rtpcore.errors import InvalidRequestError
+from rtpcore.errors import InvalidRequestError, RtpcoreError
 
-__all__ = ["MAX_LOGPROBS", "SampledToken", "SamplingParams", "sample_step"]
+__all__ = ["GREEDY_BELOW", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SampledToken", "SamplingParams", "sample_step"]
 
 MAX_LOGPROBS = 5  # most top log-probabilities a request may ask for (OpenAI's limit for completions)
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (0 included): no division, no overflow
+MAX_LOGIT_BIAS = 100.0  # |bias| limit of logit_bias (OpenAI's)
+_DECIMAL = re.compile(r"[0-9]+")
 _SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
 
 
@@ -102,6 +111,91 @@ def _stop(value: Any) -> tuple[str, ...]:
     return strings
 
 
+def _is_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float)
+
+
+def _min_p(value: Any) -> float | None:
+    if value is None:
+        return None
+    if not _is_number(value) or not 0.0 <= value <= 1.0:
+        raise InvalidRequestError(f"min_p must be in [0, 1] or None, got {value!r}", field="min_p", value=value)
+    return float(value)
+
+
+def _bias_token(key: Any, value: Any) -> int:
+    if isinstance(key, str) and _DECIMAL.fullmatch(key):
+        return int(key)
+    if _is_int(key) and key >= 0:
+        return int(key)
+    raise InvalidRequestError(
+        f"logit_bias holds the key {key!r}; keys are token ids (non-negative integers, or strings of decimal digits)",
+        field="logit_bias",
+        value=value,
+    )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """A mapping token id -> bias (OpenAI sends the ids as strings), or the stored pairs."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise InvalidRequestError(
+            f"logit_bias must be a mapping of token ids to biases, got {value!r}", field="logit_bias", value=value
+        )
+    else:
+        items = list(value)
+        if not all(isinstance(pair, tuple | list) and len(pair) == 2 for pair in items):
+            raise InvalidRequestError(
+                f"logit_bias must be a mapping of token ids to biases, got {value!r}", field="logit_bias", value=value
+            )
+    pairs: dict[int, float] = {}
+    for key, bias in items:
+        token = _bias_token(key, value)
+        if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                f"logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r}", field="logit_bias", value=value
+            )
+        if token in pairs:
+            raise InvalidRequestError(f"logit_bias names token {token} twice", field="logit_bias", value=value)
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
+def _min_tokens(value: Any) -> int:
+    if not _is_int(value) or value < 0:
+        raise InvalidRequestError(
+            f"min_tokens must be a non-negative integer, got {value!r}", field="min_tokens", value=value
+        )
+    return int(value)
+
+
+def _repetition_penalty(value: Any) -> float:
+    if not _is_number(value) or not value > 0.0 or math.isinf(value):
+        raise InvalidRequestError(
+            f"repetition_penalty must be > 0 and finite (1 means none), got {value!r}",
+            field="repetition_penalty",
+            value=value,
+        )
+    return float(value)
+
+
+def _penalty(name: str, value: Any) -> float:
+    if not _is_number(value) or not -2.0 <= value <= 2.0:
+        raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}", field=name, value=value)
+    return float(value)
+
+
+def _presence_penalty(value: Any) -> float:
+    return _penalty("presence_penalty", value)
+
+
+def _frequency_penalty(value: Any) -> float:
+    return _penalty("frequency_penalty", value)
+
+
 def _ignore_eos(value: Any) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequestError(f"ignore_eos must be True or False, got {value!r}", field="ignore_eos", value=value)
@@ -113,13 +207,26 @@ class SamplingParams:
     """The validated settings of one request; a bad value raises
     :class:`~rtpcore.errors.InvalidRequestError` naming the field and the rule.
 
-    ``max_tokens``: most new tokens (>= 1). ``temperature`` 0 is greedy. ``top_k``,
-    ``top_p``: None keeps every token. ``seed``: the request's own generator (None:
-    torch's global one). ``stop_token_ids`` end the request (the token is part of the
-    output), besides the model's ``eos_token_id`` unless ``ignore_eos``. ``logprobs``:
-    None, or how many top log-probabilities each new token reports (0-5; the chosen
-    token's own is always reported). ``stop``: strings the text layer stops at; the
-    engine carries them and stops on token ids only.
+    ``max_tokens``: most new tokens (>= 1). ``temperature`` 0 (or anything below
+    :data:`GREEDY_BELOW`, 1e-5) is greedy. ``top_k``, ``top_p``: None keeps every token.
+    ``min_p`` (in [0, 1], None: off): drops tokens less likely than ``min_p`` times the
+    most likely one, after temperature (transformers' ``MinPLogitsWarper``). ``seed``: the
+    request's own generator (None: torch's global one). ``stop_token_ids`` end the request
+    (the token is part of the output), besides the model's ``eos_token_id`` unless
+    ``ignore_eos``. ``logprobs``: None, or how many top log-probabilities each new token
+    reports (0-5; the chosen token's own is always reported; the model's raw
+    log-probabilities). ``stop``: strings the text layer stops at; the engine carries them
+    and stops on token ids only.
+
+    ``logit_bias``: token id -> bias in [-100, 100] added to that token's logit (a mapping
+    with int keys, or str keys of decimal digits as OpenAI sends them; stored as sorted
+    ``(token_id, bias)`` pairs). ``min_tokens``: while fewer tokens were generated, the
+    request's stop ids cannot be sampled (``max_tokens`` still ends it first).
+    ``repetition_penalty`` (> 0, 1 is none): over the prompt and the output, a positive
+    logit of a token already seen is divided by it, a negative one multiplied
+    (transformers' ``RepetitionPenaltyLogitsProcessor``). ``presence_penalty`` and
+    ``frequency_penalty`` (each in [-2, 2]): over the output only, ``logit -= presence *
+    (count > 0) + frequency * count`` (OpenAI's).
     """
 
     max_tokens: int = attrs.field(default=16, converter=_max_tokens)
@@ -131,6 +238,12 @@ class SamplingParams:
     ignore_eos: bool = attrs.field(default=False, converter=_ignore_eos)
     logprobs: int | None = attrs.field(default=None, converter=_logprobs)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop)
+    min_p: float | None = attrs.field(default=None, converter=_min_p)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    min_tokens: int = attrs.field(default=0, converter=_min_tokens)
+    repetition_penalty: float = attrs.field(default=1.0, converter=_repetition_penalty)
+    presence_penalty: float = attrs.field(default=0.0, converter=_presence_penalty)
+    frequency_penalty: float = attrs.field(default=0.0, converter=_frequency_penalty)
 
     @classmethod
     def create(
@@ -141,29 +254,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The argmax, without a draw: a temperature below :data:`GREEDY_BELOW`."""
+        return self.temperature < GREEDY_BELOW
 
     def stop_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
         """Every token id that ends this request."""
         return frozenset(self.stop_token_ids if self.ignore_eos else (*self.stop_token_ids, *eos_token_ids))
-
-
-def process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """(B, V) float32 logits -> the logits sampling draws from: divided by the temperature,
-    tokens outside top-k / top-p set to -inf. Greedy params return ``logits`` unchanged."""
-    if params.greedy:
-        return logits
-    logits = logits / params.temperature
-    if params.top_k is not None and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1.0 - params.top_p
-        drop[:, -1] = False  # always keep the most likely token
-        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-    return logits
 
 
 @attrs.frozen
@@ -180,31 +276,13 @@ def sample_step(
     logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
 ) -> list[SampledToken]:
     """(B, V) logits, row b for a request with ``params[b]`` and ``generators[b]`` -> one
-    :class:`SampledToken` per row. Greedy rows take one batched argmax; sampled rows draw
-    alone, each from its own generator; the results reach the host in one transfer."""
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1)  # (B,)
-    rows: dict[int, torch.Tensor] = {}  # processed (1, V) rows of sampled requests
-    for b, p in enumerate(params):
-        if not p.greedy:
-            rows[b] = process(logits[b : b + 1], p)
-            tokens[b] = torch.multinomial(rows[b].softmax(dim=-1), 1, generator=generators[b])[0, 0]
-    want = [b for b, p in enumerate(params) if p.logprobs is not None]
-    if not want:
-        return [SampledToken(t) for t in tokens.tolist()]
-    processed = torch.cat([rows.get(b, logits[b : b + 1]) for b in want])  # (W, V)
-    logp = processed.log_softmax(dim=-1)  # (W, V)
-    k = max(params[b].logprobs or 0 for b in want)
-    chosen = logp.gather(1, tokens[want][:, None])  # (W, 1)
-    top = logp.topk(k, dim=-1) if k else None
-    packed = [tokens.double(), chosen.double().flatten()]  # one host transfer for everything
-    if top is not None:
-        packed += [top.values.double().flatten(), top.indices.double().flatten()]
-    flat = torch.cat(packed).tolist()
-    n, w = len(params), len(want)
-    out = [SampledToken(int(t)) for t in flat[:n]]
-    values, ids = flat[n + w : n + w + w * k], flat[n + w + w * k :]
-    for j, b in enumerate(want):
-        pairs = zip(ids[j * k : j * k + (params[b].logprobs or 0)], values[j * k : (j + 1) * k], strict=False)
-        out[b] = SampledToken(out[b].token_id, flat[n + j], tuple((int(i), v) for i, v in pairs if v > -math.inf))
-    return out
+    :class:`SampledToken` per row: :func:`rtpcore.engine.sampler.sample` on rows without a
+    token history (so ``min_tokens`` and the repetition, presence and frequency penalties
+    see no tokens). A row whose distribution is not finite raises
+    :class:`~rtpcore.errors.RtpcoreError`; ``sample`` reports it instead."""
+    from rtpcore.engine.sampler import SamplingRow, sample  # sampler imports this module
+
+    step = sample(logits, [SamplingRow(p, g) for p, g in zip(params, generators, strict=True)])
+    if step.failed:
+        raise RtpcoreError(f"the logits of rows {step.failed} hold no finite distribution to sample from")
+    return [t for t in step.tokens if t is not None]

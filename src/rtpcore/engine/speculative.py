@@ -14,25 +14,43 @@ Each engine step with a draft (``rtpcore.engine.core``):
    proposal). Rejected tokens are rolled back by position: both caches count only the
    positions they hold for accepted tokens, and later writes overwrite the rest.
 
-Greedy requests accept a proposal when it is the target's argmax, so their output is the
-target's greedy output. Sampled requests use rejection sampling (Leviathan et al., 2023;
-Chen et al., 2023): a proposal ``d`` drawn from the draft's distribution ``q`` is accepted
-with probability ``min(1, p(d) / q(d))``, and a rejected one is replaced by a draw from
-``max(0, p - q)`` normalised; the emitted tokens follow the target's distribution ``p``
-(after the request's temperature, top-k and top-p, applied to both models) exactly.
+Both models' logits go through the sampler's processing
+(:func:`rtpcore.engine.sampler.process_logits`: logit_bias, min_tokens, penalties,
+temperature, top-k, top-p, min-p), row ``j`` of a request with the history ``output_ids +
+proposals[:j]``, so verification follows the distribution the sampler would draw from.
+Greedy requests accept a proposal when it is the argmax of the target's processed logits,
+so their output is the target's greedy output. Sampled requests use rejection sampling
+(Leviathan et al., 2023; Chen et al., 2023): a proposal ``d`` drawn from the draft's
+distribution ``q`` is accepted with probability ``min(1, p(d) / q(d))``, and a rejected one
+is replaced by a draw from ``max(0, p - q)`` normalised; the emitted tokens follow the
+target's processed distribution ``p`` exactly.
+
+Draws use the exponential race with the request's generator (no ``torch.multinomial``);
+:func:`propose` costs one host transfer per call, :func:`verify_batch` one for all the
+requests of a step (a request with no proposals is an ordinary draw there, the same one
+:func:`rtpcore.engine.sampler.sample` makes). Log-probabilities are the target's raw ones.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import attrs
 import torch
 
-from rtpcore.engine.sampling import SampledToken, SamplingParams, process
+from rtpcore.engine.sampler import (
+    SamplingRow,
+    _process,
+    history_row,
+    not_finite,
+    race,
+    raw_logprobs,
+    unpack_logprobs,
+)
+from rtpcore.engine.sampling import SampledToken, SamplingParams
+from rtpcore.errors import RtpcoreError
 
-__all__ = ["SpeculativeStats", "propose", "verify"]
+__all__ = ["Proposal", "SpeculativeStats", "Verdict", "propose", "verify", "verify_batch"]
 
 
 @attrs.frozen
@@ -49,78 +67,202 @@ class SpeculativeStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+@attrs.frozen
+class Proposal:
+    """One request's draft run to verify: its :class:`~rtpcore.engine.sampler.SamplingRow`
+    (history before the proposals), the proposed ``tokens`` and, for a sampled request,
+    the (V,) distribution each was drawn from (:func:`propose`'s; None for greedy ones)."""
+
+    row: SamplingRow
+    tokens: Sequence[int] = ()
+    dists: Sequence[torch.Tensor | None] = ()
+
+
+@attrs.frozen
+class Verdict:
+    """One request's verification: the ``tokens`` to emit (the ``accepted`` proposals,
+    then the target's own token) with the log-probabilities asked for. ``failed``: the
+    target's row for its own token had no finite distribution; ``tokens`` then holds only
+    the accepted proposals (the request should end with an error)."""
+
+    tokens: list[SampledToken]
+    accepted: int
+    failed: bool = False
+
+
+def _rows(
+    rows: Sequence[SamplingRow] | Sequence[SamplingParams], generators: Sequence[torch.Generator | None] | None
+) -> list[SamplingRow]:
+    """SamplingRows, from the older form (SamplingParams and their generators) too."""
+    if generators is None:
+        return [r if isinstance(r, SamplingRow) else SamplingRow(r) for r in rows]
+    return [SamplingRow(p, g) for p, g in zip(rows, generators, strict=True)]  # type: ignore[arg-type]
+
+
 def propose(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow] | Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
 ) -> tuple[list[int], list[torch.Tensor | None]]:
-    """The draft's (G, V) logits, one row per request -> one proposal per row, and for
-    sampled requests the (V,) distribution it was drawn from (None for greedy ones)."""
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1)
-    dists: list[torch.Tensor | None] = [None] * len(params)
-    for g, p in enumerate(params):
-        if not p.greedy:
-            q = process(logits[g : g + 1], p).softmax(dim=-1)[0]
-            dists[g] = q
-            tokens[g] = torch.multinomial(q, 1, generator=generators[g])[0]
-    return tokens.tolist(), dists
+    """The draft's (G, V) logits, row g for ``rows[g]`` (its history: the output so far plus
+    the request's earlier proposals of this step) -> one proposal per row, and for sampled
+    requests the (V,) distribution it was drawn from (None for greedy ones). One host
+    transfer. ``propose(logits, params, generators)`` (SamplingParams and their generators)
+    is the older form: rows without a history.
+
+    A row whose processed draft logits are not finite proposes token 0 (for a sampled
+    request drawn from a one-hot ``q`` at 0, which keeps rejection sampling exact)."""
+    srows = _rows(rows, generators)
+    drawn = [g for g, r in enumerate(srows) if not r.params.greedy]
+    x, d_drawn = _process(logits, srows, drawn)
+    bad = not_finite(x)
+    tokens = x.argmax(dim=-1)
+    dists: list[torch.Tensor | None] = [None] * len(srows)
+    if drawn:
+        xd = x.index_select(0, d_drawn)
+        one_hot = torch.zeros_like(xd)
+        one_hot[:, 0] = 1.0
+        q = torch.where(bad.index_select(0, d_drawn)[:, None], one_hot, xd.softmax(dim=-1))
+        tokens = tokens.index_put((d_drawn,), race(q, [srows[g].generator for g in drawn]))
+        for j, g in enumerate(drawn):
+            dists[g] = q[j]
+    return [int(t) for t in tokens.masked_fill(bad, 0).tolist()], dists
+
+
+def verify_batch(logits: torch.Tensor, proposals: Sequence[Proposal]) -> list[Verdict]:
+    """Every request's verification in one go: ``logits`` holds, request after request,
+    the target's ``k + 1`` rows of a request with ``k`` proposals (after its last token and
+    after each proposal; row j's history is the output plus ``proposals[:j]``) -> one
+    :class:`Verdict` per request, with one host transfer for all of them.
+
+    Greedy requests keep the longest run of proposals equal to the argmax and add the
+    argmax after it. Sampled requests accept proposal j when ``u * q(d) < p(d)`` (``u``
+    uniform from the request's generator), then draw their own token from ``max(0, p - q)``
+    at the first rejection (``p`` where that is zero), or from ``p`` after the last
+    proposal, by the exponential race with the request's generator."""
+    m = len(proposals)
+    if m == 0:
+        return []
+    ks = [len(pr.tokens) for pr in proposals]
+    starts = [0]
+    for k in ks:
+        starts.append(starts[-1] + k + 1)
+    if logits.dim() != 2 or logits.shape[0] != starts[-1]:
+        raise ValueError(f"logits of shape {tuple(logits.shape)} for {starts[-1]} verification rows")
+    sampled = [i for i, pr in enumerate(proposals) if not pr.row.params.greedy]
+    for i in sampled:
+        if len(proposals[i].dists) != ks[i] or any(d is None for d in proposals[i].dists):
+            raise ValueError("a sampled request's proposals need the draft's distributions")
+    rows = [history_row(pr.row, pr.tokens[:j]) for pr in proposals for j in range(len(pr.tokens) + 1)]
+    # Host indices, all in the processing's one host-to-device copy.
+    prop_rows = [starts[i] + j for i, k in enumerate(ks) for j in range(k)]
+    drafted = [int(t) for pr in proposals for t in pr.tokens]
+    prop_req = [i for i, k in enumerate(ks) for _ in range(k)]
+    prop_pos = [j for k in ks for j in range(k)]
+    sampled_props = [c for c, i in enumerate(prop_req) if not proposals[i].row.params.greedy]
+    q_start, total = [], 0  # each request's first row in the stacked draft distributions
+    for i, k in enumerate(ks):
+        q_start.append(total)
+        total += k if not proposals[i].row.params.greedy else 0
+    want = [i for i, pr in enumerate(proposals) if pr.row.params.logprobs is not None]
+    want_rows = [r for i in want for r in range(starts[i], starts[i + 1])]
+    host = [prop_rows, drafted, prop_req, prop_pos, sampled_props, starts[:-1], ks, q_start, sampled, want_rows]
+    x, extra = _process(logits, rows, [t for part in host for t in part])
+    (d_prop_rows, d_drafted, d_prop_req, d_prop_pos, d_sampled_props, d_starts, d_ks, d_q_start, d_sampled,
+     d_want_rows) = extra.split([len(part) for part in host])
+    bad = not_finite(x)
+    probs = x.softmax(dim=-1) if sampled else None
+    kt, kmax = len(prop_rows), max(ks)
+    accepted = torch.zeros(m, dtype=torch.int64, device=x.device)
+    q_all = None
+    if kt:
+        accept = x.index_select(0, d_prop_rows).argmax(dim=-1) == d_drafted  # greedy: the argmax
+        if sampled_props:
+            assert probs is not None
+            q_all = torch.stack([d for i in sampled for d in proposals[i].dists])  # type: ignore[misc]
+            tok = d_drafted.index_select(0, d_sampled_props)
+            p_d = probs[d_prop_rows.index_select(0, d_sampled_props), tok]
+            q_d = q_all.gather(1, tok[:, None])[:, 0]
+            accept = accept.index_put((d_sampled_props,), _uniforms(proposals, sampled, ks, q_d) * q_d < p_d)
+        accept = accept & ~bad.index_select(0, d_prop_rows)
+        runs = torch.zeros(m, kmax, dtype=torch.int64, device=x.device)
+        runs = runs.index_put((d_prop_req, d_prop_pos), accept.long())
+        accepted = runs.cumprod(dim=1).sum(dim=1)
+    final_rows = d_starts + accepted
+    final = x.index_select(0, final_rows).argmax(dim=-1)
+    failed = bad.index_select(0, final_rows)
+    if sampled:
+        assert probs is not None
+        s_rows, s_acc = final_rows.index_select(0, d_sampled), accepted.index_select(0, d_sampled)
+        dist = probs.index_select(0, s_rows)
+        if q_all is not None:
+            q = q_all.index_select(0, (d_q_start.index_select(0, d_sampled) + s_acc).clamp(max=q_all.shape[0] - 1))
+            residual = (dist - q).clamp(min=0.0)
+            use = (s_acc < d_ks.index_select(0, d_sampled)) & (residual.sum(dim=-1) > 0)
+            dist = torch.where(use[:, None], residual, dist)
+        final = final.index_put((d_sampled,), race(dist, [proposals[i].row.generator for i in sampled]))
+        failed = failed.index_put((d_sampled,), failed.index_select(0, d_sampled) | not_finite(dist))
+    packed = [final.double(), accepted.double(), failed.double()]
+    k_lp = min(max((proposals[i].row.params.logprobs or 0 for i in want), default=0), logits.shape[-1])
+    if want:
+        row_tokens = torch.zeros(starts[-1], dtype=torch.int64, device=x.device)
+        if kt:
+            row_tokens = row_tokens.index_put((d_prop_rows,), d_drafted)
+        row_tokens = row_tokens.index_put((final_rows,), final)
+        packed += raw_logprobs(logits, d_want_rows, row_tokens.index_select(0, d_want_rows), k_lp)
+    flat = torch.cat(packed).tolist()  # the one host transfer
+    lp, w = flat[3 * m :], len(want_rows)
+    out: list[Verdict] = []
+    offset = 0
+    lp_start: dict[int, int] = {}
+    for i in want:
+        lp_start[i] = offset
+        offset += ks[i] + 1
+    for i, pr in enumerate(proposals):
+        n, fail = int(flat[m + i]), bool(flat[2 * m + i])
+        emitted = [int(t) for t in pr.tokens[:n]] + ([] if fail else [int(flat[i])])
+        if i in lp_start:
+            tokens = [unpack_logprobs(pr.row.params, t, lp, lp_start[i] + j, w, k_lp) for j, t in enumerate(emitted)]
+        else:
+            tokens = [SampledToken(t) for t in emitted]
+        out.append(Verdict(tokens, n, fail))
+    return out
+
+
+def _uniforms(
+    proposals: Sequence[Proposal], sampled: Sequence[int], ks: Sequence[int], like: torch.Tensor
+) -> torch.Tensor:
+    """One uniform per sampled proposal: from the request's generator when it has one
+    (a loop over those requests), else from one draw of torch's global generator."""
+    u = torch.empty_like(like)
+    if any(proposals[i].row.generator is None for i in sampled):
+        u.uniform_()
+    start = 0
+    for i in sampled:
+        g = proposals[i].row.generator
+        if g is not None and ks[i]:
+            u[start : start + ks[i]].uniform_(generator=g)
+        start += ks[i]
+    return u
 
 
 def verify(
     logits: torch.Tensor,
     proposals: Sequence[int],
     draft_dists: Sequence[torch.Tensor | None],
-    params: SamplingParams,
-    generator: torch.Generator | None,
+    params: SamplingParams | SamplingRow,
+    generator: torch.Generator | None = None,
     best: Sequence[int] | None = None,
 ) -> tuple[list[SampledToken], int]:
-    """One request's verification: the target's (k + 1, V) logits after its last token and
-    after each of its ``k`` proposals -> the tokens to emit (the accepted proposals, then
-    the target's own token) and how many proposals were accepted. ``best``: the rows'
-    argmax when the caller has it already (one transfer for a whole batch)."""
-    logits = logits.float()
-    k = len(proposals)
-    if params.greedy:
-        best = logits.argmax(dim=-1).tolist() if best is None else best
-        n = 0
-        while n < k and best[n] == proposals[n]:
-            n += 1
-        emitted = [*proposals[:n], best[n]]
-        return _with_logprobs(logits, emitted, params), n
-    processed = process(logits, params)  # (k + 1, V)
-    p = processed.softmax(dim=-1)
-    n = k
-    if k:
-        if any(q is None for q in draft_dists):
-            raise ValueError("a sampled request's proposals need the draft's distributions")
-        q = torch.stack([d for d in draft_dists if d is not None])  # (k, V)
-        rows = torch.arange(k, device=p.device)
-        drafted = torch.tensor(list(proposals), device=p.device)
-        u = torch.rand(k, generator=generator, device=p.device)
-        # u < p(d) / q(d), without dividing by q; one transfer for every proposal
-        accept = (u * q[rows, drafted] < p[rows, drafted]).tolist()
-        n = accept.index(False) if False in accept else k
-    if n < k:  # the first rejection: a draw from max(0, p - q), normalised (p itself when p == q)
-        residual = (p[n] - q[n]).clamp_(min=0.0)
-        residual = torch.where(residual.sum() > 0, residual, p[n])
-        token = int(torch.multinomial(residual, 1, generator=generator)[0])
-    else:  # every proposal accepted: a bonus token from the target's last row
-        token = int(torch.multinomial(p[k], 1, generator=generator)[0])
-    emitted = [*proposals[:n], token]
-    return _with_logprobs(processed, emitted, params), n
-
-
-def _with_logprobs(processed: torch.Tensor, emitted: Sequence[int], params: SamplingParams) -> list[SampledToken]:
-    """SampledTokens for ``emitted`` (row i of ``processed`` is the distribution of token i),
-    with the log-probabilities the request asked for."""
-    if params.logprobs is None:
-        return [SampledToken(t) for t in emitted]
-    logp = processed[: len(emitted)].log_softmax(dim=-1)
-    chosen = logp.gather(1, torch.tensor(emitted, device=logp.device)[:, None]).flatten().tolist()
-    out = []
-    for i, t in enumerate(emitted):
-        top: tuple[tuple[int, float], ...] = ()
-        if params.logprobs:
-            values, ids = logp[i].topk(params.logprobs)
-            top = tuple((int(j), float(v)) for j, v in zip(ids.tolist(), values.tolist(), strict=True) if v > -math.inf)
-        out.append(SampledToken(t, chosen[i], top))
-    return out
+    """One request's verification (:func:`verify_batch` for one request): the target's
+    (k + 1, V) logits after its last token and after each of its ``k`` proposals -> the
+    tokens to emit and how many proposals were accepted. ``params``: the request's
+    SamplingRow, or its SamplingParams with ``generator`` (a row without a history).
+    ``best`` is accepted for compatibility and unused (the argmax is taken on the device).
+    A target row without a finite distribution raises :class:`~rtpcore.errors.RtpcoreError`."""
+    del best
+    row = params if isinstance(params, SamplingRow) else SamplingRow(params, generator)
+    verdict = verify_batch(logits, [Proposal(row, list(proposals), list(draft_dists))])[0]
+    if verdict.failed:
+        raise RtpcoreError("the target's logits hold no finite distribution to verify the proposals with")
+    return verdict.tokens, verdict.accepted
