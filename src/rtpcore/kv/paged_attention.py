@@ -28,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from rtpcore.kv.paged_prefill import paged_prefill_attention
+from rtpcore.kv.triton_support import interpreted, launch_on, pow2, triton_available
 
 __all__ = [
     "BACKENDS", "decode_backend", "paged_decode_attention", "paged_mla_decode", "paged_prefill_attention",
@@ -58,20 +58,6 @@ def use_backend(name: str) -> Iterator[None]:
         _backend.reset(token)
 
 
-@functools.cache
-def triton_available() -> bool:
-    """Whether Triton imports (it ships with the CUDA and ROCm builds of torch)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def decode_backend(cache: Any, q: torch.Tensor) -> str:
     """``"triton"`` or ``"gather"`` for a decode step of one layer with ``cache``."""
     from rtpcore.kv.pools import LayerKVCache
@@ -80,7 +66,7 @@ def decode_backend(cache: Any, q: torch.Tensor) -> str:
     if choice == "gather":
         return "gather"
     eligible = isinstance(cache, LayerKVCache)  # unquantized: MHA (paged_decode_attention) or MLA (paged_mla_decode)
-    runnable = (q.is_cuda or _interpreted()) and triton_available()  # Triton is imported only then
+    runnable = (q.is_cuda or interpreted()) and triton_available()  # Triton is imported only then
     if choice == "triton":
         if not (eligible and runnable):
             raise RuntimeError(
@@ -101,7 +87,7 @@ def prefill_backend(cache: Any, x: torch.Tensor) -> str:
     if choice == "gather":
         return "gather"
     eligible = isinstance(cache, LayerKVCache) and cache.spec.kind == "mha"
-    runnable = (x.is_cuda or _interpreted()) and triton_available()  # Triton is imported only then
+    runnable = (x.is_cuda or interpreted()) and triton_available()  # Triton is imported only then
     if choice == "triton":
         if not (eligible and runnable):
             raise RuntimeError(
@@ -138,14 +124,14 @@ def paged_decode_attention(
     g = h // hkv
     q = q.contiguous()
     out = torch.empty_like(q)
-    with _on(q.device):
+    with launch_on(q.device):
         kernel[(b, hkv)](
             q, k_pool, v_pool, block_tables, context_lens, out,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
             float(scale), int(window or 0),
             G=g, D=d, TPB=tokens_per_block,
-            BLOCK_G=_pow2(g), BLOCK_D=_pow2(d), BLOCK_T=_pow2(tokens_per_block),
+            BLOCK_G=pow2(g), BLOCK_D=pow2(d), BLOCK_T=pow2(tokens_per_block),
         )
     return out
 
@@ -175,25 +161,16 @@ def paged_mla_decode(
     q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
     out = torch.empty(b, h, r, dtype=torch.float32, device=q_latent.device)
     block_h, block_n = 16, 16
-    with _on(q_latent.device):
+    with launch_on(q_latent.device):
         kernel[(b, -(-h // block_h))](
             q_latent, q_rope, latent_pool, rope_pool, block_tables, context_lens, out,
             q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
             latent_pool.stride(0), rope_pool.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
             float(scale), h,
             R_LAT=r, R_ROPE=rope, TPB=tokens_per_block,
-            BLOCK_H=block_h, BLOCK_L=max(16, _pow2(r)), BLOCK_R=max(16, _pow2(rope)), BLOCK_N=block_n,
+            BLOCK_H=block_h, BLOCK_L=max(16, pow2(r)), BLOCK_R=max(16, pow2(rope)), BLOCK_N=block_n,
         )
     return out
-
-
-def _on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Launch on ``device`` (Triton launches on the current CUDA device), whatever is current."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @functools.cache

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from rtpcore.kv.triton_support import interpreted, launch_on, pow2
+
 __all__ = ["paged_prefill_attention"]
 
 
@@ -51,7 +53,6 @@ def paged_prefill_attention(
     ``p = context_lens[b] - n_b + i`` and sees the positions ``j <= p`` (and ``j > p - window``
     with a window). H is a multiple of Hkv. Returns (T, H, D) in q's dtype.
     """
-    from rtpcore.kv.paged_attention import _on, _pow2
 
     t, h, d = q.shape
     hkv = k_pool.shape[1]
@@ -66,10 +67,10 @@ def paged_prefill_attention(
     out = torch.empty_like(q)
     if t == 0 or b == 0 or max_query_len <= 0:
         return out
-    block_d = max(16, _pow2(d))
-    block_m = min(64 if block_d <= 128 else 32, max(16, _pow2(max_query_len)))
+    block_d = max(16, pow2(d))
+    block_m = min(64 if block_d <= 128 else 32, max(16, pow2(max_query_len)))
     block_n = 32
-    with _on(q.device):
+    with launch_on(q.device):
         _kernel()[(b, h, -(-max_query_len // block_m))](
             q, k_pool, v_pool, block_tables, context_lens, query_start_loc, out,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
@@ -84,9 +85,8 @@ def paged_prefill_attention(
 def _float32_dots(dtype: torch.dtype) -> bool:
     """IEEE float32 dots for fp32 pools; and for bf16 ones under Triton's interpreter, whose
     ``tl.dot`` misreads bf16 operands (fp16 ones it multiplies right)."""
-    from rtpcore.kv.paged_attention import _interpreted
 
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and _interpreted())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreted())
 
 
 @functools.cache
