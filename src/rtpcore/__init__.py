@@ -18,11 +18,12 @@ if TYPE_CHECKING:
     from rtpcore.plugins.allowlist import Allowlist
     from rtpcore.plugins.hooks import hookimpl
     from rtpcore.plugins.loading import load_plugins
-    from rtpcore.plugins.model_plugin import ModelPlugin
+    from rtpcore.plugins.model_plugin import FORWARD_CONTRACT, ModelPlugin
     from rtpcore.plugins.registry import ModelRegistry
     from rtpcore.plugins.resolution import Plan, PlanEntry
 
 __all__ = [
+    "FORWARD_CONTRACT",
     "Allowlist",
     "AsyncEngine",
     "Engine",
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "FORWARD_CONTRACT": "rtpcore.plugins.model_plugin",
     "Allowlist": "rtpcore.plugins.allowlist",
     "AsyncEngine": "rtpcore.engine.async_engine",
     "Engine": "rtpcore.engine.engine",

@@ -1,12 +1,31 @@
-"""``ForwardBatch``: what a model's forward receives for one engine step.
+"""``ForwardBatch``: what a model's forward receives for one engine step (forward contract 2).
 
-The new tokens of every running sequence are concatenated into one flat batch
-of T tokens (ragged prefill and decode look the same). ``to_padded`` and
-``attention_mask`` turn it into the (B, Tq, ...) form most attention code wants.
+The new tokens of every scheduled sequence are concatenated into one flat batch of T
+tokens: a decoding sequence contributes its last token (1 + its proposals under
+speculative decoding), a prefilling one a chunk of its prompt (chunked prefill: a long
+prompt takes several steps). Nothing is padded: attention runs per sequence over its
+own paged context (``rtpcore.models.attention.paged_attention`` is the reusable
+implementation), so a step's memory grows with its tokens and the contexts it reads,
+never with B x (longest new span) x (longest context).
+
+Contract 2 differs from contract 1 (padded, before the token-budget scheduler) in what
+a model must honour:
+
+* ``logits_indices`` may select fewer rows than there are sequences: a prompt chunk that
+  does not end its prompt samples nothing, so it gets no logits row. A model returns
+  exactly the rows ``logits_index`` names (every sequence's last token when it is None).
+* A sequence's new tokens need not start at position 0 nor end its prompt: the chunk's
+  queries attend to the cached keys of the earlier chunks too (``context_lens`` counts
+  them, the chunk included).
+* The padded helpers of contract 1 (``to_padded``, ``from_padded``, ``attention_mask``,
+  ``padded_index``) are gone; ``query_start_loc``, ``host_query_starts`` and
+  ``host_context_lens`` describe the ragged layout instead, the latter two on the host
+  so that a model can loop over sequences without a device synchronisation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import attrs
@@ -14,7 +33,27 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ForwardBatch"]
+__all__ = ["ForwardBatch", "SeqSpan"]
+
+
+@attrs.frozen
+class SeqSpan:
+    """One sequence of a batch, on the host: its index ``b``, its rows ``start`` to
+    ``start + num_tokens`` of the flat batch, and ``context_len``, its cached tokens after
+    the step (its new tokens sit at positions ``context_len - num_tokens`` onwards)."""
+
+    b: int
+    start: int
+    num_tokens: int
+    context_len: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def first_position(self) -> int:
+        return self.context_len - self.num_tokens
 
 
 @attrs.frozen
@@ -22,20 +61,24 @@ class ForwardBatch:
     """One step's tokens. B sequences, T = sum(query_lens) new tokens.
 
     ``input_ids``, ``positions`` and ``slots`` are flat, sequence after sequence.
-    ``slots[t]`` is the KV-cache slot (``block * tokens_per_block + offset``)
-    where token t's keys and values go. ``block_tables[b]`` lists sequence b's
-    blocks (padded with 0). ``context_lens[b]`` counts sequence b's cached tokens
-    after this step, the new ones included.
+    ``slots[t]`` is the KV-cache slot (``block * tokens_per_block + offset``) where token
+    t's keys and values go. ``block_tables[b]`` lists sequence b's blocks (padded with 0).
+    ``context_lens[b]`` counts sequence b's cached tokens after this step, the new ones
+    included. ``query_start_loc`` (B + 1,) holds the cumulative ``query_lens``: sequence
+    b's rows are ``query_start_loc[b]:query_start_loc[b + 1]``.
 
-    Speculative decoding (``rtpcore.engine.speculative``) sets two optional fields:
+    ``logits_indices``: (N,) rows of the flat batch whose logits the model returns, in that
+    order; None means each sequence's last new token (B rows). The scheduler sets it when
+    a prompt chunk samples nothing, and speculative decoding when a target scores a draft's
+    proposals.
 
-    * ``logits_indices``: (N,) rows of the flat batch whose logits the model returns,
-      in that order; None (the default) means each sequence's last new token (B rows).
-      A target model scores a draft's proposals with it.
-    * ``hidden_rows``: for drafts that read hidden states (multi-token prediction): (T,),
-      for each new token, the row of the hidden states that precede it -- of the target's
-      previous forward when ``hidden_source == "target"``, of the draft's own previous
-      forward when ``"self"``. None for every other model.
+    ``hidden_rows`` (drafts that read hidden states: multi-token prediction): (T,), for each
+    new token, the row of the hidden states that precede it -- of the target's last forward
+    when ``hidden_source == "target"``, of the draft's own previous forward when ``"self"``.
+    None for every other model.
+
+    Host copies (``host_context_lens``, ``host_max_context_len``): what the scheduler knows
+    without asking the device; None computes them from the tensors (a synchronisation).
     """
 
     input_ids: torch.Tensor  # (T,) int64
@@ -48,18 +91,33 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None  # (N,) int64
     hidden_rows: torch.Tensor | None = None  # (T,) int64
     hidden_source: str = "target"
-    # max(context_lens) known on the host (the scheduler sets it): reading it then costs no
-    # device synchronisation; None computes it from context_lens.
     host_max_context_len: int | None = None
+    host_context_lens: tuple[int, ...] | None = None  # (B,)
+    query_start_loc: torch.Tensor | None = None  # (B + 1,) int64; None: built on first use
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
     @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
     def is_decode(self) -> bool:
         """Every sequence contributes exactly one new token."""
         return all(n == 1 for n in self.query_lens)
+
+    @property
+    def num_decodes(self) -> int:
+        """How many leading sequences contribute one new token each (the scheduler puts
+        decodes first): rows ``0:num_decodes`` are one token per sequence."""
+        n = 0
+        for q in self.query_lens:
+            if q != 1:
+                break
+            n += 1
+        return n
 
     @property
     def max_query_len(self) -> int:
@@ -70,6 +128,31 @@ class ForwardBatch:
         if self.host_max_context_len is not None:
             return self.host_max_context_len
         return int(self.context_lens.max())
+
+    @property
+    def host_query_starts(self) -> tuple[int, ...]:
+        """(B + 1,) cumulative query lengths on the host."""
+        starts = [0]
+        for n in self.query_lens:
+            starts.append(starts[-1] + n)
+        return tuple(starts)
+
+    def query_starts(self) -> torch.Tensor:
+        """(B + 1,) int64 cumulative query lengths on the batch's device."""
+        if self.query_start_loc is not None:
+            return self.query_start_loc
+        import torch
+
+        return torch.tensor(self.host_query_starts, dtype=torch.int64, device=self.input_ids.device)
+
+    def spans(self, first: int = 0) -> Iterator[SeqSpan]:
+        """Each sequence from index ``first`` on, as a :class:`SeqSpan` (host integers)."""
+        lens = self.host_context_lens
+        if lens is None:
+            lens = tuple(int(n) for n in self.context_lens.tolist())
+        starts = self.host_query_starts
+        for b in range(first, self.num_seqs):
+            yield SeqSpan(b, starts[b], self.query_lens[b], lens[b])
 
     @property
     def last_token_index(self) -> torch.Tensor:
@@ -86,42 +169,3 @@ class ForwardBatch:
         if self.logits_indices is not None:
             return self.logits_indices
         return None if self.is_decode else self.last_token_index
-
-    def padded_index(self) -> torch.Tensor:
-        """(B, Tq) index into the flat batch; padding points at the sequence's last token."""
-        import torch
-
-        tq = self.max_query_len
-        starts = torch.tensor((0, *self.query_lens[:-1]), device=self.input_ids.device).cumsum(0)
-        offs = torch.arange(tq, device=self.input_ids.device)
-        lens = torch.tensor(self.query_lens, device=self.input_ids.device)
-        return starts[:, None] + torch.minimum(offs[None, :], lens[:, None] - 1)  # (B, Tq)
-
-    def to_padded(self, x: torch.Tensor) -> torch.Tensor:
-        """(T, ...) -> (B, Tq, ...). Padding rows repeat the last token (masked out later)."""
-        if self.max_query_len == 1 and x.shape[0] == self.num_seqs:
-            return x.unsqueeze(1)
-        return x[self.padded_index()]
-
-    def from_padded(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, Tq, ...) -> (T, ...), dropping padding rows."""
-        if self.max_query_len == 1:
-            return x.squeeze(1)
-        import torch
-
-        parts = [x[b, :n] for b, n in enumerate(self.query_lens)]
-        return torch.cat(parts, 0)
-
-    def attention_mask(self) -> torch.Tensor:
-        """(B, 1, Tq, L) bool, True where query may attend to cached key position.
-
-        Query i of sequence b sits at position ``context_lens[b] - query_lens[b] + i``
-        and sees keys at positions ``<=`` its own; L = ``max_context_len``.
-        """
-        import torch
-
-        dev = self.input_ids.device
-        lens = torch.tensor(self.query_lens, device=dev)
-        qpos = (self.context_lens - lens)[:, None] + torch.arange(self.max_query_len, device=dev)
-        kpos = torch.arange(self.max_context_len, device=dev)
-        return (kpos[None, None, :] <= qpos[:, :, None]).unsqueeze(1)

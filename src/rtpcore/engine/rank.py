@@ -33,7 +33,7 @@ from rtpcore.engine.memory import memory_limit
 from rtpcore.errors import RtpcoreError
 from rtpcore.models.layers import linear_kernels
 from rtpcore.parallel.context import ParallelContext
-from rtpcore.plugins.model_plugin import call_optional
+from rtpcore.plugins.model_plugin import call_optional, forward_contract_problem
 
 __all__ = ["EngineShard", "LoadedModel", "build_shard"]
 
@@ -58,8 +58,8 @@ class LoadedModel:
 class EngineShard:
     """A rank's model shard and KV cache; the local object of the engine's worker group.
 
-    Steps (run on every rank by ``WorkerGroup.run``): :meth:`allocate`,
-    :meth:`forward`, :meth:`draft_forward`, :meth:`stats`.
+    Steps (run on every rank by ``WorkerGroup.run``): :meth:`profile_memory` (GPU sizing),
+    :meth:`allocate`, :meth:`forward`, :meth:`draft_forward`, :meth:`stats`.
 
     With ``config.draft_model`` the rank also builds the draft of speculative decoding
     (docs/design.md §10) from the same plan: a checkpoint of any model type a loaded
@@ -163,6 +163,42 @@ class EngineShard:
                 logits = self.draft.model(batch, self.draft_kv_caches)
         return logits if self.ctx.rank == 0 else None
 
+    def profile_memory(self, num_tokens: int) -> tuple[int, int, int]:
+        """Measure one prefill step of ``num_tokens`` tokens on this rank's GPU (before the KV
+        pools exist): (the step's peak transient bytes, free bytes, total bytes) after it."""
+        from rtpcore.engine.batch import ForwardBatch
+        from rtpcore.kv.pools import allocate_kv_caches
+
+        device = torch.device(self.ctx.device)
+        tpb = self.config.tokens_per_block
+        blocks = -(-num_tokens // tpb)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        options = {"device": device, "compute_dtype": self.config.torch_dtype, "layouts": self.registry}
+        caches = allocate_kv_caches(self.kv_cache_specs, blocks, **options)
+        pools = torch.cuda.memory_allocated(device) - base
+        n = torch.arange(num_tokens, device=device)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+            positions=n,
+            slots=n,
+            query_lens=(num_tokens,),
+            context_lens=torch.tensor([num_tokens], device=device),
+            block_tables=torch.arange(blocks, device=device)[None],
+            tokens_per_block=tpb,
+            host_max_context_len=num_tokens,
+            host_context_lens=(num_tokens,),
+        )
+        with torch.inference_mode():
+            self.model(batch, caches)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base - pools
+        del caches, batch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return max(0, peak), int(free), int(total)
+
     def stats(self, _: Any = None) -> dict[str, Any]:
         """What this rank holds: for tests and diagnostics."""
         params = 0  # elements of every parameter and buffer (weights may be either)
@@ -224,6 +260,9 @@ def _load(
     from rtpcore.checkpoint.quantized import Fp8BlockQuantization
     from rtpcore.kv.specs import kv_cache_specs
 
+    problem = forward_contract_problem(plugin, model_type)
+    if problem is not None:  # before any weight is read: never run a model on a layout it does not know
+        raise RtpcoreError(problem)
     # fp8 block-quantized weights are dequantized at load, for every model
     quantization = Fp8BlockQuantization.from_hf(hf_config)
     local_config, slices = _shard(plugin, model_type, model_config, ctx)

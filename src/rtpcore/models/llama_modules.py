@@ -1,10 +1,11 @@
 """The Llama-family forward over a paged KV cache (torch modules).
 
-Follows the forward contract of ``rtpcore.plugins.model_plugin``: ``model(batch, kv_caches)``
-returns (B, vocab) logits of each sequence's last new token. Numerics mirror
-Hugging Face transformers (RMSNorm in float32, RoPE tables computed in float32
-then cast, softmax in float32). Shapes: T flat tokens, B sequences, Tq padded
-new tokens per sequence, L cached positions, H/Hkv heads, D head_dim, E hidden.
+Follows forward contract 2 of ``rtpcore.plugins.model_plugin``: ``model(batch, kv_caches)``
+returns the logits of the rows ``batch.logits_index`` names (each sequence's last new token
+by default), attention per sequence over its own paged context
+(``rtpcore.models.attention``), nothing padded. Numerics mirror Hugging Face transformers
+(RMSNorm in float32, RoPE tables computed in float32 then cast, softmax in float32).
+Shapes: T flat tokens, B sequences, N logits rows, H/Hkv heads, D head_dim, E hidden.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rtpcore.kv.paged_attention import decode_backend, paged_decode_attention
+from rtpcore.models.attention import paged_attention
 from rtpcore.models.layers import Linear
 from rtpcore.models.llama_config import LlamaConfig, rope_inv_freq
 from rtpcore.parallel.layers import GatherColumns, row_parallel
@@ -42,23 +43,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """Grouped-query attention: q (B, H, Tq, D), k/v (B, Hkv, L, D) in any float dtype (the
-    cache's), mask (B, 1, Tq, L) bool or None (every key visible) -> (B, H, Tq, D), q's dtype.
-
-    torch's fused kernel, as transformers' default ("sdpa") uses; float32 gives its bits. On
-    the CPU, bf16/fp16 inputs are attended in float32 (the kernel is about 4x faster there, and
-    it accumulates in float32 either way): within rounding of transformers, not its bits.
-    """
-    if q.dtype != torch.float32 and q.device.type == "cpu":
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.to(q.dtype)
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 class LlamaLayer(nn.Module):
@@ -88,28 +72,15 @@ class LlamaLayer(nn.Module):
         sin: torch.Tensor,  # (T, 1, D)
         batch: ForwardBatch,
         cache: LayerKVCache,
-        mask: torch.Tensor | None,  # (B, 1, Tq, L) bool, None: every cached key visible
-        window: int | None = None,  # the layer's sliding window (already in mask)
-        paged: bool = False,  # decode with the paged kernel (rtpcore.kv.paged_attention), no mask
+        window: int | None = None,  # the layer's sliding window
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(rms_norm(x, self.norm1, self.eps))  # (T, q + 2 kv)
         qk = rotate(qkv[:, : self.qk_size].view(t, self.heads + self.kv_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)  # (T, H, D), (T, Hkv, D)
         cache.write(batch.slots, k, qkv[:, self.qk_size :].view(t, self.kv_heads, self.head_dim))
-        if paged:  # KV blocks read in place
-            out = paged_decode_attention(
-                q, cache.k, cache.v, batch.block_tables, batch.context_lens,
-                tokens_per_block=batch.tokens_per_block, scale=self.scale, window=window,
-            )  # (B, H, D)
-            x = x + self.o(out.reshape(t, -1))  # (T, E)
-        else:
-            max_len = batch.max_context_len if mask is None else mask.shape[-1]
-            kc, vc = cache.read(batch.block_tables, max_len)  # (B, L, Hkv, D) each
-            qp = batch.to_padded(q).transpose(1, 2)  # (B, H, Tq, D)
-            kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)  # (B, Hkv, L, D), the cache's dtype
-            out = attend(qp, kc, vc, mask, self.scale).transpose(1, 2)  # (B, Tq, H, D)
-            x = x + self.o(batch.from_padded(out).reshape(t, -1))  # (T, E)
+        out = paged_attention(q, cache, batch, scale=self.scale, window=window)  # (T, H, D)
+        x = x + self.o(out.reshape(t, -1))  # (T, E)
         gate, up = self.gate_up(rms_norm(x, self.norm2, self.eps)).chunk(2, dim=-1)  # (T, I) each
         return x + self.down(F.silu(gate) * up)
 
@@ -166,36 +137,13 @@ class LlamaModel(nn.Module):
         x = F.embedding(batch.input_ids, self.embed)  # (T, E)
         cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
         sin = self.sin[batch.positions].unsqueeze(1)
-        # Decode over unquantized caches on a GPU reads the blocks in place: no mask to build.
-        paged = batch.is_decode and bool(kv_caches) and decode_backend(kv_caches[0], x) == "triton"
-        masks: dict[int | None, torch.Tensor | None] = {}
         for layer, cache, window in zip(self.layers, kv_caches, self.config.sliding_windows, strict=True):
-            if window not in masks:
-                masks[window] = None if paged else _mask(batch, window)
-            x = layer(x, cos, sin, batch, cache, masks[window], window, paged)
+            x = layer(x, cos, sin, batch, cache, window)
         rows = batch.logits_index
         if rows is not None:
             x = x[rows]  # (B, E), or (N, E) for logits_indices
         x = rms_norm(x, self.norm, self.config.rms_norm_eps)
         return self.lm_head(x)  # (B, V)
-
-
-def _mask(batch: ForwardBatch, window: int | None) -> torch.Tensor | None:
-    """(B, 1, Tq, L) bool: causal, within the context, and within ``window`` when set; None
-    when every cached key is visible (one sequence decoding without a window)."""
-    if batch.is_decode and window is None and batch.num_seqs == 1:
-        return None
-    if batch.is_decode and window is None:
-        kpos = torch.arange(batch.max_context_len, device=batch.context_lens.device)
-        return (kpos[None, :] < batch.context_lens[:, None])[:, None, None, :]  # (B, 1, 1, L)
-    mask = batch.attention_mask()
-    if window is not None:
-        dev = batch.context_lens.device
-        lens = torch.tensor(batch.query_lens, device=dev)
-        qpos = (batch.context_lens - lens)[:, None] + torch.arange(batch.max_query_len, device=dev)
-        kpos = torch.arange(batch.max_context_len, device=dev)
-        mask = mask & (kpos[None, None, :] > qpos[:, :, None] - window).unsqueeze(1)
-    return mask
 
 
 def _fused(w: Mapping[str, torch.Tensor], names: list[str]) -> Linear:

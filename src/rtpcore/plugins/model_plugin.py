@@ -17,15 +17,24 @@ With ``tensor_parallel_size > 1`` every rank first calls the optional
 returns for the steps above; ``build_model`` then also receives ``parallel=ctx``
 (a ``rtpcore.parallel.context.ParallelContext``).
 
-Forward contract (the same for every model; see ``rtpcore.engine.batch``)::
+Forward contract (the same for every model; version ``FORWARD_CONTRACT``, see
+``rtpcore.engine.batch``)::
 
     logits = model(batch, kv_caches)
-    # batch:     rtpcore.engine.batch.ForwardBatch, the new tokens of every running sequence
-    #            concatenated (T tokens in all) with their positions and cache slots
+    # batch:     rtpcore.engine.batch.ForwardBatch, the new tokens of every scheduled sequence
+    #            concatenated (T tokens in all, nothing padded) with their positions and cache
+    #            slots: a decode's last token, or a chunk of a prompt (chunked prefill) whose
+    #            queries also attend to the keys its earlier chunks cached
     # kv_caches: list[rtpcore.kv.pools.LayerKVCache], one per KVCacheSpecDesc, in order
-    # logits:    (B, vocab) float tensor, one row per sequence: the logits after its last new token
-    #            (rows batch.logits_indices of the flat batch instead when that is set: speculative
-    #            decoding scores a draft's proposals in one forward)
+    # logits:    (N, vocab) float tensor: the rows batch.logits_index names (None: one per
+    #            sequence, after its last new token). A prompt chunk that does not end its
+    #            prompt has no row; speculative decoding scores a draft's proposals through it.
+
+A plugin states the version it was written for in ``forward_contract``; the engine refuses
+to build a model whose plugin states another version than the running one (the
+``RtpcoreError`` names the plugin, both versions and docs/plugins.md's migration note), so a
+model is never run on a batch layout it does not understand. A plugin that does not set it
+was written for version 1 (the padded batches before the token-budget scheduler).
 
 Drafts for speculative decoding (docs/design.md §10): a draft checkpoint is served like any
 other, by the plugin its config.json names. ``draft_model="mtp"`` asks the target's plugin for
@@ -41,7 +50,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-__all__ = ["ModelPlugin", "model_plugin_problems"]
+__all__ = ["FORWARD_CONTRACT", "ModelPlugin", "forward_contract_problem", "model_plugin_problems"]
+
+FORWARD_CONTRACT = 2  # the forward contract this rtpcore runs (1: padded batches, before 0.2)
 
 
 class ModelPlugin:
@@ -57,6 +68,7 @@ class ModelPlugin:
     model_type: ClassVar[str]
     architectures: ClassVar[tuple[str, ...]]
     replaces: ClassVar[tuple[str, ...]] = ()
+    forward_contract: ClassVar[int] = 1  # the version of the forward contract the model follows
 
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any]) -> Any:
@@ -255,3 +267,18 @@ def model_plugin_problems(cls: object) -> list[str]:
         elif name in _REQUIRED_CLASSMETHODS and static is ModelPlugin.__dict__[name]:
             problems.append(f"{name} is not implemented")
     return problems
+
+
+def forward_contract_problem(plugin: type[ModelPlugin], model_type: str) -> str | None:
+    """Why the engine cannot run ``plugin``'s model under this rtpcore's forward contract,
+    or None when it can."""
+    stated = getattr(plugin, "forward_contract", 1)
+    if stated == FORWARD_CONTRACT and not isinstance(stated, bool):
+        return None
+    where = f"{plugin.__module__}.{plugin.__qualname__}"
+    return (
+        f"model type {model_type!r} ({where}) states forward_contract={stated!r}, but this rtpcore "
+        f"runs forward contract {FORWARD_CONTRACT}: its model would receive batches it does not "
+        f"understand. Move the plugin to contract {FORWARD_CONTRACT} (docs/plugins.md, "
+        f'"Migrating to forward contract {FORWARD_CONTRACT}") and set forward_contract = {FORWARD_CONTRACT}'
+    )

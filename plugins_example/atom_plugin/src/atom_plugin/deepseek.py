@@ -28,6 +28,8 @@ class DeepseekV3Plugin(ModelPlugin):
     """DeepSeek-V3 (``DeepseekV3ForCausalLM``): MLA attention, sigmoid-routed MoE."""
 
     model_type: ClassVar[str] = "deepseek_v3"
+    # rtpcore.engine.batch: unpadded steps, prompt chunks without a logits row (contract 2)
+    forward_contract: ClassVar[int] = 2
     architectures: ClassVar[tuple[str, ...]] = ("DeepseekV3ForCausalLM",)
     variant: ClassVar[str] = "deepseek_v3"
 

@@ -36,6 +36,7 @@ from torch import nn
 from atom_plugin.config import DeepseekConfig
 from atom_plugin.layers import RMSNorm, Weights, apply_rope, linear_factory
 from rtpcore.kv.paged_attention import paged_mla_decode
+from rtpcore.models.attention import causal_mask
 from rtpcore.models.layers import Linear
 from rtpcore.parallel.layers import row_parallel
 
@@ -48,9 +49,10 @@ class StepTensors(NamedTuple):
     cos: torch.Tensor  # (T, 1, R/2)
     sin: torch.Tensor  # (T, 1, R/2)
     max_len: int  # L: the longest context after this step
-    decode: bool  # one new token per sequence
-    decode_mask: torch.Tensor | None  # (B, 1, L) True past each context; None when nothing is masked
-    # decode reads the latent cache in place (rtpcore.kv.paged_attention.paged_mla_decode)
+    num_decodes: int  # Bd: the leading sequences with one new token each (the decodes)
+    decode_len: int  # Ld: the longest context of those
+    decode_mask: torch.Tensor | None  # (Bd, 1, Ld) True past each decode's context; None when nothing is masked
+    # every sequence decodes and reads the latent cache in place (rtpcore.kv.paged_attention.paged_mla_decode)
     paged: bool = False
 
 
@@ -131,12 +133,17 @@ class MLAttention(nn.Module):
         cache.write(batch.slots, c_kv, k_pe)
         if step.paged:
             return self.o_proj(self._decode_paged(q_nope, q_pe, cache, batch))  # (T, D)
-        ckv_all, kpe_all = cache.read(batch.block_tables, step.max_len)  # (B, L, r), (B, L, R)
-        if step.decode:
-            out = self._decode(q_nope, q_pe, ckv_all, kpe_all, step.decode_mask)  # (B, H*dv)
-        else:
-            ckv_all, kpe_all = ckv_all.to(x.dtype), kpe_all.to(x.dtype)
-            out = self._prefill(q_nope, q_pe, ckv_all, kpe_all, batch)  # (T, H*dv)
+        # Forward contract 2: nothing padded. The decodes attend together over their longest
+        # context; every longer span (a prompt chunk) alone over its own.
+        d = step.num_decodes
+        out = x.new_empty(t, h * cfg.v_head_dim)  # (T, H*dv)
+        if d:
+            ckv, kpe = cache.read(batch.block_tables[:d], step.decode_len)  # (Bd, Ld, r), (Bd, Ld, R)
+            out[:d] = self._decode(q_nope[:d], q_pe[:d], ckv, kpe, step.decode_mask)  # (Bd, H*dv)
+        for span in batch.spans(d):
+            ckv, kpe = cache.read(batch.block_tables[span.b : span.b + 1], span.context_len)  # (1, L, r), (1, L, R)
+            rows = slice(span.start, span.end)
+            out[rows] = self._prefill(q_nope[rows], q_pe[rows], ckv.to(x.dtype), kpe.to(x.dtype))  # (n, H*dv)
         return self.o_proj(out)  # (T, D), all-reduced when sharded
 
     def _decode(
@@ -179,25 +186,23 @@ class MLAttention(nn.Module):
 
     def _prefill(
         self,
-        q_nope: torch.Tensor,  # (T, H, dn)
-        q_pe: torch.Tensor,  # (T, H, R)
-        ckv: torch.Tensor,  # (B, L, r)
-        kpe: torch.Tensor,  # (B, L, R)
-        batch: Any,
+        q_nope: torch.Tensor,  # (n, H, dn) one sequence's new tokens
+        q_pe: torch.Tensor,  # (n, H, R)
+        ckv: torch.Tensor,  # (1, L, r) its whole context, the new tokens last
+        kpe: torch.Tensor,  # (1, L, R)
     ) -> torch.Tensor:
         cfg = self.cfg
-        b, seq = ckv.shape[:2]
+        n, seq = q_nope.shape[0], ckv.shape[1]
         h, dv = cfg.num_attention_heads, cfg.v_head_dim
-        k_nope = torch.einsum("blr,hdr->blhd", ckv, self.w_uk)  # (B, L, H, dn): kv_b_proj's key half
-        v = torch.einsum("blr,hrv->blhv", ckv, self.w_uv_t)  # (B, L, H, dv): its value half
-        k = torch.cat((k_nope, kpe[:, :, None, :].expand(b, seq, h, -1)), dim=-1)  # (B, L, H, dq)
-        q = batch.to_padded(torch.cat((q_nope, q_pe), dim=-1))  # (B, Tq, H, dq)
+        k_nope = torch.einsum("blr,hdr->blhd", ckv, self.w_uk)  # (1, L, H, dn): kv_b_proj's key half
+        v = torch.einsum("blr,hrv->blhv", ckv, self.w_uv_t)  # (1, L, H, dv): its value half
+        k = torch.cat((k_nope, kpe[:, :, None, :].expand(1, seq, h, -1)), dim=-1)  # (1, L, H, dq)
+        q = torch.cat((q_nope, q_pe), dim=-1)[None]  # (1, n, H, dq)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # (B, H, Tq, dq)
-            k.transpose(1, 2),  # (B, H, L, dq)
-            v.transpose(1, 2),  # (B, H, L, dv)
-            attn_mask=batch.attention_mask(),  # (B, 1, Tq, L)
+            q.transpose(1, 2),  # (1, H, n, dq)
+            k.transpose(1, 2),  # (1, H, L, dq)
+            v.transpose(1, 2),  # (1, H, L, dv)
+            attn_mask=causal_mask(n, seq, None, q.device),  # (n, L): the queries are the last n positions
             scale=self.scale,
-        )  # (B, H, Tq, dv)
-        out = out.transpose(1, 2).reshape(b, -1, h * dv)  # (B, Tq, H*dv)
-        return batch.from_padded(out)  # (T, H*dv)
+        )  # (1, H, n, dv)
+        return out[0].transpose(0, 1).reshape(n, h * dv)  # (n, H*dv)

@@ -1,10 +1,11 @@
 """``DeepseekModel``: the decoder stack, following rtpcore's forward contract.
 
-``logits = model(batch, kv_caches)``: ``batch`` is an ``rtpcore.engine.batch.ForwardBatch``
-(T new tokens of B sequences), ``kv_caches`` one ``rtpcore.kv.pools.LayerKVCache``
-per layer (MLA: k = latent ``c_kv``, v = roped ``k_pe``), logits are (B, vocab)
-float32, one row per sequence after its last new token (rows ``batch.logits_indices``
-when set: speculative decoding scores a draft's proposals).
+``logits = model(batch, kv_caches)`` (forward contract 2): ``batch`` is an
+``rtpcore.engine.batch.ForwardBatch`` (T new tokens of B sequences, unpadded: decodes
+first, then prompt chunks), ``kv_caches`` one ``rtpcore.kv.pools.LayerKVCache`` per layer
+(MLA: k = latent ``c_kv``, v = roped ``k_pe``), logits are (N, vocab) float32, the rows
+``batch.logits_index`` names (one per sequence after its last new token by default; none for
+a prompt chunk that samples nothing; a draft's proposals under speculative decoding).
 
 Built with ``parallel`` (an ``rtpcore.parallel.context.ParallelContext`` of more
 than one rank) from a sharded config and its weight slices (see
@@ -116,13 +117,16 @@ class DeepseekModel(nn.Module):
         return self.lm_head(self.norm(last)).float()  # (B, V), gathered in rank order when split
 
     def step_tensors(self, batch: Any, kv_caches: Sequence[Any] = ()) -> StepTensors:
-        """RoPE tables and the decode mask of one step, shared by every layer. Decode over
-        unquantized caches on a GPU reads them in place (rtpcore.kv.paged_attention): no mask."""
-        max_len, decode = batch.max_context_len, batch.is_decode
+        """RoPE tables and the decodes' mask of one step, shared by every layer. A decode step
+        over unquantized caches on a GPU reads them in place (rtpcore.kv.paged_attention): no mask."""
+        max_len = batch.max_context_len
         cos, sin = self.rope(batch.positions, max_len)  # (T, 1, R/2) each
-        paged = decode and bool(kv_caches) and decode_backend(kv_caches[0], batch.positions) == "triton"
+        paged = batch.is_decode and bool(kv_caches) and decode_backend(kv_caches[0], batch.positions) == "triton"
+        d = batch.num_decodes
+        lens = batch.host_context_lens or tuple(batch.context_lens.tolist())
+        decode_len = max(lens[:d], default=0)
         mask = None
-        if decode and not paged and batch.num_seqs > 1:  # one sequence fills the whole context: nothing to mask
-            pos = torch.arange(max_len, device=batch.positions.device)  # (L,)
-            mask = (pos[None, :] >= batch.context_lens[:, None])[:, None, :]  # (B, 1, L)
-        return StepTensors(cos, sin, max_len, decode, mask, paged)
+        if d > 1 and not paged:  # one sequence fills its whole context: nothing to mask
+            pos = torch.arange(decode_len, device=batch.positions.device)  # (Ld,)
+            mask = (pos[None, :] >= batch.context_lens[:d, None])[:, None, :]  # (Bd, 1, Ld)
+        return StepTensors(cos, sin, max_len, d, decode_len, mask, paged)

@@ -46,6 +46,8 @@ class DeepseekMTPPlugin(ModelPlugin):
     """The MTP layer of a DeepSeek-V3 checkpoint (never registered: reached through
     ``DeepseekV3Plugin.mtp_draft``)."""
 
+    forward_contract = 2  # rtpcore.engine.batch (the same as the target model)
+
     model_type: ClassVar[str] = "deepseek_v3_mtp"
     architectures: ClassVar[tuple[str, ...]] = ("DeepseekV3ForCausalLM",)
 
