@@ -21,8 +21,8 @@ from rtpcore import AsyncEngine, Engine, SamplingParams
 from rtpcore.engine.core import RequestOutput
 from rtpcore.errors import (
     InvalidRequestError,
-    KVCacheCapacityError,
     QueueFullError,
+    RequestFailedError,
     RtpcoreError,
 )
 from test_llama import make_checkpoint
@@ -287,17 +287,20 @@ def test_a_full_queue_refuses_at_once(ckpt: Path) -> None:
     run(main())
 
 
-def test_a_request_that_can_never_fit_fails_alone(ckpt: Path) -> None:
-    """A prompt larger than the whole cache raises KVCacheCapacityError when added; a running stream is untouched."""
+def test_a_request_beyond_max_model_len_fails_alone(ckpt: Path) -> None:
+    """A prompt + max_tokens beyond max_model_len raises InvalidRequestError (context_length_exceeded) when
+    added; a running stream is untouched."""
     with Engine.from_pretrained(ckpt, tokens_per_block=4) as probe:
         block_bytes = sum(s.block_bytes for s in probe.kv_cache_specs)
 
     async def main() -> None:
-        async with AsyncEngine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes) as engine:
+        async with AsyncEngine.from_pretrained(
+            ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes, max_model_len=32
+        ) as engine:
             stream = engine.stream(PROMPTS[0], greedy())
-            with pytest.raises(KVCacheCapacityError) as excinfo:
+            with pytest.raises(InvalidRequestError) as excinfo:
                 engine.stream(list(range(1, 40)), greedy(4))
-            assert excinfo.value.blocks_needed == 11 and excinfo.value.blocks_available == 8
+            assert (excinfo.value.field, excinfo.value.code) == ("max_tokens", "context_length_exceeded")
             tokens, last = await collect(stream)
             assert len(tokens) == NEW and last.finish_reason == "length"
 
@@ -348,28 +351,45 @@ def test_bad_requests_are_refused_before_anything_runs(ckpt: Path) -> None:
     run(main())
 
 
-def test_a_failing_step_fails_its_requests_and_never_hangs(ckpt: Path) -> None:
-    """When the model raises inside a step, every stream of that step raises an RtpcoreError naming the cause; blocks come back."""
+POISON = 99  # the faulty forward below raises on this token at position 1
+
+
+def _raise_on(engine: AsyncEngine | Engine, token: int) -> None:
+    """Make the engine's model raise ValueError in any forward whose batch holds ``token`` at
+    position 1."""
+    model = engine.engine.model if isinstance(engine, AsyncEngine) else engine.model
+    real = model.forward
+
+    def faulty(batch: Any, caches: Any) -> Any:
+        if bool(((batch.input_ids == token) & (batch.positions == 1)).any()):
+            raise ValueError(f"injected fault on token {token}")
+        return real(batch, caches)
+
+    model.forward = faulty
+
+
+def test_a_model_fault_fails_only_the_request_that_causes_it(ckpt: Path, alone: list[list[int]]) -> None:
+    """When the forward raises on one request's token, that stream alone raises RequestFailedError naming
+    the cause; the requests stepped with it get their solo tokens; blocks come back; the engine serves on."""
 
     async def main() -> None:
+        others = [PROMPTS[i] + alone[i] for i in range(3)]
+        assert all(len(t) < 2 or t[1] != POISON for t in others)  # only the bad request can raise
         async with AsyncEngine.from_pretrained(ckpt, tokens_per_block=4) as engine:
-            model = engine.engine.model
-            calls = 0
-            real = model.forward
-
-            def broken(batch: Any, caches: Any) -> Any:
-                nonlocal calls
-                calls += 1
-                if calls == 3:
-                    raise ValueError("injected fault")
-                return real(batch, caches)
-
-            model.forward = broken
-            streams = [engine.stream(p, greedy()) for p in PROMPTS[:3]]
-            for s in streams:
-                with pytest.raises(RtpcoreError, match="injected fault"):
-                    await collect(s)
-            await until(lambda: idle(engine), "the failed requests' blocks")
+            _raise_on(engine, POISON)
+            streams = [engine.stream(p, greedy()) for p in PROMPTS[:2]]
+            bad = engine.stream([5, POISON, 7], greedy())
+            streams.append(engine.stream(PROMPTS[2], greedy()))
+            with pytest.raises(RequestFailedError, match=f"injected fault on token {POISON}") as excinfo:
+                await collect(bad)
+            assert excinfo.value.reason == "model_fault" and excinfo.value.request_id == bad.request_id
+            for s, want in zip(streams, [alone[0], alone[1], alone[2]], strict=True):
+                tokens, last = await collect(s)
+                assert tokens == want and last.finish_reason == "length"
+            await until(lambda: idle(engine), "the failed request's blocks")
+            assert engine.engine.failure is None and engine.stats().request_errors_total == 1
+            tokens, _ = await collect(engine.stream(PROMPTS[0], greedy()))
+            assert tokens == alone[0]
 
     run(main())
 
@@ -426,21 +446,15 @@ def test_time_stamps_give_time_to_first_token_and_between_tokens(ckpt: Path) -> 
     run(main())
 
 
-def test_a_failed_step_breaks_the_engine_and_its_failure_says_so(ckpt: Path) -> None:
-    """Engine.failure is None while it can step; after a model fault inside a step it names the
-    failure (later requests would fail), and after close it says closed."""
+def test_a_model_fault_leaves_the_engine_whole_and_its_failure_says_so_only_when_closed(ckpt: Path) -> None:
+    """Engine.failure stays None after a request's own model fault (the request fails, the engine steps
+    on); after close it says closed."""
     engine = Engine.from_pretrained(ckpt, tokens_per_block=4)
     assert engine.failure is None
-    model = engine.model
-    real = model.forward
-
-    def broken(batch: Any, caches: Any) -> Any:
-        raise ValueError("injected fault")
-
-    model.forward = broken
-    with pytest.raises(RtpcoreError, match="injected fault"):
-        engine.generate([PROMPTS[0]], max_new_tokens=2)
-    model.forward = real
-    assert engine.failure is not None and "injected fault" in str(engine.failure)
+    _raise_on(engine, POISON)
+    with pytest.raises(RequestFailedError, match="injected fault"):
+        engine.generate([[3, POISON]], max_new_tokens=2)
+    assert engine.failure is None and engine.broken is None
+    assert len(engine.generate([PROMPTS[0]], max_new_tokens=2)[0]) == 2
     engine.close()
     assert "closed" in str(engine.failure)

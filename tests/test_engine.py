@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from rtpcore import Engine
 from rtpcore.engine.sampling import SamplingParams, sample_step
-from rtpcore.errors import KVCacheCapacityError, KVCacheSpecError, RtpcoreError
+from rtpcore.errors import InvalidRequestError, KVCacheCapacityError, KVCacheSpecError, RtpcoreError
 from rtpcore.kv.pools import LayerKVCache, PackedLayerKVCache
 from test_llama import make_checkpoint, teacher_forced_logits
 
@@ -40,27 +40,46 @@ def test_batched_ragged_equals_alone_with_more_prompts_than_slots(ckpt: Path, al
         assert e.num_free_kv_blocks == e.num_kv_blocks
 
 
-def test_requests_wait_for_blocks_under_memory_pressure(ckpt: Path, engine: Any, alone: list[list[int]]) -> None:
-    """With KV memory for about two sequences, the others wait for freed blocks and still finish correctly."""
+def test_requests_preempt_each_other_under_memory_pressure_and_keep_their_output(
+    ckpt: Path, engine: Any, alone: list[list[int]]
+) -> None:
+    """With KV memory for about one 40-token sequence, requests take blocks on demand, the newest is
+    preempted when none is free, and every prompt still gets its solo output; every block comes back."""
     block_bytes = sum(s.block_bytes for s in engine.kv_cache_specs)
-    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=10 * block_bytes) as e:
-        assert e.num_kv_blocks == 10  # the longest prompt needs 9 blocks: it runs alone
+    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=10 * block_bytes, max_model_len=40) as e:
+        assert e.num_kv_blocks == 10
         assert e.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[]) == alone
+        assert e.stats().preemptions_total > 0
         assert e.num_free_kv_blocks == 10
 
 
-def test_request_that_never_fits_fails_upfront_and_engine_keeps_serving(ckpt: Path, engine: Any, alone: list[list[int]]) -> None:
-    """A prompt larger than the whole cache raises KVCacheCapacityError naming it; nothing ran; later calls work."""
+def test_a_pool_smaller_than_one_context_is_refused_at_build_naming_both_sizes_and_the_flags(
+    ckpt: Path, engine: Any
+) -> None:
+    """kv_cache_memory that cannot hold one max_model_len sequence fails the build with KVCacheCapacityError."""
     block_bytes = sum(s.block_bytes for s in engine.kv_cache_specs)
-    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=6 * block_bytes) as e:
-        with pytest.raises(KVCacheCapacityError) as excinfo:
+    with pytest.raises(KVCacheCapacityError) as excinfo:
+        Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=6 * block_bytes, max_model_len=40)
+    err = excinfo.value
+    assert (err.tokens_needed, err.blocks_needed, err.blocks_available) == (40, 10, 6)
+    assert "max_model_len=40" in str(err) and "--max-model-len" in str(err) and "--kv-cache-memory" in str(err)
+    assert f"{10 * block_bytes} bytes" in str(err)
+
+
+def test_a_request_beyond_max_model_len_fails_upfront_and_engine_keeps_serving(
+    ckpt: Path, alone: list[list[int]]
+) -> None:
+    """prompt + max_new_tokens beyond max_model_len is an InvalidRequestError naming the field
+    (code context_length_exceeded); nothing ran; later calls work."""
+    with Engine.from_pretrained(ckpt, tokens_per_block=4, max_model_len=30) as e:
+        with pytest.raises(InvalidRequestError) as excinfo:
             e.generate([PROMPTS[0], PROMPTS[1]], max_new_tokens=20, stop_token_ids=[])
         err = excinfo.value
-        assert (err.prompt_index, err.tokens_needed, err.blocks_needed, err.blocks_available) == (1, 36, 9, 6)
-        assert "prompt 1 needs 36 cached tokens = 9 blocks" in str(err)
-        assert f"{9 * block_bytes} bytes" in str(err)
-        assert e.num_free_kv_blocks == 6
-        assert e.generate([PROMPTS[0]], max_new_tokens=20, stop_token_ids=[]) == [alone[0]]
+        assert (err.field, err.code) == ("max_new_tokens", "context_length_exceeded")
+        assert "prompt 1: 17 prompt tokens + max_new_tokens=20 = 37 exceeds the engine's max_model_len=30" in str(err)
+        assert e.num_free_kv_blocks == e.num_kv_blocks
+        short = [p for p in PROMPTS if len(p) + 8 <= 30]
+        assert e.generate(short, max_new_tokens=8, stop_token_ids=[]) == [alone[PROMPTS.index(p)][:8] for p in short]
 
 
 def test_stop_tokens_default_to_the_checkpoint_eos(tmp_path: Path, alone: list[list[int]]) -> None:
@@ -133,8 +152,10 @@ def test_config_is_picklable_and_rebuilds_the_engine(engine: Any, alone: list[li
 
 
 def test_default_kv_memory_holds_max_batch_of_full_contexts(engine: Any) -> None:
-    """Without kv_cache_memory, each layer holds max_batch_size x max_position_embeddings tokens."""
-    assert engine.num_kv_blocks == 8 * 256 // 4
+    """Without kv_cache_memory on the CPU, each layer holds max_batch_size (256 by default) x
+    max_model_len (the checkpoint's max_position_embeddings) tokens."""
+    assert engine.config.max_batch_size == 256 and engine.max_model_len == 256
+    assert engine.num_kv_blocks == 256 * 256 // 4
     assert len(engine.kv_cache_specs) == 2
     assert engine.kv_cache_specs[0].kind == "mha"
 
@@ -152,6 +173,11 @@ def test_trivial_requests(engine: Any) -> None:
     ({"tokens_per_block": 0}, "tokens_per_block must be a positive integer"),
     ({"max_batch_size": -1}, "max_batch_size must be a positive integer"),
     ({"kv_layout": "nope"}, "unknown KV layout 'nope'"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be a positive integer"),
+    ({"max_model_len": 0}, "max_model_len must be a positive integer"),
+    ({"max_model_len": 257}, "max_model_len=257 exceeds the checkpoint's max_position_embeddings=256"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1]"),
+    ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be True or False"),
 ])
 def test_bad_engine_arguments_are_clear_errors(ckpt: Path, kwargs: dict[str, Any], needle: str) -> None:
     """Each bad argument raises an RtpcoreError naming the argument and the rule."""
@@ -163,7 +189,7 @@ def test_bad_engine_arguments_are_clear_errors(ckpt: Path, kwargs: dict[str, Any
 @pytest.mark.parametrize(("prompts", "kwargs", "needle"), [
     ([[1], []], {}, "prompt 1 is empty"),
     ([[1, 128]], {}, "prompt 0 holds token id 128, outside 0..127"),
-    ([[1] * 250], {"max_new_tokens": 10}, "exceeds the model's max_position_embeddings=256"),
+    ([[1] * 250], {"max_new_tokens": 10}, "exceeds the engine's max_model_len=256"),
     (["hello"], {}, "prompt 0 must be a sequence of token ids"),
     ([[1]], {"temperature": -1.0}, "temperature must be >= 0"),
     ([[1]], {"top_p": 0.0}, "top_p must be in (0, 1]"),

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from rtpcore import Engine
-from rtpcore.errors import EngineClosedError, KVCacheCapacityError
+from rtpcore.errors import EngineClosedError, InvalidRequestError
 
 PROMPTS = [[5, 9, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [100], [7, 7], [3, 1, 4, 1, 5, 9]]
 # one call per thread: different prompts, lengths and batch sizes
@@ -64,7 +64,7 @@ def test_calls_wait_for_blocks_other_calls_hold_and_never_fail_for_that(
     """With blocks for one long prompt only, concurrent calls wait their turn and all finish correctly."""
     with Engine.from_pretrained(ckpt, tokens_per_block=4) as probe:
         block_bytes = sum(s.block_bytes for s in probe.kv_cache_specs)
-    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes) as e:
+    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes, max_model_len=32) as e:
         assert e.num_kv_blocks == 8  # the longest prompt needs 7: demand is several times the pool
         outs = run_threads([lambda c=c: e.generate(c, max_new_tokens=NEW, stop_token_ids=[]) for c in CALLS])
         assert outs == solo
@@ -90,10 +90,11 @@ def hold_first_forward(e: Engine, monkeypatch: pytest.MonkeyPatch, until: thread
 def test_a_call_that_can_never_fit_fails_at_once_while_others_hold_blocks(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prompt larger than the whole cache raises KVCacheCapacityError at once, even while another call runs."""
+    """A prompt + max_new_tokens beyond max_model_len raises InvalidRequestError at once, even while another
+    call runs."""
     with Engine.from_pretrained(ckpt, tokens_per_block=4) as probe:
         block_bytes = sum(s.block_bytes for s in probe.kv_cache_specs)
-    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes) as e:
+    with Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes, max_model_len=32) as e:
         release = threading.Event()
         held = hold_first_forward(e, monkeypatch, release)
         worker = threading.Thread(
@@ -104,14 +105,14 @@ def test_a_call_that_can_never_fit_fails_at_once_while_others_hold_blocks(
             assert held.wait(PATIENCE_S), "the long call never stepped"
             # The long call is inside its first step, holding its blocks until `release`: a call
             # that waited for blocks would wait for it, so failing here is failing at once.
-            with pytest.raises(KVCacheCapacityError) as excinfo:
+            with pytest.raises(InvalidRequestError) as excinfo:
                 e.generate([list(range(1, 40))], max_new_tokens=4)
             assert e.num_free_kv_blocks < 8 and not release.is_set()
         finally:
             release.set()
             worker.join(PATIENCE_S)
         assert not worker.is_alive()
-        assert excinfo.value.blocks_needed == 11 and excinfo.value.blocks_available == 8
+        assert (excinfo.value.field, excinfo.value.code) == ("max_new_tokens", "context_length_exceeded")
 
 
 def test_close_makes_running_and_waiting_calls_raise_engine_closed_error(
@@ -120,7 +121,7 @@ def test_close_makes_running_and_waiting_calls_raise_engine_closed_error(
     """Closing the engine while one call runs and another waits for its blocks ends both with EngineClosedError."""
     with Engine.from_pretrained(ckpt, tokens_per_block=4) as probe:
         block_bytes = sum(s.block_bytes for s in probe.kv_cache_specs)
-    e = Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes)
+    e = Engine.from_pretrained(ckpt, tokens_per_block=4, kv_cache_memory=8 * block_bytes, max_model_len=32)
     long = [1, 2, 3, 4]  # 4 + 24 - 1 tokens: 7 of the 8 blocks, for 24 steps
     errors: list[BaseException | None] = [None, None]
     # The first step waits until close() has ended the requests: no call can finish first.

@@ -1,4 +1,6 @@
-"""rtpcore.engine.scheduler.BlockAllocator: invariants are errors, and waiting callers are served in turn (real threads)."""
+"""rtpcore.engine.scheduler: the BlockAllocator's invariants are errors and waiting callers are served in
+turn (real threads); the Scheduler's plans keep the token budget, put decodes first, prefill in chunks,
+take blocks on demand and preempt the newest request when none is free (docs/design.md §13)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,19 @@ import time
 
 import pytest
 
-from rtpcore.engine.scheduler import BlockAllocator
+from rtpcore.engine.sampling import SamplingParams
+from rtpcore.engine.scheduler import BlockAllocator, Request, Scheduler, StepPlan
 from rtpcore.errors import EngineClosedError, KVBlockError, RtpcoreError
+
+PATIENCE_S = 120.0  # a bound against hanging, never a speed requirement
+
+
+def wait_until_queued(a: BlockAllocator, n: int = 1) -> None:
+    """Wait (bounded) until ``n`` callers wait in allocate_wait."""
+    deadline = time.monotonic() + PATIENCE_S
+    while a.num_waiting < n:
+        assert time.monotonic() < deadline, "the waiter never queued"
+        time.sleep(0.001)
 
 
 def test_lowest_blocks_come_first_and_come_back_in_order() -> None:
@@ -45,11 +58,11 @@ def test_a_waiting_caller_gets_its_blocks_when_another_frees_them() -> None:
     got: list[list[int]] = []
     waiter = threading.Thread(target=lambda: got.append(a.allocate_wait(2)))
     waiter.start()
-    time.sleep(0.2)
+    wait_until_queued(a)
     assert not got and waiter.is_alive()
     a.free(held)
-    waiter.join(5)
-    assert got == [[0, 1]]
+    waiter.join(PATIENCE_S)
+    assert not waiter.is_alive() and got == [[0, 1]]
 
 
 def test_while_a_caller_waits_others_cannot_take_blocks_ahead_of_it() -> None:
@@ -58,10 +71,10 @@ def test_while_a_caller_waits_others_cannot_take_blocks_ahead_of_it() -> None:
     held = a.allocate(3)
     waiter = threading.Thread(target=a.allocate_wait, args=(4,))
     waiter.start()
-    time.sleep(0.2)
+    wait_until_queued(a)
     assert a.num_free == 1 and a.try_allocate(1) is None
     a.free(held)
-    waiter.join(5)
+    waiter.join(PATIENCE_S)
     assert not waiter.is_alive() and a.num_free == 0
 
 
@@ -79,10 +92,87 @@ def test_closing_wakes_waiters_with_engine_closed_error() -> None:
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.2)
+    wait_until_queued(a)
     a.close()
-    waiter.join(5)
+    waiter.join(PATIENCE_S)
+    assert not waiter.is_alive()
     assert len(errors) == 1 and isinstance(errors[0], EngineClosedError)
     a.free(held)
     with pytest.raises(EngineClosedError):
         a.allocate(1)
+
+
+# -- the scheduler's plans ---------------------------------------------------------------------
+
+
+def request(name: str, prompt_len: int, max_tokens: int = 64) -> Request:
+    return Request(
+        request_id=name, tokens=list(range(1, prompt_len + 1)), prompt_len=prompt_len,
+        params=SamplingParams(max_tokens=max_tokens), stop_ids=frozenset(), on_output=lambda out: None,
+        arrival_time=0.0,
+    )
+
+
+def run(s: Scheduler) -> StepPlan:
+    """Plan a step and commit it as a model would have computed it: each sampling sequence gets token 0."""
+    plan = s.schedule()
+    for seq in plan.seqs:
+        s.commit(seq)
+        if seq.samples:
+            seq.request.tokens.append(0)
+    return plan
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_decodes_come_first() -> None:
+    """Budget 8: a running request decodes first in every step; a 20-token prompt arriving later is
+    prefilled in chunks of what the budget leaves (7, 7, 6), only the last one sampling."""
+    s = Scheduler(BlockAllocator(64), tokens_per_block=4, max_batch_size=4, max_num_batched_tokens=8)
+    short, long = request("short", 3), request("long", 20)
+    s.waiting.append(short)
+    assert [(q.start, q.num_tokens, q.samples) for q in run(s).seqs] == [(0, 3, True)]
+    s.waiting.append(long)
+    plans = [run(s) for _ in range(3)]
+    steps = [[(q.request.request_id, q.start, q.num_tokens, q.samples) for q in p.seqs] for p in plans]
+    assert steps == [
+        [("short", 3, 1, True), ("long", 0, 7, False)],
+        [("short", 4, 1, True), ("long", 7, 7, False)],
+        [("short", 5, 1, True), ("long", 14, 6, True)],
+    ]
+    assert all(p.num_tokens <= 8 for p in plans) and plans[0].admitted == (long,)
+    assert [q.request.request_id for q in run(s).seqs] == ["short", "long"]  # both decode now
+
+
+def test_blocks_are_taken_on_demand_and_the_newest_request_is_preempted_when_none_is_free() -> None:
+    """Two requests on 4 blocks of 4 tokens: each starts with its prompt's blocks; when the older needs
+    a block and none is free, the newer is preempted (blocks freed, back at the head of the queue to
+    recompute everything it holds)."""
+    s = Scheduler(BlockAllocator(4), tokens_per_block=4, max_batch_size=4, max_num_batched_tokens=64)
+    s.watermark = 0
+    old, new = request("old", 8), request("new", 7)
+    s.waiting.extend([old, new])
+    run(s)
+    assert (len(old.blocks), len(new.blocks)) == (2, 2) and s.allocator.num_free == 0
+    plan = run(s)  # old decodes position 8: a third block, none free -> new is preempted
+    assert [q.request for q in plan.seqs] == [old] and plan.preempted == (new,)
+    assert new.blocks == [] and new.num_cached == 0 and s.waiting[0] is new and new.num_preemptions == 1
+    assert len(old.blocks) == 3 and s.preemptions_total == 1
+    assert len(new.tokens) == 8  # its prompt and its generated token, all to recompute
+
+
+def test_a_request_that_would_preempt_itself_waits_and_the_running_batch_is_capped_by_the_budget() -> None:
+    """When the older request takes the last free block, the newest one, needing a block too, is preempted
+    itself (nobody newer to take one from) and the older one runs alone; and no more requests run than
+    the budget can give a token each."""
+    s = Scheduler(BlockAllocator(3), tokens_per_block=4, max_batch_size=8, max_num_batched_tokens=64)
+    s.watermark = 0
+    old, new = request("old", 4), request("new", 4)
+    s.waiting.extend([old, new])
+    run(s)
+    plan = run(s)  # both decode position 4: old takes the free block, new has none left
+    assert [q.request for q in plan.seqs] == [old] and plan.preempted == (new,)
+    assert s.running == [old] and list(s.waiting) == [new] and s.allocator.num_free == 1
+    capped = Scheduler(BlockAllocator(64), tokens_per_block=4, max_batch_size=8, max_num_batched_tokens=3)
+    assert capped.max_running == 3
+    spec = Scheduler(BlockAllocator(64), tokens_per_block=4, max_batch_size=8, max_num_batched_tokens=10,
+                     num_speculative_tokens=4)
+    assert spec.max_running == 2  # 1 + 4 tokens per decode

@@ -29,6 +29,7 @@ __all__ = [
     "PluginNotFoundError",
     "PluginVersionError",
     "QueueFullError",
+    "RequestFailedError",
     "RtpcoreError",
     "ShardingError",
     "UnknownArchitectureError",
@@ -318,10 +319,23 @@ class InvalidRequestError(RtpcoreError, ValueError):
     context. ``.field`` names the offending field (``"temperature"``, ``"prompt"``,
     ...), ``.value`` is what was given. Nothing ran and no KV block was taken."""
 
-    def __init__(self, message: str, *, field: str, value: object = None):
+    def __init__(self, message: str, *, field: str, value: object = None, code: str | None = None):
         super().__init__(message)
         self.field = field
         self.value = value
+        self.code = code  # OpenAI's error code where one applies ("context_length_exceeded")
+
+
+class RequestFailedError(RtpcoreError):
+    """One request's own step failed and ended it, while every other request went on:
+    the model's forward raised on it alone (``.reason == "model_fault"``, the exception as
+    ``__cause__``) or its next-token distribution was not finite (``"non_finite"``: NaN or
+    infinite logits, or every token masked). ``.request_id`` names it."""
+
+    def __init__(self, message: str, *, request_id: str, reason: str):
+        super().__init__(message)
+        self.request_id = request_id
+        self.reason = reason
 
 
 class QueueFullError(RtpcoreError):

@@ -2,7 +2,8 @@
 thread, for asyncio callers (the HTTP server is one).
 
 Requests join and leave the running batch between steps (continuous batching, the
-engine core of ``rtpcore.engine.core``: reservation, no preemption). The loop thread
+engine core of ``rtpcore.engine.core``: a token budget, chunked prefill, KV blocks on
+demand with preemption). The loop thread
 sleeps while no request waits or runs and steps the core while any does; each step
 hands every request its :class:`~rtpcore.engine.core.RequestOutput`, which reaches
 the request's asyncio queue through ``loop.call_soon_threadsafe``::
@@ -15,8 +16,11 @@ the request's asyncio queue through ``loop.call_soon_threadsafe``::
 that could never fit the cache, a full queue or a closed engine raise there, before
 any iteration), and returns a :class:`RequestStream`. A consumer that stops early --
 ``aclose()``, ``break`` (the stream is dropped), its task cancelled -- aborts the
-request, and its KV blocks are free by the end of the step in progress. A failed step
-raises its RtpcoreError from the streams of the requests in it. ``aclose()`` aborts
+request, and its KV blocks are free by the end of the step in progress. A request whose
+own step failed (a model fault on it, a non-finite distribution) raises its
+RequestFailedError from its stream; the others go on. A fault that is not a request's
+(the worker group broken) ends every stream with it, stops the loop, sets ``broken`` and
+calls each ``on_broken`` callback. ``aclose()`` aborts
 every open stream (they end with finish_reason ``"abort"``), stops the thread and
 closes the engine.
 
@@ -31,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rtpcore.engine.core import EngineStats, RequestOutput
@@ -113,6 +117,10 @@ class AsyncEngine:
         self._core = engine._core
         self._stop = False
         self._closed = False
+        # A fault that is not a request's breaks the engine: the loop stops, every request ends
+        # with it, and each callback here runs once with it (rtpcore serve drains and exits 1).
+        self.broken: RtpcoreError | None = None
+        self.on_broken: list[Callable[[RtpcoreError], None]] = []
         self._thread = threading.Thread(target=self._run, name="rtpcore-engine-loop", daemon=True)
         self._thread.start()
 
@@ -197,6 +205,20 @@ class AsyncEngine:
                 error.__cause__ = exc
                 core.close(error)
                 return
+            broken = self.engine.broken
+            if broken is not None:
+                self._break(broken)
+                return
+
+    def _break(self, error: RtpcoreError) -> None:
+        logger.error("the engine is broken and stops serving: %s", error)
+        self.broken = error
+        self._core.close(error)
+        for callback in self.on_broken:
+            try:
+                callback(error)
+            except Exception:
+                logger.exception("an on_broken callback failed")
 
     # -- lifetime ------------------------------------------------------------------------------
 

@@ -1,27 +1,26 @@
 """The request-level engine core that ``Engine.generate`` and ``AsyncEngine`` share.
 
 Requests are added (:meth:`EngineCore.add_request`) and aborted (:meth:`~EngineCore.abort`)
-at any time, from any thread. Each :meth:`~EngineCore.step` admits waiting requests
-(``rtpcore.engine.scheduler``: reservation, no preemption, first come first served),
-runs one forward of the whole running batch -- the prefill of the requests admitted
-in this step together with the decode of the others -- samples one token per request
-with its own settings and generator (``rtpcore.engine.sampling``), retires the
-requests that reached a stop token or ``max_tokens``, and hands each request its
-:class:`RequestOutput` through the request's own ``on_output`` callback (called on the
-stepping thread, outside every lock; it must not block).
+at any time, from any thread. Each :meth:`~EngineCore.step` asks the scheduler for a plan
+(``rtpcore.engine.scheduler``: a token budget, decodes first, chunked prefill, KV blocks on
+demand with preemption), runs it (``rtpcore.engine.step``: one unpadded forward, one batched
+sampler), commits what was computed, retires the requests that reached a stop token or
+``max_tokens``, and hands each request with new tokens its :class:`RequestOutput` through
+the request's own ``on_output`` callback (called on the stepping thread, outside every lock;
+it must not block).
 
 Steps are not reentrant: the caller serializes them (``Engine`` holds its step lock).
 Adding and aborting only take the core's short lock, so they never wait for a step.
 An abort of a request in the middle of a step takes effect when the step ends (its
 blocks are being written); any other abort frees the request's blocks at once.
 
-Failures: a request that could never fit the cache, or breaks a rule, is refused when
-added (:class:`~rtpcore.errors.KVCacheCapacityError`,
-:class:`~rtpcore.errors.InvalidRequestError`, :class:`~rtpcore.errors.QueueFullError`);
-the others go on. An exception inside a step (the model raising, a rank dying) ends
-every request of that step with an :class:`~rtpcore.errors.RtpcoreError` in its last
-output (the original exception as ``__cause__``) and frees their blocks; requests
-still waiting run in later steps.
+Failures: a request that breaks a rule is refused when added
+(:class:`~rtpcore.errors.InvalidRequestError`, :class:`~rtpcore.errors.QueueFullError`).
+A fault inside a step stays with the request that caused it: the step's requests are run
+again apart and only the culprit ends, with a :class:`~rtpcore.errors.RequestFailedError`
+(so does a request whose next-token distribution is not finite). Only a fault that is not a
+request's (a lost rank, a broken worker group) ends every request of the step, with an
+:class:`~rtpcore.errors.RtpcoreError` whose ``__cause__`` is the original exception.
 """
 
 from __future__ import annotations
@@ -37,18 +36,14 @@ import attrs
 import torch
 
 from rtpcore.engine.batch import ForwardBatch
-from rtpcore.engine.sampling import SampledToken, SamplingParams, sample_step
-from rtpcore.engine.scheduler import BlockAllocator, Request, Scheduler, blocks_needed
-from rtpcore.engine.speculative import SpeculativeStats, propose, verify
-from rtpcore.errors import (
-    EngineClosedError,
-    InvalidRequestError,
-    KVCacheCapacityError,
-    QueueFullError,
-    RtpcoreError,
-)
+from rtpcore.engine.runner import BatchBuilder
+from rtpcore.engine.sampling import SampledToken, SamplingParams
+from rtpcore.engine.scheduler import BlockAllocator, Request, Scheduler, StepPlan
+from rtpcore.engine.speculative import SpeculativeStats
+from rtpcore.engine.step import SeqResult, StepRunner, as_rtpcore_error
+from rtpcore.errors import EngineClosedError, InvalidRequestError, QueueFullError, RtpcoreError
 
-__all__ = ["EngineCore", "EngineStats", "RequestOutput"]
+__all__ = ["EngineCore", "EngineStats", "RequestOutput", "StepReport"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +105,23 @@ class EngineStats:
     mixed_steps_total: int  # steps that prefilled new requests while others decoded
     speculative_proposed_total: int = 0  # tokens a draft proposed (rtpcore.engine.speculative)
     speculative_accepted_total: int = 0  # of those, tokens the target accepted
+    preemptions_total: int = 0  # running requests sent back to recompute for want of blocks
+    request_errors_total: int = 0  # requests ended by their own fault (a model fault, a non-finite row)
+    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens found cached
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)
+
+
+@attrs.frozen
+class StepReport:
+    """What one step ran, for observers (metrics): tokens scheduled (proposals included),
+    sequences, and requests preempted while planning it."""
+
+    num_tokens: int
+    num_seqs: int
+    num_preempted: int
 
 
 class EngineCore:
@@ -125,8 +134,9 @@ class EngineCore:
         allocator: BlockAllocator,
         tokens_per_block: int,
         max_batch_size: int,
+        max_num_batched_tokens: int,
         eos_token_ids: Iterable[int],
-        max_positions: int,
+        max_model_len: int,
         vocab_size: int | None,
         block_bytes: int,
         device: torch.device | str = "cpu",
@@ -134,36 +144,51 @@ class EngineCore:
         num_speculative_tokens: int = 0,
         draft_shift: int = 0,
         draft_max_positions: int | None = None,
+        is_broken: Callable[[], bool] = lambda: False,
     ):
-        """``draft_forward`` and ``num_speculative_tokens`` > 0: speculative decoding
-        (``rtpcore.engine.speculative``); ``draft_shift`` 1 for a draft that reads the
-        target's hidden states (multi-token prediction, see ``Scheduler.draft_batch``);
-        ``draft_max_positions``: the draft's longest context (its ``max_position_embeddings``),
-        past which a request decodes without proposals."""
-        self._forward = forward
-        self._draft_forward = draft_forward if num_speculative_tokens > 0 else None
-        self.num_speculative_tokens = num_speculative_tokens
-        self.draft_shift = draft_shift
-        self.draft_max_positions = draft_max_positions
-        self._proposed = 0
-        self._accepted = 0
+        """``max_model_len``: the longest prompt + output a request may ask for (the engine
+        checked that the pool holds one). ``draft_forward`` and ``num_speculative_tokens`` > 0:
+        speculative decoding (``rtpcore.engine.speculative``); ``draft_shift`` 1 for a draft
+        that reads the target's hidden states (multi-token prediction, see
+        ``BatchBuilder.draft_batch``); ``draft_max_positions``: the draft's longest context (its
+        ``max_position_embeddings``), past which a request decodes without proposals.
+        ``is_broken()``: whether the worker group can no longer step (a fault is then not a
+        request's)."""
+        k = num_speculative_tokens if draft_forward is not None else 0
+        self.num_speculative_tokens = k
         self.allocator = allocator
         self.eos_token_ids = tuple(eos_token_ids)
-        self.max_positions = max_positions
+        self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.block_bytes = block_bytes
         self.device = torch.device(device)
         self.scheduler = Scheduler(
-            allocator, tokens_per_block=tokens_per_block, max_batch_size=max_batch_size, device=device
+            allocator,
+            tokens_per_block=tokens_per_block,
+            max_batch_size=max_batch_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_speculative_tokens=k,
+            draft_max_positions=draft_max_positions,
         )
+        self.runner = StepRunner(
+            forward=forward,
+            builder=BatchBuilder(tokens_per_block=tokens_per_block, device=device),
+            is_broken=is_broken,
+            draft_forward=draft_forward if k else None,
+            shift=draft_shift,
+        )
+        self.step_observers: list[Callable[[StepReport], None]] = []  # called after each step, on its thread
         self._requests: dict[str, Request] = {}
         self._cv = threading.Condition()
-        self._in_step = False
+        self._in_step_requests: set[Request] = set()  # the requests of the step in progress
         self._closed = False
         self._generated = 0
         self._finished = 0
         self._steps = 0
         self._mixed = 0
+        self._proposed = 0
+        self._accepted = 0
+        self._request_errors = 0
 
     # -- requests --------------------------------------------------------------------------
 
@@ -171,8 +196,9 @@ class EngineCore:
         self, prompt: Any, max_tokens: int, *, name: str = "prompt", index: int | None = None,
         max_tokens_name: str = "max_tokens",
     ) -> list[int]:
-        """``prompt`` as a list of token ids, after checking it fits the model and the
-        cache with ``max_tokens`` new tokens (``name`` names it in messages)."""
+        """``prompt`` as a list of token ids, after checking it and ``max_tokens`` new tokens
+        fit ``max_model_len`` (``name`` names it in messages). The pool holds one such
+        sequence, so a checked request always runs (alone, if it must)."""
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
         if isinstance(prompt, str | bytes) or not isinstance(prompt, Sequence):
@@ -189,26 +215,13 @@ class EngineCore:
                     f"{name} holds token id {t!r}, outside 0..{(vocab or 0) - 1}", field="prompt", value=t
                 )
         total = len(ids) + max_tokens
-        if total > self.max_positions:
+        if total > self.max_model_len:
             raise InvalidRequestError(
                 f"{name}: {len(ids)} prompt tokens + {max_tokens_name}={max_tokens} = {total} "
-                f"exceeds the model's max_position_embeddings={self.max_positions}",
+                f"exceeds the engine's max_model_len={self.max_model_len}",
                 field=max_tokens_name,
                 value=max_tokens,
-            )
-        tpb, num_blocks = self.scheduler.tpb, self.allocator.num_blocks
-        need = blocks_needed(len(ids), max_tokens, tpb)
-        if need > num_blocks:
-            tokens = len(ids) + max(max_tokens, 1) - 1
-            raise KVCacheCapacityError(
-                f"{name} needs {tokens} cached tokens = {need} blocks of {tpb} tokens "
-                f"({need * self.block_bytes} bytes over all layers), but the KV cache holds only "
-                f"{num_blocks} blocks ({num_blocks * self.block_bytes} bytes); "
-                "raise kv_cache_memory or shorten the request",
-                prompt_index=index,
-                tokens_needed=tokens,
-                blocks_needed=need,
-                blocks_available=num_blocks,
+                code="context_length_exceeded",
             )
         return ids
 
@@ -274,7 +287,7 @@ class EngineCore:
             r = self._requests.get(request_id)
             if r is None:
                 return False
-            if self._in_step and r in self.scheduler.running:
+            if r in self._in_step_requests:
                 r.aborted = True
                 return True
             out = self._finish(r, "abort")
@@ -314,120 +327,64 @@ class EngineCore:
             self._cv.notify_all()
 
     def step(self) -> bool:
-        """Admit, run one forward of the running batch, sample, retire, hand out
-        outputs. False when there was nothing to run. Callers serialize steps."""
+        """Plan, run, commit and hand out one step. False when there was nothing to run.
+        Callers serialize steps."""
         with self._cv:
             if self._closed:
                 return False
-            new = self.scheduler.admit()
-            seqs = list(self.scheduler.running)
-            if not seqs:
-                return False
-            batch = self.scheduler.batch() if self._draft_forward is None else None
-            self._in_step = True
+            plan = self.scheduler.schedule()
+            if not plan.seqs:
+                return bool(plan.preempted)
+            self._in_step_requests = {s.request for s in plan.seqs}
         error: RtpcoreError | None = None
-        samples: list[list[SampledToken]] = []
+        results: list[SeqResult] = []
         try:
-            with torch.inference_mode():
-                if batch is not None:
-                    params = [s.params for s in seqs]
-                    generators = [s.generator for s in seqs]
-                    samples = [[t] for t in sample_step(self._forward(batch), params, generators)]
-                else:
-                    samples = self._speculate(seqs, set(new))
-        except Exception as exc:
-            error = exc if isinstance(exc, RtpcoreError) else RtpcoreError(
-                f"the engine step failed: {type(exc).__name__}: {exc}"
-            )
-            if error is not exc:
-                error.__cause__ = exc
-            logger.error("engine step of %d requests failed: %s", len(seqs), error)
+            results = self.runner.run(plan.seqs)
+        except Exception as exc:  # not a request's fault: the worker group is broken
+            error = as_rtpcore_error(exc)
+            logger.error("engine step of %d requests failed: %s", len(plan.seqs), error)
+        outputs = self._commit(plan, results, error)
+        for r, out in outputs:
+            _deliver(r, out)
+        report = StepReport(plan.num_tokens, len(plan.seqs), len(plan.preempted))
+        for observe in self.step_observers:
+            try:
+                observe(report)
+            except Exception:  # an observer must not break the engine
+                logger.exception("a step observer failed")
+        return True
+
+    def _commit(
+        self, plan: StepPlan, results: Sequence[SeqResult], error: RtpcoreError | None
+    ) -> list[tuple[Request, RequestOutput]]:
+        """Apply a step's results under the lock: cache what was computed, record tokens,
+        end finished, failed and aborted requests; the outputs to hand out."""
         now = time.monotonic()
         outputs: list[tuple[Request, RequestOutput]] = []
         with self._cv:
-            self._in_step = False
+            self._in_step_requests = set()
             self._steps += 1
-            self._mixed += bool(new) and len(new) < len(seqs)
-            for i, s in enumerate(seqs):
-                if s.finish_reason is not None:  # ended while the step ran (closed)
+            self._mixed += plan.is_mixed
+            for i, seq in enumerate(plan.seqs):
+                r = seq.request
+                if r.finish_reason is not None:  # ended while the step ran (closed)
                     continue
-                if s.aborted:
-                    outputs.append((s, self._finish(s, "abort")))
+                if r.aborted:
+                    outputs.append((r, self._finish(r, "abort")))
                 elif error is not None:
-                    outputs.append((s, self._finish(s, "error", error)))
+                    outputs.append((r, self._finish(r, "error", error)))
+                elif results[i].error is not None:
+                    self._request_errors += 1
+                    outputs.append((r, self._finish(r, "error", results[i].error)))
                 else:
-                    outputs.append((s, self._record(s, samples[i], now)))
+                    result = results[i]
+                    self.scheduler.commit(seq, result.accepted)
+                    self._proposed += result.proposed
+                    self._accepted += result.accepted
+                    if result.tokens:
+                        outputs.append((r, self._record(r, result.tokens, now)))
             self._cv.notify_all()
-        for r, out in outputs:
-            _deliver(r, out)
-        return True
-
-    def _speculate(self, seqs: Sequence[Request], fresh: set[Request]) -> list[list[SampledToken]]:
-        """One speculative step (``rtpcore.engine.speculative``): the draft proposes for the
-        decoding requests, the target scores the proposals and prefills ``fresh`` requests in
-        one forward; the tokens each request emits, in ``seqs`` order."""
-        assert self._draft_forward is not None
-        k_max, shift = self.num_speculative_tokens, self.draft_shift
-        # Never score a token past max_tokens, nor feed the draft a position past its context:
-        # k shrinks near either end (0 or less: plain decoding). The draft's inputs reach
-        # position len(tokens) + k - 2 (len(tokens) - 1 for its catch-up alone, k = 1).
-        limit = self.draft_max_positions
-        ks = {
-            s: min(
-                k_max,
-                s.params.max_tokens - (len(s.tokens) - s.prompt_len) - 1,
-                k_max if limit is None else limit - len(s.tokens) + 1,
-            )
-            for s in seqs
-            if s not in fresh
-        }
-        proposals: dict[Request, list[int]] = {s: [] for s, k in ks.items() if k > 0}
-        dists: dict[Request, list[torch.Tensor | None]] = {s: [] for s in proposals}
-        previous: dict[Request, int] = {}
-        for j in range(k_max):
-            group = [s for s in proposals if ks[s] > j]
-            if not group:
-                break
-            batch = self.scheduler.draft_batch(group, j, proposals, shift=shift, previous=previous)
-            tokens, ds = propose(self._draft_forward(batch), [s.params for s in group], [s.generator for s in group])
-            row = -1
-            for g, s in enumerate(group):
-                proposals[s].append(tokens[g])
-                dists[s].append(ds[g])
-                row += batch.query_lens[g]
-                previous[s] = row  # the draft's hidden state after this proposal, for the next
-        logits = self._forward(self.scheduler.batch(proposals, seqs))  # rows: 1 per request, k + 1 per proposer
-        starts = [0]  # each request's first row of logits
-        for s in seqs:
-            starts.append(starts[-1] + len(proposals.get(s, ())) + 1)
-        plain = [i for i, s in enumerate(seqs) if s not in proposals]
-        sampled = sample_step(
-            logits[[starts[i] for i in plain]], [seqs[i].params for i in plain], [seqs[i].generator for i in plain]
-        )
-        first = dict(zip(plain, sampled, strict=True))
-        greedy = any(s.params.greedy for s in proposals)
-        best = logits.argmax(dim=-1).tolist() if greedy else None  # one transfer for every greedy verification
-        out: list[list[SampledToken]] = []
-        proposed, accepted = 0, 0
-        for i, s in enumerate(seqs):
-            drafted = proposals.get(s)
-            if drafted is None:
-                out.append([first[i]])
-                continue
-            k, row = len(drafted), starts[i]
-            rows = None if best is None else best[row : row + k + 1]
-            emitted, n = verify(logits[row : row + k + 1], drafted, dists[s], s.params, s.generator, rows)
-            # Roll back: the target keeps the positions of the accepted proposals; the draft
-            # those it computed from accepted tokens alone (not from its own hidden states).
-            s.num_cached += n
-            s.draft_cached = len(s.tokens) - shift + (0 if shift else min(n, k - 1))
-            proposed += k
-            accepted += n
-            out.append(emitted)
-        with self._cv:
-            self._proposed += proposed
-            self._accepted += accepted
-        return out
+        return outputs
 
     @property
     def speculative_stats(self) -> SpeculativeStats:
@@ -447,6 +404,8 @@ class EngineCore:
                 mixed_steps_total=self._mixed,
                 speculative_proposed_total=self._proposed,
                 speculative_accepted_total=self._accepted,
+                preemptions_total=self.scheduler.preemptions_total,
+                request_errors_total=self._request_errors,
             )
 
     # -- under the lock ----------------------------------------------------------------------

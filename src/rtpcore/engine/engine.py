@@ -7,14 +7,26 @@ the engine core (``rtpcore.engine.core``: admission, one mixed prefill/decode st
 of every running request, per-request sampling); ``generate`` and
 ``rtpcore.AsyncEngine`` share it.
 
-KV memory: ``kv_cache_memory`` bytes when given; otherwise enough blocks for
-``max_batch_size`` sequences of ``max_position_embeddings`` tokens each, capped
-at a quarter of the memory this process may use (physical RAM, or the cgroup
-memory limit when smaller: ``rtpcore.engine.memory``) over all tensor-parallel
-ranks (``kv_cache_memory`` itself is per rank). Requests are checked before anything runs: a
-prompt that could not fit even in an empty cache raises
-:class:`~rtpcore.errors.KVCacheCapacityError` naming it, and the engine stays
-usable. Admitted sequences reserve their blocks, so nothing is preempted.
+Scheduling (docs/design.md §13; ``rtpcore.engine.scheduler``): a step schedules at most
+``max_num_batched_tokens`` new tokens (default ``DEFAULT_BATCHED_TOKENS``: 8192 on a GPU,
+256 on the CPU, where a step of a few hundred tokens already takes tens of milliseconds),
+decodes first, long prompts in chunks; KV blocks are taken on demand and a running request
+is preempted (to recompute later) when none is free; at most ``max_batch_size`` requests run.
+
+KV memory: ``kv_cache_memory`` bytes per rank when given. Otherwise, on a GPU,
+``gpu_memory_utilization`` of the device's memory minus what is in use once the weights are
+loaded and minus the peak of one ``max_num_batched_tokens`` step, measured at start
+(``rtpcore.engine.memory.gpu_kv_cache_bytes``); on the CPU, enough blocks for
+``max_batch_size`` sequences of ``max_model_len`` tokens each, capped at a quarter of the
+memory this process may use (physical RAM, or the cgroup memory limit when smaller:
+``rtpcore.engine.memory``) over all tensor-parallel ranks. A pool that cannot hold one
+``max_model_len`` sequence is refused when the engine is built
+(:class:`~rtpcore.errors.KVCacheCapacityError` naming both sizes, ``--max-model-len`` and
+``--kv-cache-memory``), so every request that passes the ``max_model_len`` check runs.
+
+``dtype="auto"``: the checkpoint's ``torch_dtype`` on a GPU (float32 when config.json
+names none), float32 on the CPU (exact, and the CPU kernels' fastest path for small
+batches).
 
 Threads: ``generate`` may be called from several threads at once, and while an
 ``AsyncEngine`` steps the same engine. Every call adds its requests to the one
@@ -63,7 +75,9 @@ __all__ = ["Engine", "EngineConfig"]
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RAM_FRACTION = 0.25  # cap of the default KV memory
+RAM_FRACTION = 0.25  # cap of the default KV memory on the CPU
+DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}  # max_num_batched_tokens by device type
+DEFAULT_MAX_BATCH_SIZE = 256
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -99,6 +113,13 @@ class EngineConfig:
     # Decode steps replayed from CUDA graphs (rtpcore.engine.graphs): None = on for a
     # single-rank engine on a CUDA/ROCm device, off otherwise.
     cuda_graphs: bool | None = None
+    # Scheduling (docs/design.md §13), resolved: the token budget of a step, the longest
+    # prompt + output (None: the checkpoint's max_position_embeddings), prefix caching, and
+    # the share of a GPU's memory the engine may fill.
+    max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS["cpu"]
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     @classmethod
     def create(
@@ -108,18 +129,22 @@ class EngineConfig:
         plugins: Iterable[str] = (),
         external_model_packages: Iterable[str] = (),
         model_type: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         kv_cache_dtype: str = "auto",
         kv_layout: str | None = None,
         tokens_per_block: int = 16,
         kv_cache_memory: int | None = None,
-        max_batch_size: int = 8,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         tensor_parallel_size: int = 1,
         fp32_batched_linear: bool | None = None,
         draft_model: str | os.PathLike[str] | None = None,
         num_speculative_tokens: int = 0,
         device: Any = "auto",
         cuda_graphs: bool | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
     ) -> EngineConfig:
         """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
         a device torch cannot see raises DeviceError here, before anything loads) and the
@@ -129,9 +154,10 @@ class EngineConfig:
         from rtpcore.parallel.context import env_world_size
         from rtpcore.plugins.allowlist import Allowlist
 
-        if dtype not in DTYPES:
-            raise RtpcoreError(f"dtype {dtype!r} is not supported; choose one of {', '.join(map(repr, DTYPES))}")
-        kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        if dtype != "auto" and dtype not in DTYPES:
+            raise RtpcoreError(
+                f"dtype {dtype!r} is not supported; choose 'auto' or one of {', '.join(map(repr, DTYPES))}"
+            )
         _positive_int("tokens_per_block", tokens_per_block)
         _positive_int("max_batch_size", max_batch_size)
         if kv_cache_memory is not None:
@@ -150,6 +176,27 @@ class EngineConfig:
             raise RtpcoreError(f"cuda_graphs must be None (automatic), True or False, got {cuda_graphs!r}")
         if cuda_graphs and resolved_device == "cpu":
             raise RtpcoreError("cuda_graphs=True needs a CUDA/ROCm device; the engine runs on the CPU")
+        dtype = _resolve_dtype(dtype, resolved_device, path)
+        kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        device_type = "cpu" if resolved_device == "cpu" else "cuda"
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_BATCHED_TOKENS[device_type]
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        if max_num_batched_tokens < 1 + k:
+            raise RtpcoreError(
+                f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one decode step with "
+                f"num_speculative_tokens={k} (1 + {k} tokens); raise it"
+            )
+        if max_model_len is not None:
+            _positive_int("max_model_len", max_model_len)
+        if enable_prefix_caching not in (True, False):
+            raise RtpcoreError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        if (
+            isinstance(gpu_memory_utilization, bool)
+            or not isinstance(gpu_memory_utilization, int | float)
+            or not 0.0 < gpu_memory_utilization <= 1.0
+        ):
+            raise RtpcoreError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages).resolve()
         return cls(
             checkpoint=str(path),
@@ -167,6 +214,10 @@ class EngineConfig:
             draft_model=draft,
             num_speculative_tokens=k,
             cuda_graphs=cuda_graphs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=float(gpu_memory_utilization),
         )
 
     @property
@@ -206,18 +257,22 @@ class Engine:
         plugins: Iterable[str] = (),
         external_model_packages: Iterable[str] = (),
         model_type: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         kv_cache_dtype: str = "auto",
         kv_layout: str | None = None,
         tokens_per_block: int = 16,
         kv_cache_memory: int | None = None,
-        max_batch_size: int = 8,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         tensor_parallel_size: int = 1,
         fp32_batched_linear: bool | None = None,
         draft_model: str | os.PathLike[str] | None = None,
         num_speculative_tokens: int = 0,
         device: Any = "auto",
         cuda_graphs: bool | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        gpu_memory_utilization: float = 0.9,
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
         preallocate the KV cache (see the module docstring for its default size).
@@ -236,7 +291,11 @@ class Engine:
         :class:`~rtpcore.errors.DeviceError` before anything is loaded.
 
         ``cuda_graphs``: decode steps replayed from CUDA graphs (``rtpcore.engine.graphs``);
-        None (the default) turns them on for a single-rank engine on a GPU, False off."""
+        None (the default) turns them on for a single-rank engine on a GPU, False off.
+
+        ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching`` and
+        ``gpu_memory_utilization``: scheduling and sizing, see the module docstring and
+        docs/design.md §13."""
         config = EngineConfig.create(
             path,
             plugins=plugins,
@@ -254,6 +313,10 @@ class Engine:
             num_speculative_tokens=num_speculative_tokens,
             device=device,
             cuda_graphs=cuda_graphs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            gpu_memory_utilization=gpu_memory_utilization,
         )
         return cls.from_config(config)
 
@@ -268,6 +331,7 @@ class Engine:
         self._closed = True  # until fully built
         self._step_lock = threading.Lock()
         self._group = None
+        self._broken: RtpcoreError | None = None
         self.model = None
         self.draft = None
         self.draft_kv_cache_specs = []
@@ -290,7 +354,8 @@ class Engine:
             self.draft_kv_cache_specs = list(shard.draft.kv_cache_specs) if shard.draft else []
             specs = [*self.kv_cache_specs, *self.draft_kv_cache_specs]  # the draft's blocks are the target's
             self.max_positions = max_positions(hf)
-            self.num_kv_blocks = _plan_blocks(specs, config, self.max_positions)
+            self.max_model_len = _max_model_len(config, self.max_positions)
+            self.num_kv_blocks = _plan_blocks(specs, config, self.max_model_len, self._group)
             self._group.run("allocate", self.num_kv_blocks)
             self.kv_caches = shard.kv_caches
             self.eos_token_ids = _eos_token_ids(hf, Path(config.checkpoint))
@@ -302,8 +367,9 @@ class Engine:
                 allocator=self._allocator,
                 tokens_per_block=config.tokens_per_block,
                 max_batch_size=config.max_batch_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
                 eos_token_ids=self.eos_token_ids,
-                max_positions=self.max_positions,
+                max_model_len=self.max_model_len,
                 vocab_size=self.vocab_size,
                 block_bytes=sum(s.block_bytes for s in specs),
                 draft_forward=self._draft_forward if self.draft is not None else None,
@@ -311,6 +377,7 @@ class Engine:
                 draft_shift=1 if config.draft_model == "mtp" else 0,
                 draft_max_positions=max_positions(shard.draft.hf_config) if shard.draft else None,
                 device=self.device,  # per-request generators and step inputs live there
+                is_broken=lambda: self.failure is not None,
             )
         except BaseException as exc:
             self._release()  # every rank's model, pools and processes
@@ -322,9 +389,10 @@ class Engine:
             raise
         self._closed = False
         logger.info(
-            "engine ready: model_type=%s dtype=%s kv=%s on %s, %d blocks of %d tokens",
+            "engine ready: model_type=%s dtype=%s kv=%s on %s, %d blocks of %d tokens, "
+            "max_model_len=%d, %d tokens per step",
             self.model_type, config.dtype, config.kv_cache_dtype, self.device, self.num_kv_blocks,
-            config.tokens_per_block,
+            config.tokens_per_block, self.max_model_len, config.max_num_batched_tokens,
         )
 
     # -- generation ------------------------------------------------------------------------
@@ -424,9 +492,18 @@ class Engine:
 
     @property
     def num_free_kv_blocks(self) -> int:
-        """Blocks per layer not reserved by a running sequence (all of them between calls)."""
+        """Blocks per layer no request holds (all of them between calls)."""
         self._check_open()
         return self._allocator.num_free
+
+    @property
+    def broken(self) -> RtpcoreError | None:
+        """The fault that broke the worker group (a lost rank, a device fault), or None -- also
+        after ``close()``: a server exits non-zero when its engine broke. A request's own fault
+        never breaks the engine (docs/design.md §13)."""
+        if self._group is not None and self._group.failure is not None:
+            return self._group.failure
+        return self._broken
 
     @property
     def failure(self) -> RtpcoreError | None:
@@ -466,6 +543,8 @@ class Engine:
         self.draft = None
         self.kv_caches = []
         group, self._group = self._group, None
+        if group is not None and group.failure is not None:
+            self._broken = group.failure
         if group is not None:
             group.close()  # stops the worker processes, if any
 
@@ -526,27 +605,66 @@ def _start_ranks(config: EngineConfig) -> Any:
     return WorkerGroup.join_env("rtpcore.engine.rank:build_shard", config, plan=config.plan, device=device)
 
 
-def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_positions: int) -> int:
-    """Blocks per layer for ``kv_cache_memory`` or the documented default."""
-    from rtpcore.engine.memory import memory_limit
+def _resolve_dtype(dtype: str, device: str, path: str | os.PathLike[str]) -> str:
+    """``dtype`` itself, or for "auto": float32 on the CPU, the checkpoint's ``torch_dtype``
+    (or ``dtype``) on a GPU, float32 when config.json names none we run."""
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"
+    from rtpcore.checkpoint import read_hf_config
+
+    hf = read_hf_config(path)
+    named = hf.get("torch_dtype", hf.get("dtype"))
+    return named if isinstance(named, str) and named in DTYPES else "float32"
+
+
+def _max_model_len(config: EngineConfig, max_positions: int) -> int:
+    """``config.max_model_len``, or the checkpoint's context; never beyond it."""
+    if config.max_model_len is None:
+        return max_positions
+    if config.max_model_len > max_positions:
+        raise RtpcoreError(
+            f"max_model_len={config.max_model_len} exceeds the checkpoint's max_position_embeddings="
+            f"{max_positions} ({config.checkpoint!r}); choose at most {max_positions}"
+        )
+    return config.max_model_len
+
+
+def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_model_len: int, group: Any) -> int:
+    """Blocks per layer for ``kv_cache_memory`` or the documented default; at least one
+    ``max_model_len`` sequence's worth, else a KVCacheCapacityError."""
+    from rtpcore.engine.memory import gpu_kv_cache_bytes, memory_limit
     from rtpcore.kv.specs import plan_blocks
 
     block_bytes = sum(s.block_bytes for s in specs)
+    tpb = config.tokens_per_block
     memory = config.kv_cache_memory
-    if memory is None:
-        want = -(-config.max_batch_size * max_positions // config.tokens_per_block) * block_bytes
+    if memory is None and config.device != "cpu":
+        # Every rank measures its own device: the step's peak, then what is free.
+        readings = group.run("profile_memory", config.max_num_batched_tokens, gather=True)
+        memory = min(
+            gpu_kv_cache_bytes(total=total, free=free, peak_step=peak, utilization=config.gpu_memory_utilization)
+            for peak, free, total in readings
+        )
+    elif memory is None:
+        want = -(-config.max_batch_size * max_model_len // tpb) * block_bytes
         # Every rank allocates this much; spawned ranks share this machine's RAM.
         cap = int(memory_limit() * RAM_FRACTION) // config.tensor_parallel_size
         memory = min(want, cap)
     blocks = plan_blocks(specs, memory)
-    if blocks < 1:
+    need = -(-max_model_len // tpb)
+    if blocks < need:
         raise KVCacheCapacityError(
-            f"kv_cache_memory={memory} bytes holds no KV block; one block over all layers needs {block_bytes} bytes",
-            blocks_needed=1,
+            f"the KV cache holds {blocks} blocks of {tpb} tokens ({blocks * tpb} tokens, {memory} bytes per "
+            f"rank), but one max_model_len={max_model_len} sequence needs {need} blocks "
+            f"({need * block_bytes} bytes over all layers): lower --max-model-len (max_model_len=) "
+            "or raise --kv-cache-memory (kv_cache_memory=)",
+            tokens_needed=max_model_len,
+            blocks_needed=need,
+            blocks_available=blocks,
         )
     return blocks
-
-
 
 
 def _eos_token_ids(hf: dict[str, Any], path: Path) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""How much memory this process may use: physical RAM, or less under a cgroup limit.
+"""How much memory this process may use: physical RAM, or less under a cgroup limit; and
+how much of a GPU the KV cache may take (:func:`gpu_kv_cache_bytes`).
 
 A container's memory limit is a cgroup's, not the host's RAM: a KV cache sized
 from the host's RAM gets the process killed. :func:`memory_limit` is the smaller
@@ -21,7 +22,7 @@ import logging
 import os
 from pathlib import Path, PurePosixPath
 
-__all__ = ["cgroup_memory_limit", "memory_limit", "physical_memory"]
+__all__ = ["cgroup_memory_limit", "gpu_kv_cache_bytes", "memory_limit", "physical_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,15 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 _V1_UNLIMITED = 1 << 60
 _FALLBACK = 8 << 30  # when the platform cannot tell its RAM
+
+
+def gpu_kv_cache_bytes(*, total: int, free: int, peak_step: int, utilization: float) -> int:
+    """Bytes a GPU's KV pool may take: ``utilization`` of the device's ``total`` memory, less
+    what is in use already (``total - free``: the weights, and anything else on the device,
+    other processes included), less ``peak_step``, the transient memory of the largest step
+    (measured at start). 0 when nothing is left."""
+    in_use = total - free
+    return max(0, int(utilization * total) - in_use - peak_step)
 
 
 def physical_memory() -> int:

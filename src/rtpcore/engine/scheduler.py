@@ -1,145 +1,53 @@
-"""Which requests run in the next step, and the ``ForwardBatch`` that runs them.
+"""Who runs in the next step, and how many tokens each (docs/design.md §13).
 
-Policy (reservation, no preemption): the oldest waiting request is admitted when a
-batch slot is free and the allocator holds every block it can ever need
-(``ceil((len(prompt) + max_tokens - 1) / tokens_per_block)``; the last new token
-is never written to the cache). An admitted request therefore always finishes
-(or is aborted); the others wait, first come first served -- a request that does
-not fit blocks the ones behind it, so a long prompt is never starved by short
-ones -- until finishing requests return their blocks. A request that cannot fit
-even in an empty cache is refused when it is added.
+Policy, one :meth:`Scheduler.schedule` per step, within a budget of
+``max_num_batched_tokens`` new tokens:
 
-Each step runs every running request in one ragged ``ForwardBatch``: the whole
-prompt of each request admitted in this step (its prefill) and the last token of
-each other one (its decode).
+1. **Decodes first.** Every running request whose tokens are all cached but the last gets
+   that token (1 + its proposals with a speculative draft). When its sequence needs a new
+   KV block and none is free, the most recently admitted running request is *preempted*:
+   its blocks are freed and it goes back to the head of the waiting queue, to recompute
+   its prompt and generated tokens when readmitted (greedy output is unchanged: only its
+   latency is). A request that would have to preempt itself waits instead.
+2. **Then prefill**, in arrival order: the running requests whose prompt is only partly
+   cached (chunked prefill), then waiting requests (preempted ones at the head). A prompt
+   longer than the budget left is prefilled in chunks over several steps; a chunk takes
+   only free blocks (prefill never preempts), and a waiting request is admitted only while
+   a batch slot is free. First come, first served: a waiting request that cannot start
+   blocks the ones behind it, so a long prompt is never starved by short ones.
 
-One :class:`BlockAllocator` holds an engine's blocks; it is thread-safe and checks
-its invariants (``allocate_wait`` lets a caller holding no blocks wait for some).
+A request is given the blocks of its prompt chunks as they are scheduled and one more
+block each time its last one fills: nothing is reserved for ``max_tokens``. The engine
+refuses at build time a pool that could not hold one ``max_model_len`` sequence, so a
+request alone always fits.
+
+Batch slots: at most ``max_batch_size`` requests run, and no more than the budget can
+give a token each (``max_num_batched_tokens // (1 + num_speculative_tokens)``), so that
+every running decode is scheduled in every step.
+
+The scheduler is not thread-safe: the engine core calls it under its lock. It hands the
+core an immutable :class:`StepPlan`; the core runs it and then :meth:`Scheduler.commit`\\ s
+what was computed (a failed forward commits nothing, so its requests can run again).
 """
 
 from __future__ import annotations
 
-import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
-from rtpcore.engine.batch import ForwardBatch
+from rtpcore.engine.block_pool import BlockAllocator, blocks_for
 from rtpcore.engine.sampling import SamplingParams
-from rtpcore.errors import EngineClosedError, KVBlockError
 
-__all__ = ["BlockAllocator", "Request", "Scheduler", "blocks_needed"]
-
-
-def blocks_needed(prompt_len: int, max_new_tokens: int, tokens_per_block: int) -> int:
-    """Blocks a sequence can occupy over its whole life."""
-    cached = prompt_len + max(max_new_tokens, 1) - 1
-    return -(-cached // tokens_per_block)
-
-
-class BlockAllocator:
-    """The free list of an engine's KV blocks; lowest ids are handed out first.
-
-    Thread-safe. Every invariant is checked with a :class:`~rtpcore.errors.KVBlockError`:
-    a block is handed out at most once until it is freed, only handed-out blocks
-    can be freed, and nobody takes more blocks than are free.
-    """
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._used: set[int] = set()
-        self._cond = threading.Condition()
-        self._queue: deque[object] = deque()  # waiting callers, first come first served
-        self._closed = False
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        """``n`` free blocks now; a KVBlockError when fewer are free."""
-        with self._cond:
-            self._check_open()
-            if n > len(self._free):
-                raise KVBlockError(f"cannot allocate {n} KV blocks: only {len(self._free)} of {self.num_blocks} are free")
-            return self._take(n)
-
-    def try_allocate(self, n: int) -> list[int] | None:
-        """``n`` free blocks, or None when fewer are free or another caller waits
-        (it is served first)."""
-        with self._cond:
-            self._check_open()
-            if self._queue or n > len(self._free):
-                return None
-            return self._take(n)
-
-    def allocate_wait(self, n: int) -> list[int]:
-        """``n`` blocks, waiting in arrival order until they are free. The caller must
-        hold no blocks (or they may never come back). EngineClosedError when the
-        allocator is closed while waiting."""
-        if n > self.num_blocks:
-            raise KVBlockError(f"cannot allocate {n} KV blocks: the cache holds only {self.num_blocks}")
-        ticket = object()
-        with self._cond:
-            self._check_open()
-            self._queue.append(ticket)
-            try:
-                self._cond.wait_for(
-                    lambda: self._closed or (self._queue[0] is ticket and n <= len(self._free))
-                )
-                self._check_open()
-                return self._take(n)
-            finally:
-                self._queue.remove(ticket)
-                self._cond.notify_all()  # the next waiter may be served now
-
-    def free(self, blocks: Iterable[int]) -> None:
-        """Return handed-out blocks; freeing one twice (or one never handed out) is a
-        KVBlockError and frees none of them. After :meth:`close`, a no-op."""
-        blocks = list(blocks)
-        with self._cond:
-            if self._closed:
-                return
-            bad = [b for b in blocks if b not in self._used]
-            if bad or len(set(blocks)) != len(blocks):
-                bad = bad or sorted(b for b in set(blocks) if blocks.count(b) > 1)
-                raise KVBlockError(
-                    f"KV blocks {bad} are not handed out (freed twice, or never allocated "
-                    f"from this cache of {self.num_blocks} blocks)",
-                    blocks=bad,
-                )
-            self._used.difference_update(blocks)
-            self._free.extend(sorted(blocks, reverse=True))
-            self._free.sort(reverse=True)  # lowest ids first, whatever order they came back in
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """Refuse every later call; callers waiting in :meth:`allocate_wait` raise
-        EngineClosedError."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def _take(self, n: int) -> list[int]:
-        if n < 0:
-            raise KVBlockError(f"cannot allocate {n} KV blocks: the count must be >= 0")
-        out = self._free[len(self._free) - n :][::-1]
-        del self._free[len(self._free) - n :]
-        self._used.update(out)
-        return out
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError("this Engine is closed: its KV cache is released")
+__all__ = ["BlockAllocator", "Request", "ScheduledSeq", "Scheduler", "StepPlan", "blocks_for"]
 
 
 @attrs.define(eq=False)
 class Request:
-    """One request's state: its tokens so far, its settings and its reserved blocks."""
+    """One request's state: its tokens so far, its settings and its blocks."""
 
     request_id: str
     tokens: list[int]  # prompt + generated
@@ -154,143 +62,181 @@ class Request:
     finish_reason: str | None = None
     aborted: bool = False  # abort asked while the request was in a step
     num_sent: int = 0  # generated tokens already handed to on_output
-    # Speculative decoding (rtpcore.engine.speculative): the draft's cached positions, and
-    # where this request's tokens sat in the last target forward (flat row, first position).
+    num_preemptions: int = 0
+    # Speculative decoding (rtpcore.engine.speculative): the draft's cached positions; where
+    # this request's tokens sat in the last target forward (flat row, first position); and
+    # whether the draft may propose (the last step sampled for this request, so both models
+    # hold everything but the newest token).
     draft_cached: int = 0
     last_rows: tuple[int, int] = (0, 0)
+    can_propose: bool = False
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 
+    @property
+    def num_uncached(self) -> int:
+        return len(self.tokens) - self.num_cached
+
+
+@attrs.frozen(eq=False)
+class ScheduledSeq:
+    """One request's part of a step: positions ``start`` to ``start + num_tokens`` of its
+    tokens (plus ``num_proposals`` draft tokens after them), and whether the step samples
+    its next token (the chunk reaches its last known token)."""
+
+    request: Request
+    start: int
+    num_tokens: int  # known tokens computed in this step
+    samples: bool
+    num_proposals: int = 0  # draft tokens to score after them (speculative decoding)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@attrs.frozen(eq=False)
+class StepPlan:
+    """What one step runs: the scheduled sequences, decodes first, then prefill chunks in
+    arrival order; the requests admitted and preempted while planning it."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    admitted: tuple[Request, ...] = ()
+    preempted: tuple[Request, ...] = ()
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether the step prefills (a prompt chunk, or a recomputation) while others decode."""
+        decodes = any(s.num_tokens == 1 and s.start > 0 for s in self.seqs)
+        return decodes and any(s.num_tokens > 1 or s.start == 0 for s in self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the step schedules, proposals included (at most the budget)."""
+        return sum(s.num_tokens + s.num_proposals for s in self.seqs)
+
 
 class Scheduler:
-    """The waiting queue and the running batch of one engine (not thread-safe: the
-    engine core calls it under its lock)."""
+    """The waiting queue and the running batch of one engine (see the module docstring)."""
 
     def __init__(
-        self, allocator: BlockAllocator, *, tokens_per_block: int, max_batch_size: int, device: torch.device | str = "cpu"
+        self,
+        allocator: BlockAllocator,
+        *,
+        tokens_per_block: int,
+        max_batch_size: int,
+        max_num_batched_tokens: int,
+        num_speculative_tokens: int = 0,
+        draft_max_positions: int | None = None,
     ):
         self.allocator = allocator
         self.tpb = tokens_per_block
         self.max_batch_size = max_batch_size
-        self.device = torch.device(device)
+        self.budget = max_num_batched_tokens
+        self.num_speculative_tokens = num_speculative_tokens
+        self.draft_max_positions = draft_max_positions
+        # Blocks a new request leaves free when admitted, for the running ones to grow into
+        # (admitting into the last block would preempt the newcomer at the next step).
+        self.watermark = max(1, allocator.num_blocks // 100)
+        self.max_running = max(1, min(max_batch_size, max_num_batched_tokens // (1 + num_speculative_tokens)))
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self._tables: tuple[list[Request], torch.Tensor] | None = None  # the last batch's rows, its table
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.preemptions_total = 0
 
-    def admit(self) -> list[Request]:
-        """Move the oldest waiting requests into the running batch while a slot and
-        their blocks are free; never waits."""
-        new: list[Request] = []
-        while self.waiting and len(self.running) < self.max_batch_size:
+    # -- planning --------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan (empty when nothing can run); takes the blocks it needs."""
+        budget = self.budget
+        seqs: list[ScheduledSeq] = []
+        preempted: list[Request] = []
+        for r in list(self.running):  # 1. decodes, oldest first; preemption takes the newest
+            if r not in self.running or r.num_uncached != 1:
+                continue
+            if budget <= 0:  # cannot happen: max_running leaves every decode its tokens
+                break
+            k = min(self.proposals_for(r), budget - 1)
+            if not self._grow(r, r.num_cached + 1 + k, preempted):
+                continue  # r was the newest: it waits for its own blocks
+            seqs.append(ScheduledSeq(r, r.num_cached, 1, True, k))
+            budget -= 1 + k
+        for r in self.running:  # 2. prompts partly cached (chunked prefill), in arrival order
+            if r.num_uncached > 1 and budget > 0 and (n := self._chunk(r, budget)) > 0:
+                seqs.append(ScheduledSeq(r, r.num_cached, n, r.num_cached + n == len(r.tokens)))
+                budget -= n
+        admitted: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:  # 3. waiting
             r = self.waiting[0]
-            blocks = self.allocator.try_allocate(blocks_needed(r.prompt_len, r.params.max_tokens, self.tpb))
-            if blocks is None:
+            if r in preempted or (n := self._chunk(r, budget, reserve=self.watermark if self.running else 0)) == 0:
                 break
             self.waiting.popleft()
-            r.blocks = blocks
             self.running.append(r)
-            new.append(r)
-        return new
+            admitted.append(r)
+            seqs.append(ScheduledSeq(r, r.num_cached, n, r.num_cached + n == len(r.tokens)))
+            budget -= n
+        return StepPlan(tuple(seqs), tuple(admitted), tuple(preempted))
 
-    def batch(
-        self, proposals: Mapping[Request, Sequence[int]] | None = None, seqs: Sequence[Request] | None = None
-    ) -> ForwardBatch:
-        """Every running request's tokens not yet cached, in one ragged batch (the
-        whole prompt of a new request, the last token of a decoding one).
+    def proposals_for(self, r: Request) -> int:
+        """Draft tokens a decoding request may have scored this step: none before the last
+        step sampled for it, never a token past ``max_tokens``, nor a draft input past the
+        draft's context (its inputs reach position len(tokens) + k - 2)."""
+        k = self.num_speculative_tokens
+        if k == 0 or not r.can_propose:
+            return 0
+        k = min(k, r.params.max_tokens - len(r.generated) - 1)
+        if self.draft_max_positions is not None:
+            k = min(k, self.draft_max_positions - len(r.tokens) + 1)
+        return max(k, 0)
 
-        ``proposals`` (speculative decoding): draft tokens that follow a decoding request's
-        last token in the same batch; the batch then asks for the logits of the request's
-        last token and of each proposal (``logits_indices``), and one row for every
-        other request. ``seqs``: these requests instead of the running batch."""
-        seqs = self.running if seqs is None else seqs
-        spans: list[tuple[int, list[int]]] = []
-        rows: list[int] = []
-        offset = 0
-        for s in seqs:
-            start, end = s.num_cached, len(s.tokens)
-            drafted = list(proposals.get(s, ())) if proposals else []
-            spans.append((start, s.tokens[start:end] + drafted))
-            s.last_rows = (offset, start)
-            offset += end - start + len(drafted)
-            rows += range(offset - 1 - len(drafted), offset)
-            s.num_cached = end
-        logits_rows = rows if proposals and len(rows) > len(spans) else None
-        return self._make(seqs, spans, logits_rows=logits_rows)
+    def _chunk(self, r: Request, budget: int, reserve: int = 0) -> int:
+        """How many of ``r``'s uncached tokens to prefill now: within ``budget`` and the blocks
+        it holds or that are free beyond ``reserve`` (taken here)."""
+        held = len(r.blocks) * self.tpb - r.num_cached
+        room = held + max(0, self.allocator.num_free - reserve) * self.tpb
+        n = min(r.num_uncached, budget, room)
+        if n > 0:
+            self._take(r, r.num_cached + n)
+        return max(n, 0)
 
-    def draft_batch(
-        self,
-        seqs: Sequence[Request],
-        step: int,
-        proposals: Mapping[Request, Sequence[int]],
-        *,
-        shift: int = 0,
-        previous: Mapping[Request, int] | None = None,
-    ) -> ForwardBatch:
-        """The draft's batch for proposal ``step`` (0-based) of ``seqs``.
+    def _grow(self, r: Request, num_tokens: int, preempted: list[Request]) -> bool:
+        """Give ``r`` the blocks of its first ``num_tokens`` tokens, preempting the newest
+        running requests while none is free; False when ``r`` itself had to go."""
+        need = blocks_for(num_tokens, self.tpb) - len(r.blocks)
+        while need > self.allocator.num_free:
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+            if victim is r:
+                return False
+        self._take(r, num_tokens)
+        return True
 
-        Step 0 catches the draft's cache up with each request (positions ``draft_cached`` to
-        the last token); a later step feeds the previous proposal. ``shift`` 1 is for drafts
-        that read the target's hidden states (multi-token prediction): cache position p holds
-        token p + 1 with the hidden state of position p, taken from the last target forward
-        (step 0) or from the draft's own previous forward, row ``previous[s]`` (later steps).
-        """
-        spans: list[tuple[int, list[int]]] = []
-        hidden: list[int] = []
-        for s in seqs:
-            if step == 0:
-                start = s.draft_cached
-                ids = s.tokens[start + shift :]
-                base, first = s.last_rows
-                hidden += [base + p - first for p in range(start, start + len(ids))]
-            else:
-                start = len(s.tokens) - shift + step - 1
-                ids = [proposals[s][step - 1]]
-                hidden.append(previous[s] if previous else 0)
-            spans.append((start, ids))
-        return self._make(seqs, spans, hidden_rows=hidden if shift else None, hidden_source="target" if step == 0 else "self")
+    def _take(self, r: Request, num_tokens: int) -> None:
+        need = blocks_for(num_tokens, self.tpb) - len(r.blocks)
+        if need > 0:
+            r.blocks += self.allocator.allocate(need)
 
-    def _make(
-        self,
-        seqs: Sequence[Request],
-        spans: Sequence[tuple[int, Sequence[int]]],
-        *,
-        logits_rows: Sequence[int] | None = None,
-        hidden_rows: Sequence[int] | None = None,
-        hidden_source: str = "target",
-    ) -> ForwardBatch:
-        """A batch of ``spans`` (first position, token ids) of ``seqs``, one each. Every index
-        tensor comes from one host buffer: on a GPU, one pinned, non-blocking copy (no host
-        synchronisation)."""
-        tpb = self.tpb
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        lens: list[int] = []
-        context: list[int] = []
-        for s, (start, tokens) in zip(seqs, spans, strict=True):
-            end = start + len(tokens)
-            ids += tokens
-            positions += range(start, end)
-            slots += [s.blocks[p // tpb] * tpb + p % tpb for p in range(start, end)]
-            lens.append(end - start)
-            context.append(end)
-        parts = {"input_ids": ids, "positions": positions, "slots": slots, "context_lens": context}
-        if logits_rows is not None:
-            parts["logits_indices"] = list(logits_rows)
-        if hidden_rows is not None:
-            parts["hidden_rows"] = list(hidden_rows)
-        flat = self._to_device(torch.tensor([i for part in parts.values() for i in part], dtype=torch.int64))
-        views = dict(zip(parts, flat.split([len(part) for part in parts.values()]), strict=True))
-        return ForwardBatch(
-            query_lens=tuple(lens),
-            block_tables=self._block_tables(seqs),
-            tokens_per_block=tpb,
-            hidden_source=hidden_source,
-            host_max_context_len=max(context),
-            **views,
-        )
+    # -- state changes -----------------------------------------------------------------------
+
+    def commit(self, seq: ScheduledSeq, accepted: int = 0) -> None:
+        """A step computed ``seq``: its tokens (and ``accepted`` of its proposals) are cached."""
+        r = seq.request
+        r.num_cached = seq.end + accepted
+        r.can_propose = seq.samples
+
+    def preempt(self, r: Request) -> None:
+        """Free a running request's blocks; it waits at the head of the queue to recompute
+        everything it holds (prompt and generated tokens)."""
+        self.running.remove(r)
+        blocks, r.blocks = r.blocks, []
+        self.allocator.free(blocks)
+        r.num_cached = r.draft_cached = 0
+        r.can_propose = False
+        r.num_preemptions += 1
+        self.preemptions_total += 1
+        self.waiting.appendleft(r)
 
     def retire(self, r: Request) -> None:
         """Take ``r`` out of the queue or the batch and return its blocks."""
@@ -301,20 +247,3 @@ class Scheduler:
         blocks, r.blocks = r.blocks, []
         if blocks:
             self.allocator.free(blocks)
-
-    def _block_tables(self, seqs: Sequence[Request]) -> torch.Tensor:
-        """(B, max_blocks) int64, rows padded with 0; reused while the running set is unchanged."""
-        last = self._tables
-        if last is not None and len(last[0]) == len(seqs) and all(a is b for a, b in zip(last[0], seqs, strict=True)):
-            return last[1]
-        width = max(len(s.blocks) for s in seqs)
-        rows = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
-        tables = self._to_device(torch.tensor(rows, dtype=torch.int64))
-        self._tables = (list(seqs), tables)
-        return tables
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` on the scheduler's device: pinned, then copied without blocking."""
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)

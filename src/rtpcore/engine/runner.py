@@ -1,0 +1,191 @@
+"""The ``ForwardBatch`` of a step plan: the model runner's inputs (docs/design.md §13).
+
+:class:`BatchBuilder` turns the scheduler's :class:`~rtpcore.engine.scheduler.ScheduledSeq`
+list into one flat, unpadded batch: each sequence's scheduled tokens (a decode's last token,
+or a prompt chunk), their positions and KV slots, and the logits rows the sampler needs --
+one per sequence that samples, ``k + 1`` for a decode whose ``k`` draft proposals are
+scored, none for a prompt chunk that does not end its prompt.
+
+Speculative drafts get their batches here too (:meth:`BatchBuilder.draft_batch`): the
+draft's catch-up with the tokens the target accepted and one proposal at a time, and
+:meth:`BatchBuilder.catch_up_batch`, which feeds the draft a prompt chunk in the step the
+target computed it (a draft that reads the target's hidden states has them only then).
+
+Every index tensor of a batch comes from one host buffer: on a GPU, one pinned,
+non-blocking copy (no host synchronisation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+
+from rtpcore.engine.batch import ForwardBatch
+from rtpcore.engine.scheduler import Request, ScheduledSeq
+
+__all__ = ["BatchBuilder", "TargetBatch"]
+
+
+@attrs.frozen(eq=False)
+class TargetBatch:
+    """A target forward's batch and, for each scheduled sequence in order, its first logits
+    row and how many rows it has (0: a prompt chunk that samples nothing)."""
+
+    batch: ForwardBatch
+    rows: tuple[tuple[int, int], ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(n for _, n in self.rows)
+
+
+class BatchBuilder:
+    """Builds the batches of one engine's steps on ``device``."""
+
+    def __init__(self, *, tokens_per_block: int, device: torch.device | str = "cpu"):
+        self.tpb = tokens_per_block
+        self.device = torch.device(device)
+        self._tables: tuple[list[list[int]], torch.Tensor] | None = None  # the last table's rows, and it
+
+    def target_batch(
+        self, seqs: Sequence[ScheduledSeq], proposals: Mapping[Request, Sequence[int]] | None = None
+    ) -> TargetBatch:
+        """The target's batch for ``seqs``: each one's scheduled tokens, then its proposals."""
+        spans: list[tuple[int, list[int]]] = []
+        logits: list[int] = []
+        rows: list[tuple[int, int]] = []
+        offset = 0
+        for s in seqs:
+            r = s.request
+            drafted = list(proposals.get(r, ())) if proposals else []
+            tokens = r.tokens[s.start : s.end] + drafted
+            spans.append((s.start, tokens))
+            r.last_rows = (offset, s.start)
+            offset += len(tokens)
+            if s.samples:
+                rows.append((len(logits), 1 + len(drafted)))
+                logits += range(offset - 1 - len(drafted), offset)
+            else:
+                rows.append((len(logits), 0))
+        every_last = len(logits) == len(seqs) and all(n == 1 for _, n in rows)
+        batch = self._make([s.request for s in seqs], spans, logits_rows=None if every_last else logits)
+        return TargetBatch(batch, tuple(rows))
+
+    def draft_batch(
+        self,
+        seqs: Sequence[Request],
+        step: int,
+        proposals: Mapping[Request, Sequence[int]],
+        *,
+        shift: int = 0,
+        previous: Mapping[Request, int] | None = None,
+    ) -> ForwardBatch:
+        """The draft's batch for proposal ``step`` (0-based) of ``seqs``.
+
+        Step 0 catches the draft's cache up with each request (positions ``draft_cached`` to
+        the last token); a later step feeds the previous proposal. ``shift`` 1 is for drafts
+        that read the target's hidden states (multi-token prediction): cache position p holds
+        token p + 1 with the hidden state of position p, taken from the last target forward
+        (step 0) or from the draft's own previous forward, row ``previous[s]`` (later steps).
+        """
+        spans: list[tuple[int, list[int]]] = []
+        hidden: list[int] = []
+        for s in seqs:
+            if step == 0:
+                base, first = s.last_rows
+                start = max(s.draft_cached, first) if shift else s.draft_cached
+                ids = s.tokens[start + shift :]
+                hidden += [base + p - first for p in range(start, start + len(ids))]
+            else:
+                start = len(s.tokens) - shift + step - 1
+                ids = [proposals[s][step - 1]]
+                hidden.append(previous[s] if previous else 0)
+            spans.append((start, ids))
+        return self._make(seqs, spans, hidden_rows=hidden if shift else None, hidden_source="target" if step == 0 else "self")
+
+    def catch_up_batch(
+        self, seqs: Sequence[ScheduledSeq], *, shift: int = 0
+    ) -> tuple[ForwardBatch, list[ScheduledSeq]] | None:
+        """The draft's batch for prompt chunks the target computed in its last forward and that
+        sample nothing: positions ``draft_cached`` to the chunk's end (with ``shift`` 1 each
+        position takes the next token, known since the chunk does not end the prompt), and the
+        chunks it covers; None when no chunk needs it."""
+        picked: list[Request] = []
+        caught: list[ScheduledSeq] = []
+        spans: list[tuple[int, list[int]]] = []
+        hidden: list[int] = []
+        for s in seqs:
+            r = s.request
+            base, first = r.last_rows
+            start = max(r.draft_cached, first) if shift else r.draft_cached
+            if s.samples or start >= s.end:
+                continue
+            picked.append(r)
+            caught.append(s)
+            spans.append((start, r.tokens[start + shift : s.end + shift]))
+            hidden += [base + p - first for p in range(start, s.end)]
+        if not picked:
+            return None
+        return self._make(picked, spans, hidden_rows=hidden if shift else None, logits_rows=[]), caught
+
+    def _make(
+        self,
+        seqs: Sequence[Request],
+        spans: Sequence[tuple[int, Sequence[int]]],
+        *,
+        logits_rows: Sequence[int] | None = None,
+        hidden_rows: Sequence[int] | None = None,
+        hidden_source: str = "target",
+    ) -> ForwardBatch:
+        """A batch of ``spans`` (first position, token ids) of ``seqs``, one each."""
+        tpb = self.tpb
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        lens: list[int] = []
+        context: list[int] = []
+        starts = [0]
+        for s, (start, tokens) in zip(seqs, spans, strict=True):
+            end = start + len(tokens)
+            ids += tokens
+            positions += range(start, end)
+            blocks = s.blocks
+            slots += [blocks[p // tpb] * tpb + p % tpb for p in range(start, end)]
+            lens.append(end - start)
+            context.append(end)
+            starts.append(starts[-1] + end - start)
+        parts = {"input_ids": ids, "positions": positions, "slots": slots, "context_lens": context, "query_start_loc": starts}
+        if logits_rows is not None:
+            parts["logits_indices"] = list(logits_rows)
+        if hidden_rows is not None:
+            parts["hidden_rows"] = list(hidden_rows)
+        flat = self._to_device(torch.tensor([i for part in parts.values() for i in part], dtype=torch.int64))
+        views = dict(zip(parts, flat.split([len(part) for part in parts.values()]), strict=True))
+        return ForwardBatch(
+            query_lens=tuple(lens),
+            block_tables=self._block_tables(seqs),
+            tokens_per_block=tpb,
+            hidden_source=hidden_source,
+            host_max_context_len=max(context, default=0),
+            host_context_lens=tuple(context),
+            **views,
+        )
+
+    def _block_tables(self, seqs: Sequence[Request]) -> torch.Tensor:
+        """(B, max_blocks) int64, rows padded with 0; the last one reused while every row is
+        unchanged (decode steps within a block)."""
+        width = max((len(s.blocks) for s in seqs), default=0)
+        rows = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
+        if self._tables is not None and self._tables[0] == rows:
+            return self._tables[1]
+        tables = self._to_device(torch.tensor(rows, dtype=torch.int64).reshape(len(seqs), width))
+        self._tables = (rows, tables)
+        return tables
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the builder's device: pinned, then copied without blocking."""
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)

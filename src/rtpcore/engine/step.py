@@ -1,0 +1,216 @@
+"""Running one step plan: forward, sample, and keep a fault with the request that caused it.
+
+:class:`StepRunner` is the model runner of the engine core (``rtpcore.engine.core``): it
+takes the scheduler's :class:`~rtpcore.engine.scheduler.StepPlan`, builds the batch
+(``rtpcore.engine.runner``), runs the target's forward -- with a speculative draft, the
+draft's proposals first and its catch-up with fresh prompt chunks after -- and samples every
+row that needs a token in one batched call (``rtpcore.engine.sampler``). It returns one
+:class:`SeqResult` per scheduled sequence and changes no scheduling state but the draft's
+cached positions; the core commits the results.
+
+Faults stay with their request (docs/design.md §13). When the forward raises and the worker
+group is still whole, the step's sequences are run again apart: split in halves until the
+culprit is alone, without speculation. The culprit ends with a
+:class:`~rtpcore.errors.RequestFailedError` (``reason="model_fault"``, the original exception
+as its cause); every other sequence gets the tokens it would have had. A row whose
+distribution is not finite fails that request alone (``reason="non_finite"``). Only a fault
+that is not a request's -- the worker group broken (a lost rank, a device fault) -- is raised,
+and then ends every request of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from rtpcore.engine.runner import BatchBuilder
+from rtpcore.engine.sampler import SamplingRow, sample
+from rtpcore.engine.sampling import SampledToken
+from rtpcore.engine.scheduler import Request, ScheduledSeq
+from rtpcore.engine.speculative import propose, verify
+from rtpcore.errors import RequestFailedError, RtpcoreError
+
+__all__ = ["SeqResult", "StepRunner", "as_rtpcore_error"]
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class SeqResult:
+    """What a step gave one scheduled sequence: the tokens it emits (none for a prompt chunk
+    that samples nothing), how many draft proposals it accepted and were proposed, or the
+    error that ended it."""
+
+    tokens: tuple[SampledToken, ...] = ()
+    accepted: int = 0
+    proposed: int = 0
+    error: RtpcoreError | None = None
+
+
+def as_rtpcore_error(exc: BaseException, what: str = "the engine step failed") -> RtpcoreError:
+    """``exc`` itself when it is an RtpcoreError, else one that names it (``exc`` as cause)."""
+    if isinstance(exc, RtpcoreError):
+        return exc
+    error = RtpcoreError(f"{what}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+class StepRunner:
+    """Runs step plans for one engine (see the module docstring).
+
+    ``forward`` / ``draft_forward``: the target's and the draft's forward over every rank;
+    ``is_broken()``: whether the worker group can no longer step (then a fault is not a
+    request's); ``shift``: 1 for a draft that reads the target's hidden states."""
+
+    def __init__(
+        self,
+        *,
+        forward: Callable[[Any], torch.Tensor],
+        builder: BatchBuilder,
+        is_broken: Callable[[], bool],
+        draft_forward: Callable[[Any], torch.Tensor] | None = None,
+        shift: int = 0,
+    ):
+        self.forward = forward
+        self.builder = builder
+        self.is_broken = is_broken
+        self.draft_forward = draft_forward
+        self.shift = shift
+
+    def run(self, seqs: Sequence[ScheduledSeq]) -> list[SeqResult]:
+        """One result per sequence of ``seqs``, in order. Raises only for a fault that is not
+        a request's (the worker group is broken)."""
+        saved = [s.request.draft_cached for s in seqs]
+        try:
+            with torch.inference_mode():
+                return self._run(seqs, speculate=True)
+        except Exception as exc:
+            for s, cached in zip(seqs, saved, strict=True):
+                s.request.draft_cached = cached
+            if self.is_broken():
+                raise as_rtpcore_error(exc) from exc
+            logger.warning(
+                "a step of %d sequences failed (%s: %s); running them apart to find the request that caused it",
+                len(seqs), type(exc).__name__, exc,
+            )
+            return self._isolate(seqs, exc)
+
+    def _isolate(self, seqs: Sequence[ScheduledSeq], exc: BaseException) -> list[SeqResult]:
+        """Run ``seqs`` (whose joint forward raised ``exc``) in halves until each culprit is
+        alone; the others' results are what they would have had."""
+        results: dict[int, SeqResult] = {}
+        pending: list[tuple[list[int], BaseException | None]] = [(list(range(len(seqs))), exc)]
+        while pending:
+            part, failed = pending.pop()
+            if failed is None:  # not run yet on its own
+                group = [seqs[i] for i in part]
+                saved = [s.request.draft_cached for s in group]
+                try:
+                    with torch.inference_mode():
+                        results.update(zip(part, self._run(group, speculate=False), strict=True))
+                    continue
+                except Exception as again:
+                    for s, cached in zip(group, saved, strict=True):
+                        s.request.draft_cached = cached
+                    if self.is_broken():
+                        raise as_rtpcore_error(again) from again
+                    failed = again
+            if len(part) == 1:
+                r = seqs[part[0]].request
+                logger.error("request %r failed in the model's forward: %s: %s", r.request_id, type(failed).__name__, failed)
+                error = RequestFailedError(
+                    f"request {r.request_id!r} failed in the model's forward: {type(failed).__name__}: {failed}",
+                    request_id=r.request_id, reason="model_fault",
+                )
+                error.__cause__ = failed
+                results[part[0]] = SeqResult(error=error)
+                continue
+            half = len(part) // 2
+            pending += [(part[half:], None), (part[:half], None)]
+        return [results[i] for i in range(len(seqs))]
+
+    # -- one forward ---------------------------------------------------------------------------
+
+    def _run(self, seqs: Sequence[ScheduledSeq], *, speculate: bool) -> list[SeqResult]:
+        proposals: dict[Request, list[int]] = {}
+        dists: dict[Request, list[torch.Tensor | None]] = {}
+        if speculate and self.draft_forward is not None:
+            proposals, dists = self._propose(seqs)
+        built = self.builder.target_batch(seqs, proposals)
+        logits = self.forward(built.batch)  # (N, V): one row per sampled sequence, k + 1 per proposer
+        if self.draft_forward is not None:
+            self._catch_up(seqs)
+        results = [SeqResult()] * len(seqs)
+        plain = [i for i, s in enumerate(seqs) if s.samples and s.request not in proposals]
+        if plain:
+            rows = [built.rows[i][0] for i in plain]
+            drawn = sample(logits[rows], [_row(seqs[i].request) for i in plain])
+            for j, i in enumerate(plain):
+                token = drawn.tokens[j]
+                results[i] = SeqResult((token,)) if token is not None else SeqResult(error=_non_finite(seqs[i].request))
+        for i, s in enumerate(seqs):
+            r = s.request
+            drafted = proposals.get(r)
+            if drafted is None:
+                continue
+            first, n = built.rows[i]
+            emitted, accepted = verify(logits[first : first + n], drafted, dists[r], r.params, r.generator)
+            # Roll back: the target keeps the positions of the accepted proposals; the draft
+            # those it computed from accepted tokens alone (not from its own hidden states).
+            k = len(drafted)
+            r.draft_cached = len(r.tokens) - self.shift + (0 if self.shift else min(accepted, k - 1))
+            results[i] = SeqResult(tuple(emitted), accepted, k)
+        return results
+
+    def _propose(self, seqs: Sequence[ScheduledSeq]) -> tuple[dict[Request, list[int]], dict[Request, list[torch.Tensor | None]]]:
+        """The draft's proposals for every decoding sequence scheduled with some, one draft
+        forward per proposal (the first also catches the draft up)."""
+        assert self.draft_forward is not None
+        ks = {s.request: s.num_proposals for s in seqs if s.num_proposals > 0}
+        proposals: dict[Request, list[int]] = {r: [] for r in ks}
+        dists: dict[Request, list[torch.Tensor | None]] = {r: [] for r in ks}
+        previous: dict[Request, int] = {}
+        for j in range(max(ks.values(), default=0)):
+            group = [r for r in proposals if ks[r] > j]
+            batch = self.builder.draft_batch(group, j, proposals, shift=self.shift, previous=previous)
+            tokens, ds = propose(self.draft_forward(batch), [r.params for r in group], [r.generator for r in group])
+            row = -1
+            for g, r in enumerate(group):
+                proposals[r].append(tokens[g])
+                dists[r].append(ds[g])
+                row += batch.query_lens[g]
+                previous[r] = row  # the draft's hidden state after this proposal, for the next
+        return proposals, dists
+
+    def _catch_up(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """Feed the draft the prompt chunks the target just computed that sample nothing, while
+        the target's hidden states of them are at hand."""
+        assert self.draft_forward is not None
+        built = self.builder.catch_up_batch(seqs, shift=self.shift)
+        if built is None:
+            return
+        batch, caught = built
+        self.draft_forward(batch)
+        for s in caught:
+            s.request.draft_cached = s.end
+
+
+def _row(r: Request) -> SamplingRow:
+    return SamplingRow(
+        params=r.params, generator=r.generator, prompt_ids=r.tokens[: r.prompt_len],
+        output_ids=r.tokens[r.prompt_len :], stop_ids=r.stop_ids,
+    )
+
+
+def _non_finite(r: Request) -> RequestFailedError:
+    logger.error("request %r: the next-token distribution is not finite", r.request_id)
+    return RequestFailedError(
+        f"request {r.request_id!r}: the model's next-token distribution is not finite "
+        "(NaN or infinite logits, or every token masked by the request's settings)",
+        request_id=r.request_id, reason="non_finite",
+    )
