@@ -45,6 +45,17 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    """argparse type: a number in (0, 1], else a usage error naming the text."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
 def device_arg(text: str) -> str:
     """argparse ``type=`` for ``--device``: the form rule of :func:`rtpcore.engine.devices.check_device_form`
     (imports no torch); a malformed value is a usage error (exit status 2) naming it."""
@@ -60,7 +71,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", metavar="NAME", help="use the demo model of this model type (random weights, "
                    "built on first use under $XDG_CACHE_HOME/rtpcore/demo)")
     add_allowlist_arguments(p)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): the checkpoint's torch_dtype on a GPU, float32 on the CPU")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"])
     p.add_argument("--kv-layout", default=None, metavar="NAME", help="fp8 layout (built-in or from a plugin)")
     p.add_argument("--device", type=device_arg, default="auto", metavar="DEVICE",
@@ -72,6 +84,16 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    "loaded plugins serve), or 'mtp' for the checkpoint's own multi-token-prediction layers")
     p.add_argument("--num-speculative-tokens", type=positive_int, metavar="K", default=None,
                    help="tokens the draft proposes per step (default 4 with --draft-model)")
+    # Scheduling (docs/design.md §13)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
+                   help="most new tokens one step computes: decodes first, long prompts in chunks "
+                   "(default: 8192 on a GPU, 256 on the CPU)")
+    p.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
+                   help="longest prompt + output a request may ask for (default: the checkpoint's context)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV blocks of prompts seen before")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
+                   help="share of a GPU's memory the engine fills, weights and KV cache (default: 0.9)")
 
 
 def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path, dict[str, Any]]:
@@ -101,4 +123,8 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         "cuda_graphs": args.cuda_graphs,
         "draft_model": args.draft_model,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
     }

@@ -4,7 +4,9 @@ A thin shell: it resolves the allowlist, builds an :class:`~rtpcore.AsyncEngine`
 checkpoint's tokenizer and chat template, the app (:func:`rtpcore.serving.app.build_app`),
 and runs it with uvicorn. SIGTERM or SIGINT stops accepting, lets running requests finish
 within ``--shutdown-timeout`` seconds (then cuts them: their streams abort), closes the
-engine and exits 0.
+engine and exits 0. When the engine breaks (a fault that is not a request's: a lost rank, a
+device fault) ``/health`` answers 503, the server drains the same way and exits 1, so that a
+supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: the "
                    "checkpoint folder's name, or the demo name)")
     p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/ endpoints")
-    p.add_argument("--max-batch-size", type=positive_int, default=8, metavar="N")
+    p.add_argument("--max-batch-size", type=positive_int, default=256, metavar="N",
+                   help="most requests running at once (default: 256)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="e.g. 2GiB")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N")
     p.add_argument("--max-waiting", type=positive_int, default=256, metavar="N",
@@ -103,8 +106,15 @@ def run(args: argparse.Namespace) -> int:
     if core.draft is not None:
         details += f", draft {args.draft_model!r} ({core.draft.model_type}, {core.config.num_speculative_tokens} tokens per step)"
     print(f"rtpcore: serving {name!r} ({details}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(config)
+
+    def stop_serving(error: Exception) -> None:  # the engine broke: drain, then exit non-zero
+        print(f"rtpcore: error: the engine is broken, stopping: {error}", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    engine.on_broken.append(stop_serving)
     try:
-        uvicorn.Server(config).run()
+        server.run()
     finally:
         engine.close()
-    return 0
+    return 1 if engine.broken is not None else 0

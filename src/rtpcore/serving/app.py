@@ -33,7 +33,6 @@ from rtpcore.engine.sampling import SampledToken, SamplingParams
 from rtpcore.errors import (
     EngineClosedError,
     InvalidRequestError,
-    KVCacheCapacityError,
     QueueFullError,
     RtpcoreError,
 )
@@ -70,9 +69,10 @@ class _Served:
         self.chat_template = chat_template
         self.model_name = model_name
         self.api_key = api_key
-        self.max_positions = engine.engine.max_positions
+        self.max_model_len = engine.engine.max_model_len  # prompt + output, at most
         self.vocab_size = engine.engine.vocab_size
         self.metrics = ServerMetrics(lambda: engine.stats().as_dict())
+        engine.engine._core.step_observers.append(self.metrics.observe_step)
         self.created = int(time.time())
         self.draining = False
 
@@ -175,7 +175,7 @@ def build_app(
             raise ApiError(400, f"messages: {exc}", param="messages") from None
         ids = served.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS if any
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        limit = body.token_limit if body.token_limit is not None else max(1, served.max_positions - len(ids))
+        limit = body.token_limit if body.token_limit is not None else max(1, served.max_model_len - len(ids))  # chat may run to max_model_len
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = _params(served, body, ids, limit, field, top)
         return await _respond(served, request, body, ids, params, chat=True)
@@ -192,9 +192,10 @@ def _check_model(served: _Served, model: str) -> None:
 def _params(served: _Served, body: Any, ids: list[int], limit: int, field: str, logprobs: int | None) -> SamplingParams:
     if not ids:
         raise ApiError(400, "the prompt encodes to no tokens", param="prompt" if field == "max_tokens" else "messages")
-    if len(ids) + limit > served.max_positions:
+    if len(ids) + limit > served.max_model_len:
         raise ApiError(400, f"{field}: the prompt's {len(ids)} tokens plus {field}={limit} exceed the model's "
-                            f"context of {served.max_positions} tokens", param=field)
+                            f"context of {served.max_model_len} tokens (max_model_len)", param=field,
+                       code="context_length_exceeded")
     top_k = body.top_k if body.top_k not in (None, -1, 0) else None
     top_p = body.top_p if body.top_p not in (None, 1.0) else None
     try:
@@ -216,10 +217,8 @@ async def _respond(served: _Served, request: Request, body: Any, ids: list[int],
         stream = served.engine.stream(ids, params)
     except QueueFullError as exc:
         raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from None
-    except KVCacheCapacityError as exc:
-        raise ApiError(400, str(exc), param="max_tokens") from None
     except InvalidRequestError as exc:
-        raise ApiError(400, str(exc), param=getattr(exc, "field", None)) from None
+        raise ApiError(400, str(exc), param=getattr(exc, "field", None), code=getattr(exc, "code", None)) from None
     except EngineClosedError as exc:
         raise ApiError(503, str(exc), type="server_error") from None
     run = _Run(served, stream, params, len(ids), chat=chat, model=body.model)
@@ -234,7 +233,10 @@ async def _respond(served: _Served, request: Request, body: Any, ids: list[int],
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             return Response(status_code=499)
-    return JSONResponse(task.result())
+    try:
+        return JSONResponse(task.result())
+    except RtpcoreError as exc:  # this request's own fault (a model fault on it, a non-finite row)
+        raise ApiError(500, f"the request failed: {exc}", type="server_error") from None
 
 
 class _Run:

@@ -7,6 +7,7 @@ step); counters and histograms are fed as tokens stream out.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -17,6 +18,7 @@ __all__ = ["ServerMetrics"]
 # Seconds: from a few milliseconds (tiny models, a warm cache) to a minute (a queue).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_ITERATION_BUCKETS = tuple(float(1 << i) for i in range(15))  # 1, 2, 4, ... 16384 tokens per step
 
 
 class ServerMetrics:
@@ -51,6 +53,20 @@ class ServerMetrics:
             buckets=_TBT_BUCKETS, registry=self.registry,
         )
 
+        self.iteration_tokens = Histogram(
+            "rtpcore_iteration_tokens", "tokens scheduled per engine step (decodes, prefill chunks, proposals)",
+            buckets=_ITERATION_BUCKETS, registry=self.registry,
+        )
+        self.iteration_sequences = Histogram(
+            "rtpcore_iteration_sequences", "sequences in each engine step",
+            buckets=_ITERATION_BUCKETS[:13], registry=self.registry,
+        )
+
+    def observe_step(self, report: Any) -> None:
+        """An engine step ended (``rtpcore.engine.core.StepReport``; called on the stepping thread)."""
+        self.iteration_tokens.observe(report.num_tokens)
+        self.iteration_sequences.observe(report.num_seqs)
+
     def _reader(self, key: str) -> Callable[[], float]:
         return lambda: float(self._stats()[key])
 
@@ -58,21 +74,26 @@ class ServerMetrics:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
 
-# EngineStats fields exposed as counters (rtpcore_<name without _total>_tokens_total).
+# EngineStats fields exposed as counters: name -> (the EngineStats field, help).
 _ENGINE_COUNTERS = {
-    "speculative_proposed_total": "draft tokens proposed by speculative decoding",
-    "speculative_accepted_total": "proposed draft tokens the target model accepted",
+    "rtpcore_speculative_proposed_tokens": ("speculative_proposed_total", "draft tokens proposed by speculative decoding"),
+    "rtpcore_speculative_accepted_tokens": ("speculative_accepted_total", "proposed draft tokens the target model accepted"),
+    "rtpcore_preemptions": ("preemptions_total", "running requests preempted (to recompute) for want of KV blocks"),
+    "rtpcore_request_errors": ("request_errors_total", "requests ended by their own fault (a model fault on them, a non-finite distribution)"),
+    "rtpcore_prefix_cache_queries": ("prefix_cache_queries_total", "prompt tokens looked up in the prefix cache"),
+    "rtpcore_prefix_cache_hits": ("prefix_cache_hits_total", "prompt tokens found in the prefix cache"),
 }
 
 
 class _EngineCounters(Collector):
     """Counters the engine keeps itself, read at scrape time: speculative decoding's
-    proposed and accepted draft tokens (0 without a draft)."""
+    proposed and accepted draft tokens (0 without a draft), preemptions, requests ended by
+    their own fault, and the prefix cache's queried and hit tokens."""
 
     def __init__(self, stats: Callable[[], dict[str, int]]):
         self._stats = stats
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         values = self._stats()
-        for key, doc in _ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(f"rtpcore_{key.removesuffix('_total')}_tokens", doc, value=values.get(key, 0))
+        for name, (key, doc) in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(name, doc, value=values.get(key, 0))
