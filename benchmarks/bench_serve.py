@@ -423,8 +423,8 @@ def build_prompts(ckpt: Path, lengths: list[int], seed: int) -> list[str]:
         raise SystemExit(f"prompts need more than the chat template's {overhead} tokens; raise --prompt-tokens")
     words = sorted({w.strip(".,!?;") for line in corpus() for w in line.split()} - {""})
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    spaced = {w: len(e.ids) for w, e in zip(words, tok.encode_batch([" " + w for w in words], add_special_tokens=False))}
-    bare = {w: len(e.ids) for w, e in zip(words, tok.encode_batch(words, add_special_tokens=False))}
+    spaced = {w: len(e.ids) for w, e in zip(words, tok.encode_batch([" " + w for w in words], add_special_tokens=False), strict=True)}
+    bare = {w: len(e.ids) for w, e in zip(words, tok.encode_batch(words, add_special_tokens=False), strict=True)}
     ones = [w for w in words if spaced[w] == 1 and bare[w] == 1]
     rng = random.Random(seed)
     prompts = []
@@ -476,7 +476,7 @@ def load_plan(ckpt: Path, args: argparse.Namespace) -> LoadPlan:
         arrivals.append(arrivals[-1] + arrival_rng.expovariate(args.arrival_rate))
     contents = build_prompts(ckpt, lengths, args.seed)
     block, tpb, source = kv_block_spec(ckpt)
-    blocks = [-(-(p + m) // tpb) for p, m in zip(lengths, max_tokens)]
+    blocks = [-(-(p + m) // tpb) for p, m in zip(lengths, max_tokens, strict=True)]
     worst = sum(blocks) * block
     memory = int(worst * args.kv_fraction)
     note = f"block {block} bytes / {tpb} tokens from {source}"
@@ -556,7 +556,7 @@ def bench_load(server: Server, plan: LoadPlan, args: argparse.Namespace) -> Load
                            f"\n{server.log_tail()}")
     wall = end - t0
     samples = [g for _, g in done]
-    gaps = [b - a for s in samples for a, b in zip(s.text_times, s.text_times[1:])]
+    gaps = [b - a for s in samples for a, b in zip(s.text_times, s.text_times[1:], strict=False)]
     ttfts = [s.ttft for s in samples]
     print(f"  {server.name}: {len(samples)}/{n} requests completed in {wall:.2f} s (last arrival at "
           f"{plan.arrivals[-1]:.2f} s: arrivals span {plan.arrivals[-1] / wall:.0%} of the run)", flush=True)
