@@ -55,3 +55,60 @@ def test_without_proc_cgroup_the_roots_own_files_count(tmp_path: Path) -> None:
     """With no /proc/self/cgroup to read, the root's memory.max (a container's view) is used."""
     write(tmp_path / "cg" / "memory.max", f"{128 * MiB}\n")
     assert cgroup_memory_limit(tmp_path / "cg", tmp_path / "missing") == 128 * MiB
+
+
+# -- a GPU's KV share (docs/design.md §13: utilization x device memory - weights - a step's peak) ----
+
+GiB = 1 << 30
+
+
+def test_gpu_kv_bytes_are_the_utilized_share_less_what_is_in_use_and_the_step_peak() -> None:
+    """80 GiB at 0.9 with 16 GiB in use (weights) and a 2 GiB step peak leaves 72 - 16 - 2 GiB;
+    nothing left is 0, never negative."""
+    from rtpcore.engine.memory import gpu_kv_cache_bytes
+
+    got = gpu_kv_cache_bytes(total=80 * GiB, free=64 * GiB, peak_step=2 * GiB, utilization=0.9)
+    assert got == int(0.9 * 80 * GiB) - 16 * GiB - 2 * GiB
+    assert gpu_kv_cache_bytes(total=80 * GiB, free=8 * GiB, peak_step=2 * GiB, utilization=0.9) == 0
+    # memory other processes hold on the device counts as in use too
+    assert gpu_kv_cache_bytes(total=80 * GiB, free=40 * GiB, peak_step=0, utilization=1.0) == 40 * GiB
+
+
+class _Ranks:
+    """A worker group whose ranks report stubbed device readings for ``profile_memory``."""
+
+    def __init__(self, readings: list[tuple[int, int, int]]):
+        self.readings = readings
+        self.calls: list[tuple[str, object]] = []
+
+    def run(self, method: str, payload: object = None, *, gather: bool = False, sync: bool = True) -> object:
+        self.calls.append((method, payload))
+        assert method == "profile_memory" and gather
+        return self.readings
+
+
+def test_a_gpu_engine_sizes_its_pool_from_every_ranks_measured_step_and_refuses_less_than_one_context(
+    ckpt: Path,
+) -> None:
+    """On a GPU the pool is the tightest rank's share (each measures a max_num_batched_tokens step);
+    a share below one max_model_len sequence is a KVCacheCapacityError naming the flags."""
+    import attrs
+    import pytest
+
+    from rtpcore import Engine
+    from rtpcore.engine.engine import _plan_blocks
+    from rtpcore.errors import KVCacheCapacityError
+    from rtpcore.kv.specs import plan_blocks
+
+    with Engine.from_pretrained(ckpt, tokens_per_block=4) as e:
+        specs, config = e.kv_cache_specs, e.config
+    block = sum(s.block_bytes for s in specs)
+    gpu = attrs.evolve(config, device="cuda:0", gpu_memory_utilization=0.5, max_num_batched_tokens=512)
+    ranks = _Ranks([(10 * block, 1000 * block, 1000 * block), (20 * block, 900 * block, 1000 * block)])
+    blocks = _plan_blocks(specs, gpu, 256, ranks)
+    # rank 1 is tighter: 500 - 100 in use - 20 peak = 380 blocks' worth
+    assert blocks == plan_blocks(specs, 380 * block) == 380
+    assert ranks.calls == [("profile_memory", 512)]
+    with pytest.raises(KVCacheCapacityError, match="--max-model-len") as excinfo:
+        _plan_blocks(specs, gpu, 256, _Ranks([(0, 520 * block, 1000 * block)]))
+    assert excinfo.value.blocks_needed == 64 and excinfo.value.blocks_available == 20
