@@ -185,9 +185,8 @@ def verify_batch(logits: torch.Tensor, proposals: Sequence[Proposal]) -> list[Ve
             q_d = q_all.gather(1, tok[:, None])[:, 0]
             accept = accept.index_put((d_sampled_props,), _uniforms(proposals, sampled, ks, q_d) * q_d < p_d)
         accept = accept & ~bad.index_select(0, d_prop_rows)
-        runs = torch.zeros(m, kmax, dtype=torch.int64, device=x.device)
-        runs = runs.index_put((d_prop_req, d_prop_pos), accept.long())
-        accepted = runs.cumprod(dim=1).sum(dim=1)
+        runs = torch.zeros(m, kmax, device=x.device).index_put((d_prop_req, d_prop_pos), accept.float())
+        accepted = runs.cumprod(dim=1).sum(dim=1).long()  # the leading run of accepted proposals
     final_rows = d_starts + accepted
     final = x.index_select(0, final_rows).argmax(dim=-1)
     failed = bad.index_select(0, final_rows)
