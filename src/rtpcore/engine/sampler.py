@@ -130,7 +130,7 @@ def _flat_indices(rows: Sequence[int], tokens: Sequence[Sequence[int]], v: int) 
     return (row_of * v + flat)[keep]
 
 
-def _process(
+def process_rows(
     logits: torch.Tensor, rows: Sequence[SamplingRow], extra: Sequence[int] = ()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`process_logits`, and ``extra`` (host ints the caller needs on the device)
@@ -219,7 +219,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     unscaled), top-k, top-p, min-p, in that order (the module's docstring). Batched: no
     per-row loop of kernels. The result may share memory with ``logits`` when no
     processor applies; nothing is written into ``logits``."""
-    return _process(logits, rows)[0]
+    return process_rows(logits, rows)[0]
 
 
 def not_finite(processed: torch.Tensor) -> torch.Tensor:
@@ -280,7 +280,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> StepSample:
     v = logits.shape[-1]
     drawn = [b for b, r in enumerate(rows) if not r.params.greedy]
     want = [b for b, r in enumerate(rows) if r.params.logprobs is not None]
-    x, extra = _process(logits, rows, [*drawn, *want])
+    x, extra = process_rows(logits, rows, [*drawn, *want])
     d_drawn, d_want = extra.split([len(drawn), len(want)])
     tokens = x.argmax(dim=-1)
     if drawn:

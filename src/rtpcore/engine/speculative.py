@@ -40,9 +40,9 @@ import torch
 
 from rtpcore.engine.sampler import (
     SamplingRow,
-    _process,
     history_row,
     not_finite,
+    process_rows,
     race,
     raw_logprobs,
     unpack_logprobs,
@@ -114,7 +114,7 @@ def propose(
     request drawn from a one-hot ``q`` at 0, which keeps rejection sampling exact)."""
     srows = _rows(rows, generators)
     drawn = [g for g, r in enumerate(srows) if not r.params.greedy]
-    x, d_drawn = _process(logits, srows, drawn)
+    x, d_drawn = process_rows(logits, srows, drawn)
     bad = not_finite(x)
     tokens = x.argmax(dim=-1)
     dists: list[torch.Tensor | None] = [None] * len(srows)
@@ -167,7 +167,7 @@ def verify_batch(logits: torch.Tensor, proposals: Sequence[Proposal]) -> list[Ve
     want = [i for i, pr in enumerate(proposals) if pr.row.params.logprobs is not None]
     want_rows = [r for i in want for r in range(starts[i], starts[i + 1])]
     host = [prop_rows, drafted, prop_req, prop_pos, sampled_props, starts[:-1], ks, q_start, sampled, want_rows]
-    x, extra = _process(logits, rows, [t for part in host for t in part])
+    x, extra = process_rows(logits, rows, [t for part in host for t in part])
     (d_prop_rows, d_drafted, d_prop_req, d_prop_pos, d_sampled_props, d_starts, d_ks, d_q_start, d_sampled,
      d_want_rows) = extra.split([len(part) for part in host])
     bad = not_finite(x)
