@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from rtpcore.engine.sampler import SamplingRow, StepSample, process_logits, sample
-from rtpcore.engine.sampling import GREEDY_BELOW, SampledToken, SamplingParams, sample_step
+from rtpcore.engine.sampler import SamplingRow, StepSample, process_logits, sample, sample_step
+from rtpcore.engine.sampling import GREEDY_BELOW, SampledToken, SamplingParams
 from rtpcore.engine.speculative import Proposal, propose, verify, verify_batch
 from rtpcore.errors import InvalidRequestError, RtpcoreError
 

@@ -48,8 +48,9 @@ import attrs
 import torch
 
 from rtpcore.engine.sampling import SampledToken, SamplingParams
+from rtpcore.errors import RtpcoreError
 
-__all__ = ["SamplingRow", "StepSample", "process_logits", "sample"]
+__all__ = ["SamplingRow", "StepSample", "history_row", "process_logits", "sample", "sample_step"]
 
 _NINF = float("-inf")
 
@@ -302,3 +303,17 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> StepSample:
     for b in failed:
         out[b] = None
     return StepSample(out, failed)
+
+
+def sample_step(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[SampledToken]:
+    """(B, V) logits, row b for a request with ``params[b]`` and ``generators[b]`` -> one
+    :class:`SampledToken` per row: :func:`sample` on rows without a
+    token history (so ``min_tokens`` and the repetition, presence and frequency penalties
+    see no tokens). A row whose distribution is not finite raises
+    :class:`~rtpcore.errors.RtpcoreError`; ``sample`` reports it instead."""
+    step = sample(logits, [SamplingRow(p, g) for p, g in zip(params, generators, strict=True)])
+    if step.failed:
+        raise RtpcoreError(f"the logits of rows {step.failed} hold no finite distribution to sample from")
+    return [t for t in step.tokens if t is not None]

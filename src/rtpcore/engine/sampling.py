@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
-import torch
 
-from rtpcore.errors import InvalidRequestError, RtpcoreError
+from rtpcore.errors import InvalidRequestError
 
-__all__ = ["GREEDY_BELOW", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SampledToken", "SamplingParams", "sample_step"]
+__all__ = ["GREEDY_BELOW", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SampledToken", "SamplingParams"]
 
 MAX_LOGPROBS = 5  # most top log-probabilities a request may ask for (OpenAI's limit for completions)
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (0 included): no division, no overflow
@@ -270,19 +269,3 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
-
-
-def sample_step(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> list[SampledToken]:
-    """(B, V) logits, row b for a request with ``params[b]`` and ``generators[b]`` -> one
-    :class:`SampledToken` per row: :func:`rtpcore.engine.sampler.sample` on rows without a
-    token history (so ``min_tokens`` and the repetition, presence and frequency penalties
-    see no tokens). A row whose distribution is not finite raises
-    :class:`~rtpcore.errors.RtpcoreError`; ``sample`` reports it instead."""
-    from rtpcore.engine.sampler import SamplingRow, sample  # sampler imports this module
-
-    step = sample(logits, [SamplingRow(p, g) for p, g in zip(params, generators, strict=True)])
-    if step.failed:
-        raise RtpcoreError(f"the logits of rows {step.failed} hold no finite distribution to sample from")
-    return [t for t in step.tokens if t is not None]

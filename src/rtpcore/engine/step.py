@@ -28,10 +28,10 @@ import attrs
 import torch
 
 from rtpcore.engine.runner import BatchBuilder
-from rtpcore.engine.sampler import SamplingRow, sample
+from rtpcore.engine.sampler import SamplingRow, history_row, sample
 from rtpcore.engine.sampling import SampledToken
 from rtpcore.engine.scheduler import Request, ScheduledSeq
-from rtpcore.engine.speculative import propose, verify
+from rtpcore.engine.speculative import Proposal, propose, verify_batch
 from rtpcore.errors import RequestFailedError, RtpcoreError
 
 __all__ = ["SeqResult", "StepRunner", "as_rtpcore_error"]
@@ -146,25 +146,35 @@ class StepRunner:
         if self.draft_forward is not None:
             self._catch_up(seqs)
         results = [SeqResult()] * len(seqs)
-        plain = [i for i, s in enumerate(seqs) if s.samples and s.request not in proposals]
-        if plain:
-            rows = [built.rows[i][0] for i in plain]
-            drawn = sample(logits[rows], [_row(seqs[i].request) for i in plain])
-            for j, i in enumerate(plain):
+        drawing = [i for i, s in enumerate(seqs) if s.samples]
+        if not drawing:
+            return results
+        if self.draft_forward is None:  # one batched draw; the logits hold a row per sampling sequence
+            drawn = sample(logits, [_row(seqs[i].request) for i in drawing])
+            for j, i in enumerate(drawing):
                 token = drawn.tokens[j]
                 results[i] = SeqResult((token,)) if token is not None else SeqResult(error=_non_finite(seqs[i].request))
-        for i, s in enumerate(seqs):
-            r = s.request
+            return results
+        # With a draft: every sampling sequence's rows (k + 1 for a proposer, 1 for the others)
+        # are verified together, one host transfer (rtpcore.engine.speculative.verify_batch).
+        verdicts = verify_batch(logits, [
+            Proposal(_row(seqs[i].request), tuple(proposals.get(seqs[i].request, ())), tuple(dists.get(seqs[i].request, ())))
+            for i in drawing
+        ])
+        for i, verdict in zip(drawing, verdicts, strict=True):
+            r = seqs[i].request
+            if verdict.failed:
+                results[i] = SeqResult(error=_non_finite(r))
+                continue
             drafted = proposals.get(r)
             if drafted is None:
+                results[i] = SeqResult(tuple(verdict.tokens))
                 continue
-            first, n = built.rows[i]
-            emitted, accepted = verify(logits[first : first + n], drafted, dists[r], r.params, r.generator)
             # Roll back: the target keeps the positions of the accepted proposals; the draft
             # those it computed from accepted tokens alone (not from its own hidden states).
             k = len(drafted)
-            r.draft_cached = len(r.tokens) - self.shift + (0 if self.shift else min(accepted, k - 1))
-            results[i] = SeqResult(tuple(emitted), accepted, k)
+            r.draft_cached = len(r.tokens) - self.shift + (0 if self.shift else min(verdict.accepted, k - 1))
+            results[i] = SeqResult(tuple(verdict.tokens), verdict.accepted, k)
         return results
 
     def _propose(self, seqs: Sequence[ScheduledSeq]) -> tuple[dict[Request, list[int]], dict[Request, list[torch.Tensor | None]]]:
@@ -178,7 +188,8 @@ class StepRunner:
         for j in range(max(ks.values(), default=0)):
             group = [r for r in proposals if ks[r] > j]
             batch = self.builder.draft_batch(group, j, proposals, shift=self.shift, previous=previous)
-            tokens, ds = propose(self.draft_forward(batch), [r.params for r in group], [r.generator for r in group])
+            rows = [history_row(_row(r), proposals[r]) for r in group]  # the output plus this step's proposals
+            tokens, ds = propose(self.draft_forward(batch), rows)
             row = -1
             for g, r in enumerate(group):
                 proposals[r].append(tokens[g])
