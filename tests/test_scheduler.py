@@ -176,3 +176,17 @@ def test_a_request_that_would_preempt_itself_waits_and_the_running_batch_is_capp
     spec = Scheduler(BlockAllocator(64), tokens_per_block=4, max_batch_size=8, max_num_batched_tokens=10,
                      num_speculative_tokens=4)
     assert spec.max_running == 2  # 1 + 4 tokens per decode
+
+
+def test_prompt_chunks_holding_every_block_never_deadlock_the_newest_is_preempted() -> None:
+    """Two running prompts partly prefilled, no decode and no free block: neither chunk can grow, so
+    the newest is preempted and the older one goes on (a request alone always fits)."""
+    s = Scheduler(BlockAllocator(4), tokens_per_block=4, max_batch_size=4, max_num_batched_tokens=64)
+    s.watermark = 0
+    a, b = request("a", 12), request("b", 12)
+    s.running += [a, b]
+    a.blocks, b.blocks = s.allocator.allocate(2), s.allocator.allocate(2)
+    a.num_cached = b.num_cached = 8  # both hold 8 cached tokens and need a third block
+    plan = s.schedule()
+    assert plan.preempted == (b,) and [(q.request, q.start, q.num_tokens, q.samples) for q in plan.seqs] == [(a, 8, 4, True)]
+    assert list(s.waiting) == [b] and b.blocks == [] and len(a.blocks) == 3

@@ -148,10 +148,23 @@ class Scheduler:
     # -- planning --------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """The next step's plan (empty when nothing can run); takes the blocks it needs."""
+        """The next step's plan (empty when nothing waits or runs); takes the blocks it needs.
+
+        When running requests hold every block and none of them can be scheduled (prompt
+        chunks, which never preempt, with no block left), the newest is preempted until one can:
+        a request alone always fits the pool."""
+        preempted: list[Request] = []
+        while True:
+            plan = self._plan(preempted)
+            if plan.seqs or not self.running:
+                return plan
+            victim = self.running[-1]
+            self.preempt(victim)
+            preempted.append(victim)
+
+    def _plan(self, preempted: list[Request]) -> StepPlan:
         budget = self.budget
         seqs: list[ScheduledSeq] = []
-        preempted: list[Request] = []
         for r in list(self.running):  # 1. decodes, oldest first; preemption takes the newest
             if r not in self.running or r.num_uncached != 1:
                 continue
