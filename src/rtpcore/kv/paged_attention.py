@@ -62,19 +62,8 @@ def decode_backend(cache: Any, q: torch.Tensor) -> str:
     """``"triton"`` or ``"gather"`` for a decode step of one layer with ``cache``."""
     from rtpcore.kv.pools import LayerKVCache
 
-    choice = _backend.get()
-    if choice == "gather":
-        return "gather"
-    eligible = isinstance(cache, LayerKVCache)  # unquantized: MHA (paged_decode_attention) or MLA (paged_mla_decode)
-    runnable = (q.is_cuda or interpreted()) and triton_available()  # Triton is imported only then
-    if choice == "triton":
-        if not (eligible and runnable):
-            raise RuntimeError(
-                "the Triton paged attention kernel cannot run here: it needs an unquantized MHA or MLA cache "
-                "and Triton with a CUDA/ROCm device (or TRITON_INTERPRET=1 for CPU tensors)"
-            )
-        return "triton"
-    return "triton" if eligible and runnable and q.is_cuda else "gather"
+    # unquantized: MHA (paged_decode_attention) or MLA (paged_mla_decode)
+    return _choose(isinstance(cache, LayerKVCache), q, "paged attention kernel", "an unquantized MHA or MLA cache")
 
 
 def prefill_backend(cache: Any, x: torch.Tensor) -> str:
@@ -83,15 +72,21 @@ def prefill_backend(cache: Any, x: torch.Tensor) -> str:
     unquantized MHA/GQA caches only (MLA latents and fp8 pools gather)."""
     from rtpcore.kv.pools import LayerKVCache
 
+    eligible = isinstance(cache, LayerKVCache) and cache.spec.kind == "mha"
+    return _choose(eligible, x, "paged prefill kernel", "an unquantized MHA cache")
+
+
+def _choose(eligible: bool, x: torch.Tensor, kernel: str, needs: str) -> str:
+    """The backend for a kernel that can take this cache (``eligible``): "gather" when asked;
+    "triton" when asked (a RuntimeError where it cannot run); else "triton" on CUDA tensors only."""
     choice = _backend.get()
     if choice == "gather":
         return "gather"
-    eligible = isinstance(cache, LayerKVCache) and cache.spec.kind == "mha"
     runnable = (x.is_cuda or interpreted()) and triton_available()  # Triton is imported only then
     if choice == "triton":
         if not (eligible and runnable):
             raise RuntimeError(
-                "the Triton paged prefill kernel cannot run here: it needs an unquantized MHA cache "
+                f"the Triton {kernel} cannot run here: it needs {needs} "
                 "and Triton with a CUDA/ROCm device (or TRITON_INTERPRET=1 for CPU tensors)"
             )
         return "triton"

@@ -72,8 +72,12 @@ def paged_attention(
     *,
     scale: float,
     window: int | None = None,
+    masks: dict[Any, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """(T, H, D) attention outputs of every new token over its own sequence's cached keys."""
+    """(T, H, D) attention outputs of every new token over its own sequence's cached keys.
+
+    ``masks``: a dict the caller keeps for one forward, where the decodes' mask of each window
+    is built once and reused by every layer (None: built per call)."""
     if batch.is_decode and kernels.decode_backend(cache, q) == "triton":
         return kernels.paged_decode_attention(
             q, cache.k, cache.v, batch.block_tables, batch.context_lens,
@@ -85,22 +89,25 @@ def paged_attention(
             tokens_per_block=batch.tokens_per_block, scale=scale, window=window,
             max_query_len=batch.max_query_len,
         )  # (T, H, D)
-    out = torch.empty_like(q)  # (T, H, D)
     d = batch.num_decodes
     lens = batch.host_context_lens or tuple(int(n) for n in batch.context_lens.tolist())
+    decoded = None
     if d:
         longest = max(lens[:d])
         kc, vc = cache.read(batch.block_tables[:d], longest)  # (d, L, Hkv, D) each
-        mask = None
-        if d > 1 or (window is not None and window < longest):
-            kpos = torch.arange(longest, device=q.device)[None, :]  # (1, L)
-            ctx = batch.context_lens[:d, None]  # (d, 1)
-            mask = kpos < ctx
-            if window is not None:
-                mask &= kpos >= ctx - window
-            mask = mask[:, None, None, :]  # (d, 1, 1, L)
-        o = attend(q[:d, :, None, :], kc.transpose(1, 2), vc.transpose(1, 2), mask, scale)  # (d, H, 1, D)
-        out[:d] = o[:, :, 0]
+        key = ("decode", window)
+        if masks is not None and key in masks:
+            mask = masks[key]
+        else:
+            mask = _decode_mask(batch, d, longest, window)
+            if masks is not None:
+                masks[key] = mask
+        decoded = attend(q[:d, :, None, :], kc.transpose(1, 2), vc.transpose(1, 2), mask, scale)[:, :, 0]  # (d, H, D)
+        if d == batch.num_seqs:
+            return decoded
+    out = torch.empty_like(q)  # (T, H, D)
+    if decoded is not None:
+        out[:d] = decoded
     for span in batch.spans(d):
         kc, vc = cache.read(batch.block_tables[span.b : span.b + 1], span.context_len)  # (1, L, Hkv, D)
         mask = causal_mask(span.num_tokens, span.context_len, window, q.device)
@@ -108,3 +115,16 @@ def paged_attention(
         o = attend(qs, kc.transpose(1, 2), vc.transpose(1, 2), mask, scale)  # (1, H, n, D)
         out[span.start : span.end] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_mask(batch: ForwardBatch, d: int, longest: int, window: int | None) -> torch.Tensor | None:
+    """(d, 1, 1, L) bool: which of the L gathered positions each of the first ``d`` (decoding)
+    sequences sees; None when all of them (one sequence, no window cutting its context)."""
+    if d == 1 and (window is None or window >= longest):
+        return None
+    kpos = torch.arange(longest, device=batch.context_lens.device)[None, :]  # (1, L)
+    ctx = batch.context_lens[:d, None]  # (d, 1)
+    mask = kpos < ctx
+    if window is not None:
+        mask &= kpos >= ctx - window
+    return mask[:, None, None, :]

@@ -73,13 +73,14 @@ class LlamaLayer(nn.Module):
         batch: ForwardBatch,
         cache: LayerKVCache,
         window: int | None = None,  # the layer's sliding window
+        masks: dict[Any, Any] | None = None,  # this forward's attention masks, shared by the layers
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(rms_norm(x, self.norm1, self.eps))  # (T, q + 2 kv)
         qk = rotate(qkv[:, : self.qk_size].view(t, self.heads + self.kv_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)  # (T, H, D), (T, Hkv, D)
         cache.write(batch.slots, k, qkv[:, self.qk_size :].view(t, self.kv_heads, self.head_dim))
-        out = paged_attention(q, cache, batch, scale=self.scale, window=window)  # (T, H, D)
+        out = paged_attention(q, cache, batch, scale=self.scale, window=window, masks=masks)  # (T, H, D)
         x = x + self.o(out.reshape(t, -1))  # (T, E)
         gate, up = self.gate_up(rms_norm(x, self.norm2, self.eps)).chunk(2, dim=-1)  # (T, I) each
         return x + self.down(F.silu(gate) * up)
@@ -137,8 +138,9 @@ class LlamaModel(nn.Module):
         x = F.embedding(batch.input_ids, self.embed)  # (T, E)
         cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
         sin = self.sin[batch.positions].unsqueeze(1)
+        masks: dict[Any, Any] = {}
         for layer, cache, window in zip(self.layers, kv_caches, self.config.sliding_windows, strict=True):
-            x = layer(x, cos, sin, batch, cache, window)
+            x = layer(x, cos, sin, batch, cache, window, masks)
         rows = batch.logits_index
         if rows is not None:
             x = x[rows]  # (B, E), or (N, E) for logits_indices
