@@ -28,7 +28,7 @@ from rtpcore.errors import (
 from test_llama import make_checkpoint
 
 T = TypeVar("T")
-TIMEOUT = 60.0
+TIMEOUT = 300.0  # a bound against hanging, never a speed requirement
 GEN = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(0, 128, (n,), generator=GEN).tolist() for n in (3, 17, 1, 2, 6, 9, 4, 12, 5, 8, 2, 14, 7, 3, 10, 1)]
 NEW = 12
@@ -54,7 +54,7 @@ async def collect(stream: Any) -> tuple[list[int], RequestOutput]:
     return tokens, last
 
 
-async def until(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+async def until(cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
     """Poll ``cond`` on the event loop until it holds."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():
@@ -173,7 +173,7 @@ def test_a_consumer_that_stops_aborts_its_request(ckpt: Path) -> None:
                     started.set()
 
             task = asyncio.ensure_future(consume())
-            await asyncio.wait_for(started.wait(), 20)
+            await asyncio.wait_for(started.wait(), 120)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

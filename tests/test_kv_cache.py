@@ -263,3 +263,31 @@ def test_plan_blocks_wraps_native_errors() -> None:
     assert summarize(specs).startswith(
         "2 layers, 1 x mla fp8_e4m3 padded 656 B/token + 1 x mla bf16"
     )
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp8_e4m3"])
+def test_pools_sharing_a_gather_workspace_read_what_fresh_gathers_read_into_one_reused_buffer(dtype: str) -> None:
+    """Two layers' pools with a GatherWorkspace return the same values as pools without one, and
+    a later read lands in the same buffer (no fresh allocation per layer and step)."""
+    import torch
+
+    from rtpcore.kv.pools import GatherWorkspace, allocate_kv_caches
+    from rtpcore_native import build_kv_cache_spec
+
+    spec = build_kv_cache_spec(KVCacheSpecDesc(tag="l", kind="mha", dtype=dtype, num_kv_heads=2, head_dim=8,
+                                               tokens_per_block=4))
+    shared = allocate_kv_caches([spec, spec], 6, workspace=GatherWorkspace())
+    fresh = allocate_kv_caches([spec, spec], 6)
+    slots = torch.tensor([0, 1, 2, 5, 9, 13, 14, 20, 21])
+    for pools in (shared, fresh):
+        for layer, cache in enumerate(pools):
+            g = torch.Generator().manual_seed(layer)
+            cache.write(slots, torch.randn(9, 2, 8, generator=g), torch.randn(9, 2, 8, generator=g))
+    tables = torch.tensor([[0, 1, 3], [5, 2, 0]])
+    first = shared[0].read(tables, 10)
+    k0 = first[0].clone()
+    assert torch.equal(k0, fresh[0].read(tables, 10)[0])
+    second = shared[1].read(tables, 10)
+    assert torch.equal(second[1], fresh[1].read(tables, 10)[1]) and not torch.equal(second[0], k0)
+    if dtype == "fp32":  # the gather itself lands in the shared buffer (fp8 pools unpack into new tensors)
+        assert second[0].untyped_storage().data_ptr() == first[0].untyped_storage().data_ptr()

@@ -102,7 +102,7 @@ class EngineShard:
     def allocate(self, num_blocks: int) -> None:
         """Preallocate ``num_blocks`` KV blocks per layer (rank 0 decides the number), for
         the draft's layers too."""
-        from rtpcore.kv.pools import allocate_kv_caches
+        from rtpcore.kv.pools import GatherWorkspace, allocate_kv_caches
 
         self.kv_caches, self.draft_kv_caches = [], []  # free the old pools first
         self.graphs = self.draft_graphs = None
@@ -110,9 +110,12 @@ class EngineShard:
         graphs = self.uses_cuda_graphs
         # With graphs, one more block than the engine hands out: the padding rows' scratch block.
         pool_blocks = num_blocks + 1 if graphs else num_blocks
-        self.kv_caches = allocate_kv_caches(self.kv_cache_specs, pool_blocks, **options)
+        # Each model's layers share their gather buffers; the draft's forward never overlaps the target's.
+        self.kv_caches = allocate_kv_caches(self.kv_cache_specs, pool_blocks, workspace=GatherWorkspace(), **options)
         if self.draft is not None:
-            self.draft_kv_caches = allocate_kv_caches(self.draft.kv_cache_specs, pool_blocks, **options)
+            self.draft_kv_caches = allocate_kv_caches(
+                self.draft.kv_cache_specs, pool_blocks, workspace=GatherWorkspace(), **options
+            )
         if graphs:
             self.graphs = self._decode_graphs(self.model, self.kv_caches, num_blocks)
             if self.draft is not None:  # its proposals after the first are decode steps too
