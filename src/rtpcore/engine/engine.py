@@ -242,7 +242,8 @@ class Engine:
     draft_kv_cache_specs: list[Any]  # the draft's, one per layer (empty without a draft)
     kv_caches: list[Any]  # one LayerKVCache / PackedLayerKVCache per layer
     _group: Any  # rtpcore.parallel.leader.WorkerGroup: every rank's EngineShard (rank 0 here)
-    max_positions: int
+    max_positions: int  # the checkpoint's max_position_embeddings
+    max_model_len: int  # the longest prompt + output a request may ask for (at most max_positions)
     vocab_size: int | None
     eos_token_ids: tuple[int, ...]
     _allocator: BlockAllocator

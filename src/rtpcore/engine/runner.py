@@ -36,10 +36,6 @@ class TargetBatch:
     batch: ForwardBatch
     rows: tuple[tuple[int, int], ...]
 
-    @property
-    def num_rows(self) -> int:
-        return sum(n for _, n in self.rows)
-
 
 class BatchBuilder:
     """Builds the batches of one engine's steps on ``device``."""

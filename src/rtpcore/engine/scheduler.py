@@ -198,7 +198,7 @@ class Scheduler:
         k = self.num_speculative_tokens
         if k == 0 or not r.can_propose:
             return 0
-        k = min(k, r.params.max_tokens - len(r.generated) - 1)
+        k = min(k, r.params.max_tokens - (len(r.tokens) - r.prompt_len) - 1)
         if self.draft_max_positions is not None:
             k = min(k, self.draft_max_positions - len(r.tokens) + 1)
         return max(k, 0)

@@ -99,8 +99,8 @@ class LayerKVCache:
         """
         ws = self.workspace
         return (
-            gather_blocks(self.k, block_tables, max_len, self.tokens_per_block, ws and (ws, "k")),
-            gather_blocks(self.v, block_tables, max_len, self.tokens_per_block, ws and (ws, "v")),
+            gather_blocks(self.k, block_tables, max_len, self.tokens_per_block, None if ws is None else (ws, "k")),
+            gather_blocks(self.v, block_tables, max_len, self.tokens_per_block, None if ws is None else (ws, "v")),
         )
 
 
@@ -146,7 +146,7 @@ class PackedLayerKVCache:
         """Dequantize every sequence's first ``max_len`` positions into ``compute_dtype``:
         (B, L, *k_shape), (B, L, *v_shape)."""
         ws = self.workspace
-        rows = gather_blocks(self.rows, block_tables, max_len, self.tokens_per_block, ws and (ws, "rows"))  # (B, L, bytes)
+        rows = gather_blocks(self.rows, block_tables, max_len, self.tokens_per_block, None if ws is None else (ws, "rows"))  # (B, L, bytes)
         b, length = rows.shape[:2]
         k, v = self.codec.unpack(rows.reshape(b * length, -1), self.compute_dtype)
         return k.reshape(b, length, *self.k_shape), v.reshape(b, length, *self.v_shape)
