@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -61,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -319,20 +321,15 @@ def warn_no_cb(server: Server) -> None:
         print("  warning: transformers' log does not show 'CB: True' (continuous batching)", flush=True)
 
 
-def bench(server: Server, args: argparse.Namespace) -> Result:
-    """Start ``server``, one warm-up round, ``args.rounds`` timed rounds; always stops it."""
-    check_missing(server)
+@contextlib.contextmanager
+def serving(server: Server, args: argparse.Namespace, what: str) -> Iterator[None]:
+    """Start ``server`` for the block and always stop it; a failure in the block is a
+    ServerFailed with the server's last log lines (``what`` names the run that timed out)."""
     try:
         server.start(args.start_timeout)
-        asyncio.run(one_round(server, args.clients, args.tokens, args.round_timeout))  # warm-up
-        walls, samples = [], []
-        for _ in range(args.rounds):
-            wall, got = asyncio.run(one_round(server, args.clients, args.tokens, args.round_timeout))
-            walls.append(wall)
-            samples.extend(got)
-            print(f"  {server.name}: round of {args.clients} x {args.tokens} tokens in {wall:.2f} s", flush=True)
+        yield
     except TimeoutError as exc:
-        raise ServerFailed(f"{server.name}: a round ran past {args.round_timeout:.0f} s:\n{server.log_tail()}") from exc
+        raise ServerFailed(f"{server.name}: {what} ran past {args.round_timeout:.0f} s:\n{server.log_tail()}") from exc
     except Exception as exc:
         if isinstance(exc, ServerFailed):
             raise
@@ -340,6 +337,19 @@ def bench(server: Server, args: argparse.Namespace) -> Result:
     finally:
         server.stop()
     warn_no_cb(server)
+
+
+def bench(server: Server, args: argparse.Namespace) -> Result:
+    """Start ``server``, one warm-up round, ``args.rounds`` timed rounds; always stops it."""
+    check_missing(server)
+    walls, samples = [], []
+    with serving(server, args, "a round"):
+        asyncio.run(one_round(server, args.clients, args.tokens, args.round_timeout))  # warm-up
+        for _ in range(args.rounds):
+            wall, got = asyncio.run(one_round(server, args.clients, args.tokens, args.round_timeout))
+            walls.append(wall)
+            samples.extend(got)
+            print(f"  {server.name}: round of {args.clients} x {args.tokens} tokens in {wall:.2f} s", flush=True)
     tbts = [x for x in (s.tbt for s in samples) if x is not None]
     return Result(
         tok_s=sum(s.tokens for s in samples) / sum(walls),
@@ -533,21 +543,11 @@ def bench_load(server: Server, plan: LoadPlan, args: argparse.Namespace) -> Load
     shortest = min(range(n), key=lambda i: plan.prompt_tokens[i])
     warm = LoadPlan([plan.contents[shortest]] * min(4, n), [plan.prompt_tokens[shortest]] * min(4, n),
                     [8] * min(4, n), [0.0] * min(4, n), 0, 0, 0, 0, "")
-    try:
-        server.start(args.start_timeout)
+    with serving(server, args, "the load run"):
         _, _, got = asyncio.run(load_run(server, warm, args.round_timeout))
         if errors := [g for g in got if isinstance(g, BaseException)]:
             raise errors[0]
         t0, end, got = asyncio.run(load_run(server, plan, args.round_timeout))
-    except TimeoutError as exc:
-        raise ServerFailed(f"{server.name}: the load run ran past {args.round_timeout:.0f} s:\n{server.log_tail()}") from exc
-    except Exception as exc:
-        if isinstance(exc, ServerFailed):
-            raise
-        raise ServerFailed(f"{server.name}: {type(exc).__name__}: {exc}\n{server.log_tail()}") from exc
-    finally:
-        server.stop()
-    warn_no_cb(server)
     done = [(i, g) for i, g in enumerate(got) if isinstance(g, Sample)]
     errors = [g for g in got if not isinstance(g, Sample)]
     first_error = f"{type(errors[0]).__name__}: {errors[0]}".splitlines()[0][:200] if errors else ""
@@ -620,7 +620,10 @@ def load_table(results: dict[str, LoadResult | str]) -> str:
 def run_load(ckpt: Path, tmp: Path, args: argparse.Namespace) -> dict[str, LoadResult | str]:
     plan = load_plan(ckpt, args)
     n = len(plan.contents)
-    extra = ["--kv-cache-memory", str(plan.kv_cache_memory)]
+    # The longest request bounds --max-model-len, as an operator serving this load would set it:
+    # rtpcore refuses a pool that cannot hold one max_model_len sequence (docs/design.md §13).
+    longest = max(p + m for p, m in zip(plan.prompt_tokens, plan.max_tokens, strict=True))
+    extra = ["--kv-cache-memory", str(plan.kv_cache_memory), "--max-model-len", str(longest)]
     if args.max_num_batched_tokens is not None:
         extra += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     server = rtpcore_server(ckpt, tmp, args.max_batch_size, extra)
