@@ -85,13 +85,9 @@ class StepRunner:
     def run(self, seqs: Sequence[ScheduledSeq]) -> list[SeqResult]:
         """One result per sequence of ``seqs``, in order. Raises only for a fault that is not
         a request's (the worker group is broken)."""
-        saved = [s.request.draft_cached for s in seqs]
         try:
-            with torch.inference_mode():
-                return self._run(seqs, speculate=True)
+            return self._attempt(seqs, speculate=True)
         except Exception as exc:
-            for s, cached in zip(seqs, saved, strict=True):
-                s.request.draft_cached = cached
             if self.is_broken():
                 raise as_rtpcore_error(exc) from exc
             logger.warning(
@@ -99,6 +95,18 @@ class StepRunner:
                 len(seqs), type(exc).__name__, exc,
             )
             return self._isolate(seqs, exc)
+
+    def _attempt(self, seqs: Sequence[ScheduledSeq], *, speculate: bool) -> list[SeqResult]:
+        """One forward of ``seqs``; when it raises, the draft's cached positions are put back
+        (a catch-up may have moved them) and the exception goes on."""
+        saved = [s.request.draft_cached for s in seqs]
+        try:
+            with torch.inference_mode():
+                return self._run(seqs, speculate=speculate)
+        except Exception:
+            for s, cached in zip(seqs, saved, strict=True):
+                s.request.draft_cached = cached
+            raise
 
     def _isolate(self, seqs: Sequence[ScheduledSeq], exc: BaseException) -> list[SeqResult]:
         """Run ``seqs`` (whose joint forward raised ``exc``) in halves until each culprit is
@@ -108,15 +116,10 @@ class StepRunner:
         while pending:
             part, failed = pending.pop()
             if failed is None:  # not run yet on its own
-                group = [seqs[i] for i in part]
-                saved = [s.request.draft_cached for s in group]
                 try:
-                    with torch.inference_mode():
-                        results.update(zip(part, self._run(group, speculate=False), strict=True))
+                    results.update(zip(part, self._attempt([seqs[i] for i in part], speculate=False), strict=True))
                     continue
                 except Exception as again:
-                    for s, cached in zip(group, saved, strict=True):
-                        s.request.draft_cached = cached
                     if self.is_broken():
                         raise as_rtpcore_error(again) from again
                     failed = again
