@@ -145,11 +145,16 @@ class ForwardBatch:
 
         return torch.tensor(self.host_query_starts, dtype=torch.int64, device=self.input_ids.device)
 
+    def context_lens_on_host(self) -> tuple[int, ...]:
+        """``context_lens`` as host integers: ``host_context_lens``, or read from the device (a
+        synchronisation, which a CUDA-graph capture cannot take) when the batch has none."""
+        if self.host_context_lens is not None:
+            return self.host_context_lens
+        return tuple(int(n) for n in self.context_lens.tolist())
+
     def spans(self, first: int = 0) -> Iterator[SeqSpan]:
         """Each sequence from index ``first`` on, as a :class:`SeqSpan` (host integers)."""
-        lens = self.host_context_lens
-        if lens is None:
-            lens = tuple(int(n) for n in self.context_lens.tolist())
+        lens = self.context_lens_on_host()
         starts = self.host_query_starts
         for b in range(first, self.num_seqs):
             yield SeqSpan(b, starts[b], self.query_lens[b], lens[b])

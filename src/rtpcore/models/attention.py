@@ -90,7 +90,7 @@ def paged_attention(
             max_query_len=batch.max_query_len,
         )  # (T, H, D)
     d = batch.num_decodes
-    lens = batch.host_context_lens or tuple(int(n) for n in batch.context_lens.tolist())
+    lens = batch.context_lens_on_host()
     decoded = None
     if d:
         longest = max(lens[:d])

@@ -123,8 +123,9 @@ class DeepseekModel(nn.Module):
         cos, sin = self.rope(batch.positions, max_len)  # (T, 1, R/2) each
         paged = batch.is_decode and bool(kv_caches) and decode_backend(kv_caches[0], batch.positions) == "triton"
         d = batch.num_decodes
-        lens = batch.host_context_lens or tuple(batch.context_lens.tolist())
-        decode_len = max(lens[:d], default=0)
+        if paged:  # no host integers needed: a decode step stays free of synchronisations (CUDA graphs)
+            return StepTensors(cos, sin, max_len, d, max_len, None, True)
+        decode_len = max(batch.context_lens_on_host()[:d], default=0)
         mask = None
         if d > 1 and not paged:  # one sequence fills its whole context: nothing to mask
             pos = torch.arange(decode_len, device=batch.positions.device)  # (Ld,)
