@@ -73,6 +73,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     token_times: tuple[float, ...] = ()
     error: RtpcoreError | None = None
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -109,6 +110,7 @@ class EngineStats:
     request_errors_total: int = 0  # requests ended by their own fault (a model fault, a non-finite row)
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # of those, tokens found cached
+    kv_blocks_cached: int = 0  # blocks in the prefix cache, held by a request or not
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)
@@ -145,6 +147,7 @@ class EngineCore:
         draft_shift: int = 0,
         draft_max_positions: int | None = None,
         is_broken: Callable[[], bool] = lambda: False,
+        prefix_cache_namespace: bytes | None = None,
     ):
         """``max_model_len``: the longest prompt + output a request may ask for (the engine
         checked that the pool holds one). ``draft_forward`` and ``num_speculative_tokens`` > 0:
@@ -153,7 +156,8 @@ class EngineCore:
         ``BatchBuilder.draft_batch``); ``draft_max_positions``: the draft's longest context (its
         ``max_position_embeddings``), past which a request decodes without proposals.
         ``is_broken()``: whether the worker group can no longer step (a fault is then not a
-        request's)."""
+        request's). ``prefix_cache_namespace``: the root key of prefix caching
+        (``rtpcore.engine.prefix_cache.namespace_key``), None to turn it off."""
         k = num_speculative_tokens if draft_forward is not None else 0
         self.num_speculative_tokens = k
         self.allocator = allocator
@@ -169,6 +173,9 @@ class EngineCore:
             max_num_batched_tokens=max_num_batched_tokens,
             num_speculative_tokens=k,
             draft_max_positions=draft_max_positions,
+            namespace=prefix_cache_namespace,
+            has_draft=k > 0,
+            lookahead=draft_shift if k else 0,
         )
         self.runner = StepRunner(
             forward=forward,
@@ -383,8 +390,15 @@ class EngineCore:
                     self._accepted += result.accepted
                     if result.tokens:
                         outputs.append((r, self._record(r, result.tokens, now)))
+                    if r.finish_reason is None:
+                        self.scheduler.cache_blocks(r)
             self._cv.notify_all()
         return outputs
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block key (blocks requests hold stay theirs); how many there were."""
+        with self._cv:
+            return self.allocator.reset_cache()
 
     @property
     def speculative_stats(self) -> SpeculativeStats:
@@ -406,6 +420,9 @@ class EngineCore:
                 speculative_accepted_total=self._accepted,
                 preemptions_total=self.scheduler.preemptions_total,
                 request_errors_total=self._request_errors,
+                prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
+                prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
+                kv_blocks_cached=self.allocator.num_cached,
             )
 
     # -- under the lock ----------------------------------------------------------------------
@@ -442,6 +459,7 @@ class EngineCore:
             stop_token_id=kept[-1].token_id if reason == "stop" else None,
             arrival_time=r.arrival_time,
             token_times=(now,) * len(kept),
+            num_cached_tokens=r.num_cached_tokens or 0,
         )
         r.num_sent = n
         if reason is not None:
@@ -460,11 +478,12 @@ class EngineCore:
             logprobs=None if r.params.logprobs is None else (),
             arrival_time=r.arrival_time,
             error=error,
+            num_cached_tokens=r.num_cached_tokens or 0,
         )
 
     def _retire(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
-        self.scheduler.retire(r)
+        self.scheduler.retire(r, cache=reason != "error")
         self._requests.pop(r.request_id, None)
         self._finished += 1
 

@@ -24,6 +24,16 @@ memory this process may use (physical RAM, or the cgroup memory limit when small
 (:class:`~rtpcore.errors.KVCacheCapacityError` naming both sizes, ``--max-model-len`` and
 ``--kv-cache-memory``), so every request that passes the ``max_model_len`` check runs.
 
+Prefix caching (docs/design.md §14, ``enable_prefix_caching``, on by default): full KV
+blocks are shared by the requests whose tokens start alike, keyed by SHA-256 over their
+tokens and the engine's identity (``prefix_cache_identity``). Every KV layout takes part:
+the ``compact`` fp8 layout's pool-wide scale grows by powers of two, and the paged cache then
+requantizes its whole pool -- cached blocks included -- so they stay valid. A layout whose
+codec declares ``prefix_cacheable = False`` (a plugin's codec whose stored bytes depend on
+other blocks and that cannot keep them valid) turns caching off, with a logged reason.
+Tensor-parallel ranks follow the leader's block tables. A speculative draft's cache is in
+the same blocks: a block is cached once both models computed it.
+
 ``dtype="auto"``: the checkpoint's ``torch_dtype`` on a GPU (float32 when config.json
 names none), float32 on the CPU (exact, and the CPU kernels' fastest path for small
 batches).
@@ -57,6 +67,7 @@ import attrs
 import torch
 
 from rtpcore.engine.core import EngineCore, EngineStats, RequestOutput
+from rtpcore.engine.prefix_cache import namespace_key
 from rtpcore.engine.rank import max_positions
 from rtpcore.engine.sampling import SamplingParams
 from rtpcore.engine.scheduler import BlockAllocator
@@ -379,6 +390,7 @@ class Engine:
                 draft_max_positions=max_positions(shard.draft.hf_config) if shard.draft else None,
                 device=self.device,  # per-request generators and step inputs live there
                 is_broken=lambda: self.failure is not None,
+                prefix_cache_namespace=self._prefix_cache_namespace(),
             )
         except BaseException as exc:
             self._release()  # every rank's model, pools and processes
@@ -395,6 +407,38 @@ class Engine:
             self.model_type, config.dtype, config.kv_cache_dtype, self.device, self.num_kv_blocks,
             config.tokens_per_block, self.max_model_len, config.max_num_batched_tokens,
         )
+
+    def prefix_cache_identity(self) -> dict[str, Any]:
+        """What besides the tokens changes the bytes of a KV block: the root of every prefix
+        cache key (``rtpcore.engine.prefix_cache``)."""
+        c = self.config
+        return {
+            "checkpoint": str(Path(c.checkpoint).resolve()),
+            "model_type": self.model_type,
+            "dtype": c.dtype,
+            "kv_cache_dtype": c.kv_cache_dtype,
+            "kv_layouts": [getattr(s, "tag", repr(s)) for s in self.kv_cache_specs],
+            "draft_model": c.draft_model,
+            "draft_kv_layouts": [getattr(s, "tag", repr(s)) for s in self.draft_kv_cache_specs],
+            "tokens_per_block": c.tokens_per_block,
+            "tensor_parallel_size": c.tensor_parallel_size,
+        }
+
+    def _prefix_cache_namespace(self) -> bytes | None:
+        """The prefix cache's root key, or None when caching is off (asked, or a layout
+        cannot keep cached blocks valid: logged)."""
+        if not self.config.enable_prefix_caching:
+            return None
+        for cache in [*self.kv_caches, *self._group.local.draft_kv_caches]:
+            codec = getattr(cache, "codec", None)
+            if codec is not None and getattr(codec, "prefix_cacheable", True) is False:
+                logger.warning(
+                    "prefix caching is off: the KV layout %r stores bytes that depend on other blocks "
+                    "(its codec %s sets prefix_cacheable = False)",
+                    getattr(cache.spec, "tag", "?"), type(codec).__name__,
+                )
+                return None
+        return namespace_key(self.prefix_cache_identity())
 
     # -- generation ------------------------------------------------------------------------
 
@@ -490,6 +534,12 @@ class Engine:
         """Running and waiting requests, KV blocks and counters (a snapshot)."""
         self._check_open()
         return self._core.stats()
+
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache (after changing what a cached block would hold, or to measure
+        without it); requests running keep their blocks. How many blocks were cached."""
+        self._check_open()
+        return self._core.reset_prefix_cache()
 
     @property
     def num_free_kv_blocks(self) -> int:

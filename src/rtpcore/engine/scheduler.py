@@ -17,7 +17,16 @@ Policy, one :meth:`Scheduler.schedule` per step, within a budget of
    blocks the ones behind it, so a long prompt is never starved by short ones.
 
 A request is given the blocks of its prompt chunks as they are scheduled and one more
-block each time its last one fills: nothing is reserved for ``max_tokens``. The engine
+block each time its last one fills: nothing is reserved for ``max_tokens``.
+
+Prefix caching (docs/design.md §14, when the scheduler has a ``namespace``): a request being
+admitted first takes the longest chain of cached full blocks of its tokens (never the block
+of its last token, which is always computed: its logits are needed), and its prefill starts
+after them. After every step, each running request's newly computed full blocks join the
+cache (:meth:`Scheduler.cache_blocks`), so requests running together share them too. Blocks
+are reference-counted (``rtpcore.engine.block_pool``): preemption, abort and the end of a
+request release references, never a block another request reads; a request never writes
+a block it shares, since it computes only positions past the blocks it found cached. The engine
 refuses at build time a pool that could not hold one ``max_model_len`` sequence, so a
 request alone always fits.
 
@@ -40,6 +49,7 @@ import attrs
 import torch
 
 from rtpcore.engine.block_pool import BlockAllocator, blocks_for
+from rtpcore.engine.prefix_cache import block_keys
 from rtpcore.engine.sampling import SamplingParams
 
 __all__ = ["BlockAllocator", "Request", "ScheduledSeq", "Scheduler", "StepPlan", "blocks_for"]
@@ -70,6 +80,12 @@ class Request:
     draft_cached: int = 0
     last_rows: tuple[int, int] = (0, 0)
     can_propose: bool = False
+    # Prefix caching (rtpcore.engine.prefix_cache): the keys of the request's full blocks so
+    # far, how many of its first blocks are in the cache, and the prompt tokens found cached at
+    # its first admission (None before it; reported as usage's cached tokens).
+    block_keys: list[bytes] = attrs.field(factory=list)
+    num_registered: int = 0
+    num_cached_tokens: int | None = None
 
     @property
     def generated(self) -> list[int]:
@@ -130,8 +146,20 @@ class Scheduler:
         max_num_batched_tokens: int,
         num_speculative_tokens: int = 0,
         draft_max_positions: int | None = None,
+        namespace: bytes | None = None,
+        has_draft: bool = False,
+        lookahead: int = 0,
     ):
+        """``namespace``: the prefix cache's root key (``rtpcore.engine.prefix_cache``), None to
+        cache nothing. ``has_draft``: a speculative draft shares the blocks (a block is cached
+        once both models computed it); ``lookahead``: 1 when the draft's bytes of a block depend
+        on the token after it (a draft reading the target's hidden states)."""
         self.allocator = allocator
+        self.namespace = namespace
+        self.has_draft = has_draft
+        self.lookahead = lookahead
+        self.prefix_cache_queries_total = 0  # tokens of admitted requests looked up
+        self.prefix_cache_hits_total = 0  # of those, tokens found cached
         self.tpb = tokens_per_block
         self.max_batch_size = max_batch_size
         self.budget = max_num_batched_tokens
@@ -182,8 +210,13 @@ class Scheduler:
         admitted: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_running:  # 3. waiting
             r = self.waiting[0]
-            if r in preempted or (n := self._chunk(r, budget, reserve=self.watermark if self.running else 0)) == 0:
+            if r in preempted:
                 break
+            hit = self._reuse_cached(r)
+            if (n := self._chunk(r, budget, reserve=self.watermark if self.running else 0)) == 0:
+                self._release(r)  # it waits; what it found cached stays cached
+                break
+            self._count_hit(r, hit)
             self.waiting.popleft()
             self.running.append(r)
             admitted.append(r)
@@ -226,6 +259,61 @@ class Scheduler:
         self._take(r, num_tokens)
         return True
 
+    def _reuse_cached(self, r: Request) -> int:
+        """Give a request being admitted the cached blocks of its longest cached prefix (its
+        last token excluded); how many tokens they hold."""
+        if self.namespace is None:
+            return 0
+        usable = (len(r.tokens) - 1) // self.tpb  # the last token's block is always computed
+        found = self.allocator.lookup(self._keys(r)[:usable])
+        if found:
+            self.allocator.acquire(found)
+            r.blocks = found
+            r.num_cached = r.draft_cached = len(found) * self.tpb
+            r.num_registered = len(found)
+        return len(found) * self.tpb
+
+    def _count_hit(self, r: Request, hit: int) -> None:
+        if self.namespace is None:
+            return
+        self.prefix_cache_queries_total += len(r.tokens)
+        self.prefix_cache_hits_total += hit
+        if r.num_cached_tokens is None:
+            r.num_cached_tokens = min(hit, r.prompt_len)
+
+    def _keys(self, r: Request) -> list[bytes]:
+        """``r``'s block keys, extended to the full blocks its tokens now make."""
+        assert self.namespace is not None
+        keys = r.block_keys
+        if (len(r.tokens) - self.lookahead) // self.tpb > len(keys):
+            parent = keys[-1] if keys else self.namespace
+            keys += block_keys(r.tokens, self.tpb, parent, start=len(keys), lookahead=self.lookahead)
+        return keys
+
+    def cache_blocks(self, r: Request) -> None:
+        """Put ``r``'s full blocks that both models (with a draft) have computed in the prefix
+        cache. A block whose key is cached already (another request computed the same prefix
+        in the same steps) stays the request's own."""
+        if self.namespace is None:
+            return
+        limit = min(r.num_cached, r.draft_cached) if self.has_draft else r.num_cached
+        full = min(limit // self.tpb, len(r.blocks))
+        if full <= r.num_registered:
+            return
+        keys = self._keys(r)
+        full = min(full, len(keys))
+        for i in range(r.num_registered, full):
+            self.allocator.register(r.blocks[i], keys[i])
+        r.num_registered = max(r.num_registered, full)
+
+    def _release(self, r: Request) -> None:
+        """Release ``r``'s blocks: it caches nothing now and will recompute from its first
+        uncached block (found in the cache again when it is readmitted)."""
+        blocks, r.blocks = r.blocks, []
+        if blocks:
+            self.allocator.free(blocks)
+        r.num_cached = r.draft_cached = r.num_registered = 0
+
     def _take(self, r: Request, num_tokens: int) -> None:
         need = blocks_for(num_tokens, self.tpb) - len(r.blocks)
         if need > 0:
@@ -243,20 +331,19 @@ class Scheduler:
         """Free a running request's blocks; it waits at the head of the queue to recompute
         everything it holds (prompt and generated tokens)."""
         self.running.remove(r)
-        blocks, r.blocks = r.blocks, []
-        self.allocator.free(blocks)
-        r.num_cached = r.draft_cached = 0
+        self._release(r)
         r.can_propose = False
         r.num_preemptions += 1
         self.preemptions_total += 1
         self.waiting.appendleft(r)
 
-    def retire(self, r: Request) -> None:
-        """Take ``r`` out of the queue or the batch and return its blocks."""
+    def retire(self, r: Request, *, cache: bool = True) -> None:
+        """Take ``r`` out of the queue or the batch and release its blocks, its computed
+        full ones cached first (unless ``cache`` is False: a request that failed)."""
         if r in self.running:
             self.running.remove(r)
         elif r in self.waiting:
             self.waiting.remove(r)
-        blocks, r.blocks = r.blocks, []
-        if blocks:
-            self.allocator.free(blocks)
+        if cache:
+            self.cache_blocks(r)
+        self._release(r)

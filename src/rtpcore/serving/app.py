@@ -248,6 +248,7 @@ class _Run:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # prompt tokens the prefix cache held (docs/design.md §14)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.decoder = IncrementalDecoder(served.tokenizer, skip_special_tokens=True, stop=params.stop)
@@ -274,6 +275,7 @@ class _Run:
 
     def _take(self, out: RequestOutput) -> tuple[str, list[SampledToken]]:
         self._observe(out)
+        self.cached_tokens = out.num_cached_tokens
         ids = list(out.token_ids)
         stop_token = out.stop_token_id is not None and bool(ids) and ids[-1] == out.stop_token_id
         if stop_token:
@@ -303,9 +305,10 @@ class _Run:
             m.requests.labels(finish_reason=out.finish_reason or "").inc()
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     async def collect(self) -> dict[str, Any]:
         texts: list[str] = []

@@ -31,6 +31,7 @@ class ServerMetrics:
         gauges = {
             "kv_blocks_total": "KV-cache blocks per layer",
             "kv_blocks_free": "KV-cache blocks per layer not held by any request",
+            "kv_blocks_cached": "KV-cache blocks per layer in the prefix cache, held or not",
             "requests_running": "requests in the running batch",
             "requests_waiting": "requests waiting to be admitted",
         }
