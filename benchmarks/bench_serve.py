@@ -1,11 +1,13 @@
 """Serving throughput and latency of ``rtpcore serve`` against ``transformers serve
 --continuous-batching`` on the same checkpoint, driven by the real ``openai`` client.
 
-    python benchmarks/bench_serve.py [--scenario steady|load|both] [--quick]
+    python benchmarks/bench_serve.py [--scenario steady|load|both|multiturn] [--quick]
         [--clients N] [--skip-transformers]
-      steady: [--tokens 64] [--rounds 3] [--max-batch-size 16]
-      load:   [--prompt-tokens 64:768] [--output-tokens 256:512] [--arrival-rate 4]
-              [--kv-fraction 0.25] [--max-batch-size N] [--max-num-batched-tokens N] [--seed 0]
+      steady:    [--tokens 64] [--rounds 3] [--max-batch-size 16]
+      load:      [--prompt-tokens 64:768] [--output-tokens 256:512] [--arrival-rate 4]
+                 [--kv-fraction 0.25] [--max-batch-size N] [--max-num-batched-tokens N] [--seed 0]
+      multiturn: [--turns 4] [--turn-tokens 64] [--system-tokens 1500] [--max-batch-size N]
+                 [--max-num-batched-tokens N] [--seed 0]
 
 Builds, in a temporary folder, a seeded ~56M-parameter Llama (the shape of
 ``bench_decode.py``: hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1376) whose
@@ -42,8 +44,29 @@ arriving mid-run do to the streams that are decoding), requests completed, then 
 and the targets (tokens/s >= 3x transformers, p50 TTFT <= 0.5x transformers', rtpcore's p99
 TBT <= 3x its own p50 TBT). ``--scenario both`` runs steady, then load, on one checkpoint.
 
-``--quick`` shrinks everything (a handful of clients, short prompts and completions) to check
-that the script and both servers work; explicit options win over it.
+``--scenario multiturn`` (``--clients`` 16) measures automatic prefix caching: ``--clients``
+conversations of ``--turns`` turns over one shared seeded system prompt of
+``--system-tokens`` tokens (its ChatML-rendered system message, counted by the checkpoint's
+tokenizer), each conversation with its own seeded user messages (16-48 tokens each, rendered
+as a one-message conversation). Turn n of a conversation sends the system prompt, the user
+messages so far and the replies the server returned to the earlier turns (their text), as a
+streaming chat completion of ``--turn-tokens`` tokens; the conversations run concurrently,
+each through its turns one after the other with no pause. Three engines run in turn, after a
+warm-up of a few short requests that share nothing with the conversations: rtpcore (prefix
+caching on, its default), rtpcore-nocache (``--no-enable-prefix-caching``) and transformers.
+rtpcore's KV pool holds ``--clients`` sequences of the checkpoint's whole context (what its
+CPU default gives with a ``--max-batch-size`` of ``--clients``), more than every turn of every
+conversation needs, so no cached block a later turn reads is evicted; ``--max-batch-size`` and
+``--max-num-batched-tokens`` are passed only when given. Per engine: output tokens/s
+(completion tokens over the time from the first turn sent to the last completed), TTFT p50 of
+turn 1 and of turns 2..N, the mean fraction of the prompt tokens of turns 2..N that the
+response reports cached (``usage.prompt_tokens_details.cached_tokens``; none reported counts as
+0), turns completed, then the ratios rtpcore/rtpcore-nocache and rtpcore/transformers and the
+targets (TTFT p50 of turns 2..N <= 0.3x rtpcore-nocache's, tokens/s >= 1.5x rtpcore-nocache).
+
+``--quick`` shrinks everything (a handful of clients, short prompts and completions; multiturn:
+3 conversations x 2 turns of 8 tokens over a 200-token system prompt) to check that the script
+and the servers work; explicit options win over it.
 """
 
 from __future__ import annotations
@@ -62,7 +85,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,15 +229,17 @@ class Server:
             return "(no log)"
 
 
-def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: list[str] | None = None) -> Server:
-    """``rtpcore serve``; ``--max-batch-size`` only when given, then ``extra`` options."""
+def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: list[str] | None = None,
+                   name: str = "rtpcore") -> Server:
+    """``rtpcore serve``; ``--max-batch-size`` only when given, then ``extra`` options; ``name``
+    (which names its log too) starts with "rtpcore", which is what gets it ``ignore_eos``."""
     port = free_port()
     argv = [sys.executable, "-m", "rtpcore", "serve", str(ckpt), "--host", HOST, "--port", str(port),
             "--dtype", "float32", "--served-model-name", "bench"]
     if max_batch_size is not None:
         argv += ["--max-batch-size", str(max_batch_size)]
     argv += extra or []
-    return Server("rtpcore", argv, port, tmp / "rtpcore.log", model="bench")
+    return Server(name, argv, port, tmp / f"{name}.log", model="bench")
 
 
 def transformers_server(ckpt: Path, tmp: Path) -> Server:
@@ -237,6 +262,8 @@ class Sample:
     text_times: list[float] = field(default_factory=list)
     tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (0 when not reported)
+    text: str = ""
 
     @property
     def ttft(self) -> float:
@@ -251,24 +278,29 @@ class Sample:
 
 
 async def one_request(client: Any, server: Server, i: int, tokens: int, content: str | None = None,
-                      start: float | None = None) -> Sample:
-    """One streaming chat completion; ``start`` (default: now) is when the request counts as sent."""
-    extra: dict[str, Any] = {"ignore_eos": True} if server.name == "rtpcore" else {}
+                      start: float | None = None, messages: list[dict[str, str]] | None = None) -> Sample:
+    """One streaming chat completion of one user message ``content``, or of the conversation
+    ``messages`` when given; ``start`` (default: now) is when the request counts as sent."""
+    extra: dict[str, Any] = {"ignore_eos": True} if server.name.startswith("rtpcore") else {}
     sample = Sample(start=time.perf_counter() if start is None else start)
-    if content is None:
-        content = f"Request {i}: tell me a long story about city number {i}."
+    if messages is None:
+        if content is None:
+            content = f"Request {i}: tell me a long story about city number {i}."
+        messages = [{"role": "user", "content": content}]
     stream = await client.chat.completions.create(
         model=server.model, stream=True, max_tokens=tokens, temperature=0.0,
-        stream_options={"include_usage": True}, extra_body=extra or None,
-        messages=[{"role": "user", "content": content}],
+        stream_options={"include_usage": True}, extra_body=extra or None, messages=messages,
     )
     async for chunk in stream:
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].delta.content:
             sample.text_times.append(now)
+            sample.text += chunk.choices[0].delta.content
         if chunk.usage is not None:
             sample.tokens = chunk.usage.completion_tokens
             sample.prompt_tokens = chunk.usage.prompt_tokens
+            details = getattr(chunk.usage, "prompt_tokens_details", None)
+            sample.cached_tokens = int(getattr(details, "cached_tokens", None) or 0)
     if not sample.text_times:
         raise ServerFailed(f"{server.name}: request {i} streamed no text")
     return sample
@@ -406,53 +438,68 @@ def parse_range(text: str) -> tuple[int, int]:
     return a, b
 
 
-def chat_prompt_counter(ckpt: Path) -> Any:
-    """``count(content) -> int``: tokens of the one-user-message conversation rendered with the
-    checkpoint's chat template and encoded without added special tokens (as both servers do)."""
+def chat_prompt_counter(ckpt: Path, role: str = "user", generation_prompt: bool = True) -> Callable[[str], int]:
+    """``count(content) -> int``: tokens of the one-message conversation (a ``role`` message,
+    then the assistant's header when ``generation_prompt``) rendered with the checkpoint's chat
+    template and encoded without added special tokens (as both servers do)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ckpt))
 
     def count(content: str) -> int:
-        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template([{"role": role, "content": content}], tokenize=False,
+                                       add_generation_prompt=generation_prompt)
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
     return count
 
 
-def build_prompts(ckpt: Path, lengths: list[int], seed: int) -> list[str]:
-    """One user message per length whose rendered conversation is exactly that many tokens:
-    seeded words of the training corpus (each a pre-token of its own, so counts add up),
-    topped up with one-token words, then checked with the full tokenizer."""
-    from tokenizers import Tokenizer
+class PromptBuilder:
+    """Message texts of an exact rendered token count: seeded words of the training corpus
+    (each a pre-token of its own, so counts add up), topped up with one-token words, then
+    checked with the full tokenizer."""
 
-    count = chat_prompt_counter(ckpt)
-    overhead = count("")
-    if min(lengths) <= overhead:
-        raise SystemExit(f"prompts need more than the chat template's {overhead} tokens; raise --prompt-tokens")
-    words = sorted({w.strip(".,!?;") for line in corpus() for w in line.split()} - {""})
-    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    spaced = {w: len(e.ids) for w, e in zip(words, tok.encode_batch([" " + w for w in words], add_special_tokens=False), strict=True)}
-    bare = {w: len(e.ids) for w, e in zip(words, tok.encode_batch(words, add_special_tokens=False), strict=True)}
-    ones = [w for w in words if spaced[w] == 1 and bare[w] == 1]
-    rng = random.Random(seed)
-    prompts = []
-    for n in lengths:
-        want = n - overhead
+    def __init__(self, ckpt: Path):
+        from tokenizers import Tokenizer
+
+        words = sorted({w.strip(".,!?;") for line in corpus() for w in line.split()} - {""})
+        tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+        spaced = tok.encode_batch([" " + w for w in words], add_special_tokens=False)
+        bare = tok.encode_batch(words, add_special_tokens=False)
+        self.words = words
+        self.spaced = {w: len(e.ids) for w, e in zip(words, spaced, strict=True)}
+        self.bare = {w: len(e.ids) for w, e in zip(words, bare, strict=True)}
+        self.ones = [w for w in words if self.spaced[w] == 1 and self.bare[w] == 1]
+
+    def build(self, n: int, rng: random.Random, count: Callable[[str], int]) -> str:
+        """A message whose conversation, as ``count`` renders it, is exactly ``n`` tokens."""
+        want = n - count("")
+        if want <= 0:
+            raise SystemExit(f"a {n}-token message is not longer than the chat template's {n - want} tokens")
         parts: list[str] = []
         got = 0
         while got < want:
-            w = rng.choice(words) if want - got > 8 else rng.choice(ones)
-            c = spaced[w] if parts else bare[w]
+            w = rng.choice(self.words) if want - got > 8 else rng.choice(self.ones)
+            c = self.spaced[w] if parts else self.bare[w]
             if got + c <= want:
                 parts.append(w)
                 got += c
         content = " ".join(parts)
         if (real := count(content)) != n:
             raise SystemExit(f"prompt built for {n} tokens renders to {real}; the tokenizer does not add up")
-        prompts.append(content)
-    return prompts
+        return content
+
+
+def build_prompts(ckpt: Path, lengths: list[int], seed: int) -> list[str]:
+    """One user message per length whose rendered conversation is exactly that many tokens
+    (``PromptBuilder``), from one seeded stream."""
+    count = chat_prompt_counter(ckpt)
+    overhead = count("")
+    if min(lengths) <= overhead:
+        raise SystemExit(f"prompts need more than the chat template's {overhead} tokens; raise --prompt-tokens")
+    builder = PromptBuilder(ckpt)
+    rng = random.Random(seed)
+    return [builder.build(n, rng, count) for n in lengths]
 
 
 def kv_block_spec(ckpt: Path) -> tuple[int, int, str]:
@@ -576,6 +623,13 @@ def bench_load(server: Server, plan: LoadPlan, args: argparse.Namespace) -> Load
     )
 
 
+def target_line(what: str, value: float | None, ok: bool) -> str:
+    """``  what: 1.23x — met`` (or ``not met``; ``n/a`` without a value)."""
+    if value is None:
+        return f"  {what}: n/a"
+    return f"  {what}: {value:.2f}x — {'met' if ok else 'not met'}"
+
+
 def load_table(results: dict[str, LoadResult | str]) -> str:
     rows = ["| engine | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TBT p50 (ms) | TBT p99 (ms) | completed "
             "| exact tokens |",
@@ -593,20 +647,14 @@ def load_table(results: dict[str, LoadResult | str]) -> str:
                     f"| {rt.ttft_p99 / hf.ttft_p99:.2f}x | {rt.tbt_p50 / hf.tbt_p50:.2f}x "
                     f"| {rt.tbt_p99 / hf.tbt_p99:.2f}x | | |")
     lines = ["\n".join(rows), "", "Targets:"]
-
-    def target(what: str, value: float | None, ok: bool | None) -> str:
-        if value is None:
-            return f"  {what}: n/a"
-        return f"  {what}: {value:.2f}x — {'met' if ok else 'not met'}"
-
     tok = ttft = own = None
     if isinstance(rt, LoadResult):
         own = rt.tbt_p99 / rt.tbt_p50
         if isinstance(hf, LoadResult):
             tok, ttft = rt.tok_s / hf.tok_s, rt.ttft_p50 / hf.ttft_p50
-    lines.append(target("output tokens/s >= 3x transformers", tok, tok is not None and tok >= 3))
-    lines.append(target("p50 TTFT <= 0.5x transformers'", ttft, ttft is not None and ttft <= 0.5))
-    lines.append(target("rtpcore p99 TBT <= 3x its own p50 TBT (p99 / p50)", own, own is not None and own <= 3))
+    lines.append(target_line("output tokens/s >= 3x transformers", tok, tok is not None and tok >= 3))
+    lines.append(target_line("p50 TTFT <= 0.5x transformers'", ttft, ttft is not None and ttft <= 0.5))
+    lines.append(target_line("rtpcore p99 TBT <= 3x its own p50 TBT (p99 / p50)", own, own is not None and own <= 3))
     for name, r in results.items():
         if isinstance(r, LoadResult):
             note = (f"  {name}: {r.wall:.2f} s, {r.chunks_per_token:.2f} text chunks per token, prompt tokens as "
@@ -650,26 +698,246 @@ def run_load(ckpt: Path, tmp: Path, args: argparse.Namespace) -> dict[str, LoadR
     return results
 
 
+# ---------------------------------------------------------------- multi-turn scenario
+
+USER_TOKENS = (16, 48)  # multiturn: each user message's tokens, rendered as a one-message conversation
+
+
+@dataclass
+class MultiturnPlan:
+    """The seeded conversations of the multi-turn scenario: the shared system prompt, each
+    conversation's user messages (one per turn) and their token counts, and rtpcore's KV pool."""
+    system: str
+    system_tokens: int
+    users: list[list[str]]
+    user_tokens: list[list[int]]
+    turn_tokens: int
+    max_model_len: int
+    longest: int  # the longest final turn's prompt + turn_tokens, if each reply re-encodes to turn_tokens
+    kv_cache_memory: int
+    kv_note: str
+
+    @property
+    def turns(self) -> int:
+        return len(self.users[0])
+
+
+def multiturn_plan(ckpt: Path, args: argparse.Namespace) -> MultiturnPlan:
+    """Seeded system prompt and user messages (a seed of its own per conversation); a KV pool
+    of ``args.clients`` sequences of the checkpoint's context."""
+    builder = PromptBuilder(ckpt)
+    system_count = chat_prompt_counter(ckpt, role="system", generation_prompt=False)
+    system = builder.build(args.system_tokens, random.Random(f"{args.seed}-system"), system_count)
+    user_count = chat_prompt_counter(ckpt)
+    users, lengths = [], []
+    for c in range(args.clients):
+        rng = random.Random(f"{args.seed}-conversation-{c}")
+        ns = [rng.randint(*USER_TOKENS) for _ in range(args.turns)]
+        users.append([builder.build(n, rng, user_count) for n in ns])
+        lengths.append(ns)
+    # A user message counts the assistant's header after it; a reply in the history adds its
+    # tokens and the end of its message (<|im_end|> and a newline: 2 tokens).
+    longest = max(args.system_tokens + sum(ns) + (args.turns - 1) * (args.turn_tokens + 2)
+                  + args.turn_tokens for ns in lengths)
+    max_model_len = int(json.loads((ckpt / "config.json").read_text())["max_position_embeddings"])
+    if longest > max_model_len:
+        raise SystemExit(f"the longest conversation needs about {longest} tokens, more than the checkpoint's "
+                         f"{max_model_len}; lower --system-tokens, --turns or --turn-tokens")
+    block, tpb, source = kv_block_spec(ckpt)
+    memory = args.clients * -(-max_model_len // tpb) * block
+    note = (f"{args.clients} sequences x {max_model_len} tokens (the checkpoint's context), block {block} bytes / "
+            f"{tpb} tokens from {source}")
+    return MultiturnPlan(system, args.system_tokens, users, lengths, args.turn_tokens, max_model_len, longest,
+                         memory, note)
+
+
+@dataclass
+class MultiturnResult:
+    tok_s: float
+    ttft_first: float  # p50 over turn 1
+    ttft_later: float  # p50 over turns 2..N
+    cached_first: float  # mean fraction of prompt tokens reported cached, turn 1
+    cached_later: float  # the same over turns 2..N
+    completed: int
+    total: int
+    exact: bool  # every completed turn produced exactly turn_tokens tokens
+    wall: float
+    prompt_range: tuple[int, int]
+    first_error: str
+
+
+async def conversation(client: Any, server: Server, plan: MultiturnPlan, c: int) -> tuple[list[Sample], str]:
+    """Conversation ``c`` turn by turn, each turn's reply (its text) in the next one's history;
+    (the samples of its completed turns, the error that ended it early or "")."""
+    messages = [{"role": "system", "content": plan.system}]
+    samples: list[Sample] = []
+    for t, user in enumerate(plan.users[c]):
+        messages.append({"role": "user", "content": user})
+        try:
+            sample = await one_request(client, server, c * plan.turns + t, plan.turn_tokens, messages=list(messages))
+        except Exception as exc:
+            return samples, f"conversation {c} turn {t + 1}: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+        samples.append(sample)
+        messages.append({"role": "assistant", "content": sample.text})
+    return samples, ""
+
+
+async def multiturn_run(server: Server, plan: MultiturnPlan, timeout: float) -> tuple[float, float, list[tuple[list[Sample], str]]]:
+    """All conversations at once; (t0, last completion, per conversation: samples, error)."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    n = len(plan.users)
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4), trust_env=False)
+    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=timeout, http_client=http) as client:
+        t0 = time.perf_counter()
+        got = await asyncio.wait_for(asyncio.gather(*(conversation(client, server, plan, c) for c in range(n))),
+                                     timeout * plan.turns)
+        ends = [s.text_times[-1] for samples, _ in got for s in samples]
+        return t0, max(ends, default=time.perf_counter()), list(got)
+
+
+async def warm_up(server: Server, requests: int, timeout: float) -> None:
+    """A few concurrent short requests whose prompts share nothing with the conversations."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=requests + 4), trust_env=False)
+    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=timeout, http_client=http) as client:
+        await asyncio.wait_for(asyncio.gather(*(one_request(client, server, i, 8) for i in range(requests))), timeout)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def bench_multiturn(server: Server, plan: MultiturnPlan, args: argparse.Namespace) -> MultiturnResult:
+    """Start ``server``, a warm-up of a few short requests, one timed run of all conversations;
+    always stops it."""
+    check_missing(server)
+    with serving(server, args, "the multi-turn run"):
+        asyncio.run(warm_up(server, min(4, len(plan.users)), args.round_timeout))
+        t0, end, got = asyncio.run(multiturn_run(server, plan, args.round_timeout))
+    errors = [e for _, e in got if e]
+    samples = [s for conv, _ in got for s in conv]
+    if not samples:
+        raise ServerFailed(f"{server.name}: no turn completed ({len(errors)} conversations failed; first: "
+                           f"{errors[0] if errors else '?'})\n{server.log_tail()}")
+    first = [conv[0] for conv, _ in got if conv]
+    later = [s for conv, _ in got for s in conv[1:]]
+    wall = end - t0
+
+    def cached(xs: list[Sample]) -> float:
+        return mean([s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0 for s in xs])
+
+    total = len(plan.users) * plan.turns
+    print(f"  {server.name}: {len(samples)}/{total} turns completed in {wall:.2f} s", flush=True)
+    return MultiturnResult(
+        tok_s=sum(s.tokens for s in samples) / wall,
+        ttft_first=percentile([s.ttft for s in first], 0.5),
+        ttft_later=percentile([s.ttft for s in later], 0.5) if later else float("nan"),
+        cached_first=cached(first),
+        cached_later=cached(later),
+        completed=len(samples),
+        total=total,
+        exact=all(s.tokens == plan.turn_tokens for s in samples),
+        wall=wall,
+        prompt_range=(min(s.prompt_tokens for s in samples), max(s.prompt_tokens for s in samples)),
+        first_error=errors[0] if errors else "",
+    )
+
+
+def multiturn_table(results: dict[str, MultiturnResult | str], turns: int) -> str:
+    later = f"turns 2-{turns}" if turns > 2 else "turn 2"
+    rows = [f"| engine | output tok/s | TTFT p50 turn 1 (ms) | TTFT p50 {later} (ms) | cached {later} | completed "
+            "| exact tokens |",
+            "|---|---:|---:|---:|---:|---:|---|"]
+    for name, r in results.items():
+        if isinstance(r, str):
+            rows.append(f"| {name} | failed: {r} | | | | | |")
+        else:
+            rows.append(f"| {name} | {r.tok_s:.1f} | {r.ttft_first * 1e3:.0f} | {r.ttft_later * 1e3:.0f} "
+                        f"| {r.cached_later:.1%} | {r.completed}/{r.total} | {'yes' if r.exact else 'no'} |")
+    rt = results.get("rtpcore")
+    for other in ("rtpcore-nocache", "transformers"):
+        base = results.get(other)
+        if isinstance(rt, MultiturnResult) and isinstance(base, MultiturnResult):
+            rows.append(f"| rtpcore / {other} | {rt.tok_s / base.tok_s:.2f}x | {rt.ttft_first / base.ttft_first:.2f}x "
+                        f"| {rt.ttft_later / base.ttft_later:.2f}x | | | |")
+    lines = ["\n".join(rows), "", "Targets:"]
+    nocache = results.get("rtpcore-nocache")
+    ttft = tok = None
+    if isinstance(rt, MultiturnResult) and isinstance(nocache, MultiturnResult):
+        ttft, tok = rt.ttft_later / nocache.ttft_later, rt.tok_s / nocache.tok_s
+    lines.append(target_line(f"TTFT p50 {later} <= 0.3x rtpcore-nocache's", ttft, ttft is not None and ttft <= 0.3))
+    lines.append(target_line("output tokens/s >= 1.5x rtpcore-nocache", tok, tok is not None and tok >= 1.5))
+    for name, r in results.items():
+        if isinstance(r, MultiturnResult):
+            note = (f"  {name}: {r.wall:.2f} s, turn prompts {r.prompt_range[0]}-{r.prompt_range[1]} tokens, "
+                    f"cached turn 1 {r.cached_first:.1%}")
+            if r.completed < r.total:
+                note += f"; {r.total - r.completed} turns not completed, first error: {r.first_error}"
+            lines.append(note)
+    return "\n".join(lines)
+
+
+def run_multiturn(ckpt: Path, tmp: Path, args: argparse.Namespace) -> dict[str, MultiturnResult | str]:
+    plan = multiturn_plan(ckpt, args)
+    extra = ["--kv-cache-memory", str(plan.kv_cache_memory)]
+    if args.max_num_batched_tokens is not None:
+        extra += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    servers = [rtpcore_server(ckpt, tmp, args.max_batch_size, extra),
+               rtpcore_server(ckpt, tmp, args.max_batch_size, [*extra, "--no-enable-prefix-caching"],
+                              name="rtpcore-nocache")]
+    if not args.skip_transformers:
+        servers.append(transformers_server(ckpt, tmp))
+    users = [n for ns in plan.user_tokens for n in ns]
+    print(f"multiturn: {len(plan.users)} concurrent conversations x {plan.turns} turns of {plan.turn_tokens} tokens, "
+          f"shared system prompt {plan.system_tokens} tokens, user messages {min(users)}-{max(users)} tokens "
+          f"(range {USER_TOKENS[0]}:{USER_TOKENS[1]}), longest conversation about {plan.longest} tokens, "
+          f"seed {args.seed}", flush=True)
+    print(f"multiturn: rtpcore --kv-cache-memory {plan.kv_cache_memory} ({plan.kv_cache_memory / (1 << 20):.1f} MiB: "
+          f"{plan.kv_note})", flush=True)
+    for s in servers[:2]:
+        print(f"multiturn: {s.name}: rtpcore serve {' '.join(s.argv[s.argv.index('--dtype'):])}"
+              f"{'' if args.max_batch_size is not None else ' (rtpcore default --max-batch-size)'}", flush=True)
+    results: dict[str, MultiturnResult | str] = {}
+    for s in servers:
+        try:
+            results[s.name] = bench_multiturn(s, plan, args)
+        except ServerFailed as exc:
+            print(f"{s.name} FAILED: {exc}", file=sys.stderr, flush=True)
+            results[s.name] = exc.summary()
+    return results
+
+
 # --quick: defaults for a fast check that everything runs (not a measurement)
 QUICK: dict[str, Any] = {
     "steady_clients": 4, "load_clients": 6, "tokens": 16, "rounds": 1, "prompt_tokens": (16, 64),
     "output_tokens": (8, 24), "arrival_rate": 6.0,
+    "multiturn_clients": 3, "turns": 2, "system_tokens": 200, "turn_tokens": 8,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", choices=("steady", "load", "both"), default="steady",
+    parser.add_argument("--scenario", choices=("steady", "load", "both", "multiturn"), default="steady",
                         help="steady: rounds of equal concurrent requests (default); load: Poisson arrivals of "
-                        "mixed prompt and completion lengths with a quarter-size rtpcore KV pool; both: steady then load")
+                        "mixed prompt and completion lengths with a quarter-size rtpcore KV pool; both: steady then "
+                        "load; multiturn: concurrent conversations over a shared system prompt, prefix caching on "
+                        "against off")
     parser.add_argument("--quick", action="store_true",
                         help="a few clients, short prompts and completions: checks that the script runs")
     parser.add_argument("--clients", type=int, default=None,
-                        help="concurrent streams per round (steady, default 16) / requests of the load run (default 64)")
+                        help="concurrent streams per round (steady, default 16) / requests of the load run "
+                        "(default 64) / concurrent conversations (multiturn, default 16)")
     parser.add_argument("--tokens", type=int, default=None, help="steady: completion tokens per request (default 64)")
     parser.add_argument("--rounds", type=int, default=None, help="steady: timed rounds after one warm-up round (default 3)")
     parser.add_argument("--max-batch-size", type=int, default=None,
-                        help="rtpcore serve --max-batch-size (steady: default 16; load: passed only when given)")
+                        help="rtpcore serve --max-batch-size (steady: default 16; load, multiturn: passed only "
+                        "when given)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="rtpcore serve --max-num-batched-tokens, passed only when given")
     parser.add_argument("--prompt-tokens", type=parse_range, default=None, metavar="MIN:MAX",
@@ -681,12 +949,19 @@ def main(argv: list[str] | None = None) -> int:
                         "a third of a 48 s run, i.e. of 24,500 output tokens at 500 tok/s)")
     parser.add_argument("--kv-fraction", type=float, default=0.25,
                         help="load: rtpcore's --kv-cache-memory as a fraction of the worst case (default 0.25)")
-    parser.add_argument("--seed", type=int, default=0, help="load: seed of lengths, max_tokens and arrivals")
+    parser.add_argument("--turns", type=int, default=None, help="multiturn: turns per conversation (default 4)")
+    parser.add_argument("--turn-tokens", type=int, default=None,
+                        help="multiturn: completion tokens per turn (default 64)")
+    parser.add_argument("--system-tokens", type=int, default=None,
+                        help="multiturn: the shared system prompt's tokens, ChatML-rendered (default 1500)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="load: seed of lengths, max_tokens and arrivals; multiturn: of the messages")
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--skip-transformers", action="store_true", help="benchmark rtpcore serve alone")
     parser.add_argument("--start-timeout", type=float, default=180, help="seconds for a server to answer /health")
     parser.add_argument("--round-timeout", type=float, default=None,
-                        help="seconds a round (steady, default 600) or a request of the load run (default 1800) may take")
+                        help="seconds a round (steady, default 600) or a request of the load or multiturn run "
+                        "(default 1800) may take")
     args = parser.parse_args(argv)
     quick = args.quick
 
@@ -701,11 +976,18 @@ def main(argv: list[str] | None = None) -> int:
     args.prompt_tokens = pick(args.prompt_tokens, (64, 768), QUICK["prompt_tokens"])
     args.output_tokens = pick(args.output_tokens, (256, 512), QUICK["output_tokens"])
     args.arrival_rate = pick(args.arrival_rate, 4.0, QUICK["arrival_rate"])
+    multiturn_clients = pick(args.clients, 16, QUICK["multiturn_clients"])
+    args.turns = pick(args.turns, 4, QUICK["turns"])
+    args.turn_tokens = pick(args.turn_tokens, 64, QUICK["turn_tokens"])
+    args.system_tokens = pick(args.system_tokens, 1500, QUICK["system_tokens"])
     if min(steady_clients, load_clients, args.tokens, args.rounds, args.max_batch_size or 1,
            args.max_num_batched_tokens or 1) < 1:
         parser.error("--clients, --tokens, --rounds, --max-batch-size and --max-num-batched-tokens must be >= 1")
     if not args.arrival_rate > 0 or not 0 < args.kv_fraction <= 1:
         parser.error("--arrival-rate must be > 0 and --kv-fraction in (0, 1]")
+    if args.scenario == "multiturn" and (args.turns < 2 or min(multiturn_clients, args.turn_tokens, args.system_tokens) < 1):
+        parser.error("--turns must be >= 2 (turns 2.. are what the cache serves); --clients, --turn-tokens and "
+                     "--system-tokens >= 1")
     scenarios = ["steady", "load"] if args.scenario == "both" else [args.scenario]
 
     import torch
@@ -754,6 +1036,15 @@ def main(argv: list[str] | None = None) -> int:
                           f"{load.prompt_tokens[0]}:{load.prompt_tokens[1]} tokens, max_tokens "
                           f"{load.output_tokens[0]}:{load.output_tokens[1]}\n\n{load_table(load_results)}")
             ok = ok and all(isinstance(r, LoadResult) and r.completed == r.total for r in load_results.values())
+        if "multiturn" in scenarios:
+            multi = argparse.Namespace(**vars(args))
+            multi.clients = multiturn_clients
+            multi.round_timeout = args.round_timeout or 1800
+            multi_results = run_multiturn(ckpt, tmp, multi)
+            tables.append(f"Multi-turn: {multi.clients} conversations x {multi.turns} turns x {multi.turn_tokens} "
+                          f"tokens over a shared {multi.system_tokens}-token system prompt\n\n"
+                          f"{multiturn_table(multi_results, multi.turns)}")
+            ok = ok and all(isinstance(r, MultiturnResult) and r.completed == r.total for r in multi_results.values())
     print("\n\n".join(tables))
     return 0 if ok else 1
 
