@@ -7,18 +7,31 @@ within ``--shutdown-timeout`` seconds (then cuts them: their streams abort), clo
 engine and exits 0. When the engine breaks (a fault that is not a request's: a lost rank, a
 device fault) ``/health`` answers 503, the server drains the same way and exits 1, so that a
 supervisor restarts it.
+
+The API key comes from ``--api-key``, else the file ``--api-key-file`` names, else the
+environment variable ``RTPCORE_API_KEY``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from rtpcore.cli._args import add_model_arguments, model_path, parse_bytes, positive_int
+from rtpcore.cli._args import (
+    add_model_arguments,
+    model_path,
+    parse_bytes,
+    positive_int,
+)
 
-__all__ = ["add_parser"]
+__all__ = ["API_KEY_ENV", "add_parser", "api_key"]
+
+API_KEY_ENV = "RTPCORE_API_KEY"
 
 
 def _port(text: str) -> int:
@@ -53,7 +66,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=_port, default=8000, help="default: 8000")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: the "
                    "checkpoint folder's name, or the demo name)")
-    p.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/ endpoints")
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/ endpoints. "
+                      "A key on the command line is visible to every user of the machine (ps, /proc): "
+                      f"prefer --api-key-file or ${API_KEY_ENV}")
+    keys.add_argument("--api-key-file", metavar="PATH", type=Path, help="read the API key from this file "
+                      "(surrounding whitespace stripped)")
     p.add_argument("--max-batch-size", type=positive_int, default=256, metavar="N",
                    help="most requests running at once (default: 256)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="e.g. 2GiB")
@@ -69,7 +87,36 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run, _parser=p)
 
 
+def api_key(args: argparse.Namespace, parser: argparse.ArgumentParser,
+            environ: Mapping[str, str] = os.environ) -> str | None:
+    """The key clients must send: ``--api-key``, else ``--api-key-file``'s content, else
+    ``$RTPCORE_API_KEY``, each stripped of surrounding whitespace; None when none is given.
+    A key that is empty, unreadable, or not sendable in an HTTP header is a usage error
+    (exit status 2) naming where it came from: the server never starts with a key no client
+    could send, nor silently without the key it was given."""
+    if args.api_key is not None:
+        source, key = "--api-key", args.api_key
+    elif args.api_key_file is not None:
+        source = f"--api-key-file {str(args.api_key_file)!r}"
+        try:
+            key = args.api_key_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            parser.error(f"{source}: cannot read the API key: {reason}")
+    elif API_KEY_ENV in environ:
+        source, key = f"the environment variable {API_KEY_ENV}", environ[API_KEY_ENV]
+    else:
+        return None
+    key = key.strip()
+    if not key:
+        parser.error(f"{source}: the API key is empty")
+    if not all(33 <= ord(c) < 127 for c in key):  # what an 'Authorization: Bearer' header carries
+        parser.error(f"{source}: the API key must be printable ASCII without spaces")
+    return key
+
+
 def run(args: argparse.Namespace) -> int:
+    key = api_key(args, args._parser)  # a usage error before anything loads
     path, engine_options = model_path(args, args._parser)  # validates the allowlist first
     import torch
     import uvicorn
@@ -94,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     name = args.served_model_name or args.demo or path.resolve().name
     app = build_app(engine, tokenizer=tokenizer, chat_template=chat_template, model_name=name,
-                    api_key=args.api_key, on_shutdown=engine.aclose)
+                    api_key=key, on_shutdown=engine.aclose)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn handles SIGTERM/SIGINT (drain, then stop) and afterwards re-raises the signal
