@@ -3,6 +3,10 @@
 This package is the only place that prints or chooses exit codes:
 0 success, 2 bad usage (argparse, allowlist validation), 1 any other error,
 printed as one line ``rtpcore: error: ...`` (a traceback only with ``--debug``).
+It is also the only place that configures logging: while a command runs, one handler on
+the root logger writes records to stderr, and ``--log-level`` (every subcommand takes it,
+default ``info``) sets the level of the ``rtpcore`` loggers, so that rtpcore's warnings
+reach the operator (the package itself installs only a ``NullHandler``).
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``;
 the module is imported when the parser is built, and must not import torch at
@@ -12,10 +16,12 @@ module level (``--help``, ``--version`` and ``plugins list`` never import torch)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 from rtpcore.errors import AllowlistError, EngineBuildError, RtpcoreError
@@ -66,6 +72,28 @@ def _show_warning(
 
 _default_show_warning: Any = warnings.showwarning
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+@contextlib.contextmanager
+def logging_to_stderr(level: str) -> Iterator[None]:
+    """While the block runs: a handler on the root logger writing to stderr, and the
+    ``rtpcore`` loggers at ``level`` (a :data:`rtpcore.cli._args.LOG_LEVELS` name). Other
+    libraries' loggers keep their levels (``rtpcore serve`` hands uvicorn the same level);
+    afterwards the handler is gone and the level restored, so that calling :func:`main` in a
+    process (a test) leaves its logging as it found it."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root, ours = logging.getLogger(), logging.getLogger("rtpcore")
+    saved = ours.level
+    root.addHandler(handler)
+    ours.setLevel(level.upper())
+    try:
+        yield
+    finally:
+        ours.setLevel(saved)
+        root.removeHandler(handler)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     from rtpcore.plugins.allowlist import IgnoredEnvironmentWarning
@@ -80,7 +108,8 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with logging_to_stderr(args.log_level):
+            return int(args.func(args) or 0)
     except AllowlistError as exc:
         parser.exit(2, f"rtpcore: error: {exc}\n")
     except KeyboardInterrupt:

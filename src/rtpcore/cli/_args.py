@@ -11,6 +11,15 @@ from rtpcore.engine.devices import check_device_form, resolve_device
 from rtpcore.errors import DeviceError
 from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_log_level_argument(p: argparse.ArgumentParser) -> None:
+    """``--log-level``, which every subcommand takes: :func:`rtpcore.cli.main` configures logging
+    with it before the command runs."""
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower,
+                   help="the least severe of rtpcore's log records shown on stderr (default: info)")
+
 
 def positive_int(text: str) -> int:
     """argparse type: a positive integer, else a usage error (exit status 2) naming the text."""

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rtpcore.cli._args import add_model_arguments, model_path, positive_int
+from rtpcore.cli._args import add_log_level_argument, add_model_arguments, model_path, positive_int
 from rtpcore.errors import RtpcoreError
 
 __all__ = ["add_parser"]
@@ -53,6 +53,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--top-p", type=float, default=None, metavar="P")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_log_level_argument(p)
     p.set_defaults(func=run, _parser=p)
 
 

@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from rtpcore.cli._args import parse_bytes, positive_int
+from rtpcore.cli._args import add_log_level_argument, parse_bytes, positive_int
 from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
 __all__ = ["add_parser", "parse_bytes"]
@@ -53,6 +53,7 @@ def add_parser(subparsers: Any) -> None:
         "--memory", type=parse_bytes, metavar="BYTES", help="KV memory budget, e.g. 8GiB"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_log_level_argument(parser)
     parser.set_defaults(func=_run)
 
 

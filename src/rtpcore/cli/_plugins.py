@@ -15,7 +15,9 @@ import subprocess
 import sys
 from typing import Any
 
+from rtpcore.cli._args import add_log_level_argument
 from rtpcore.plugins.allowlist import (
+    IGNORED_ENV_VARS,
     Allowlist,
     add_allowlist_arguments,
     external_model_packages_arg,
@@ -40,6 +42,7 @@ def add_parser(subparsers: Any) -> None:
     lister.add_argument(
         "--requested-only", action="store_true", help="show only the requested items"
     )
+    add_log_level_argument(lister)
     lister.set_defaults(func=_list)
 
     checker = actions.add_parser(
@@ -59,6 +62,7 @@ def add_parser(subparsers: Any) -> None:
         help="also load these modules",
     )
     checker.add_argument("--json", action="store_true", help="print a JSON array of objects")
+    add_log_level_argument(checker)
     checker.set_defaults(func=_check)
 
 
@@ -216,22 +220,28 @@ def _check(args: argparse.Namespace) -> int:
     # still applies, which is how the operator points at plugins; -I would drop it and
     # the user site, changing what "installed" means between list and check).
     command = [sys.executable, "-P", "-m", "rtpcore", "plugins", "list", "--json"]
-    command += ["--requested-only"]
+    command += ["--requested-only", "--log-level", args.log_level]
     for item in items:
         command += ["--plugins", item]
     for module in args.external_model_packages:
         command += ["--external-model-packages", module]
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    # The child's log records are relayed to stderr; the variables this process has already
+    # warned about (rtpcore ignores them, the child too) are left out, so it warns only once.
+    env = {k: v for k, v in os.environ.items() if k not in IGNORED_ENV_VARS}
+    env["PYTHONWARNINGS"] = "ignore"
     proc = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    log = proc.stderr.strip().splitlines()
     try:
         rows = json.loads(proc.stdout)
     except ValueError:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        *log, tail = log or ["no output"]
+        _relay(log)
         print(
             f"rtpcore: error: the check process exited with status {proc.returncode}: {tail}",
             file=sys.stderr,
         )
         return 1
+    _relay(log)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -246,3 +256,9 @@ def _check(args: argparse.Namespace) -> int:
             else:
                 print(f"FAIL  {row['request']}: {row['state']}: {row['error']}")
     return 0 if proc.returncode == 0 else 1
+
+
+def _relay(lines: list[str]) -> None:
+    """The check process's stderr (its log records), on this process's stderr."""
+    for line in lines:
+        print(line, file=sys.stderr)

@@ -9,7 +9,8 @@ device fault) ``/health`` answers 503, the server drains the same way and exits 
 supervisor restarts it.
 
 The API key comes from ``--api-key``, else the file ``--api-key-file`` names, else the
-environment variable ``RTPCORE_API_KEY``.
+environment variable ``RTPCORE_API_KEY``; uvicorn logs through the handler
+:func:`rtpcore.cli.main` installs, at ``--log-level``, access log included.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rtpcore.cli._args import (
+    add_log_level_argument,
     add_model_arguments,
     model_path,
     parse_bytes,
@@ -84,6 +86,7 @@ def add_parser(subparsers: Any) -> None:
                    "slower prefill (docs/benchmarks.md, Serving)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish (default: 30)")
+    add_log_level_argument(p)
     p.set_defaults(func=run, _parser=p)
 
 
@@ -142,8 +145,10 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.demo or path.resolve().name
     app = build_app(engine, tokenizer=tokenizer, chat_template=chat_template, model_name=name,
                     api_key=key, on_shutdown=engine.aclose)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", lifespan="on",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    # log_config=None: uvicorn's loggers get no handlers of their own and propagate to the one
+    # rtpcore.cli installed (one format on stderr); log_level sets theirs, access log included.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
+                            lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn handles SIGTERM/SIGINT (drain, then stop) and afterwards re-raises the signal
     # to the handler it found: a no-op one here, so that a drained shutdown exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
