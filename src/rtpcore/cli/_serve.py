@@ -78,6 +78,8 @@ def add_parser(subparsers: Any) -> None:
                    help="most requests running at once (default: 256)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="e.g. 2GiB")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N")
+    p.add_argument("--max-request-bytes", type=parse_bytes, default=None, metavar="BYTES",
+                   help="a request body over this size is answered 413 before it is parsed (default: 32MiB)")
     p.add_argument("--max-waiting", type=positive_int, default=256, metavar="N",
                    help="requests that may wait for admission; one more is answered 429 (default: 256)")
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
@@ -143,8 +145,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.tensor_parallel_size == 1:  # a group sets its ranks' threads
         torch.set_num_threads(args.threads)
     name = args.served_model_name or args.demo or path.resolve().name
+    limits = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
     app = build_app(engine, tokenizer=tokenizer, chat_template=chat_template, model_name=name,
-                    api_key=key, on_shutdown=engine.aclose)
+                    api_key=key, on_shutdown=engine.aclose, **limits)
     # log_config=None: uvicorn's loggers get no handlers of their own and propagate to the one
     # rtpcore.cli installed (one format on stderr); log_level sets theirs, access log included.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,

@@ -26,7 +26,7 @@ from rtpcore.errors import InvalidRequestError
 
 __all__ = ["GREEDY_BELOW", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SampledToken", "SamplingParams"]
 
-MAX_LOGPROBS = 5  # most top log-probabilities a request may ask for (OpenAI's limit for completions)
+MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (0 included): no division, no overflow
 MAX_LOGIT_BIAS = 100.0  # |bias| limit of logit_bias (OpenAI's)
 _DECIMAL = re.compile(r"[0-9]+")

@@ -12,8 +12,9 @@ Two rules make streamed text equal the text of the finished request:
   once later tokens complete, or by :meth:`IncrementalDecoder.finish`.
 - **Stop strings across token boundaries.** The tail of the text that could be the
   start of a stop string is held back until it cannot be; when a stop string appears
-  the text is cut before it (the stop string and everything after are never emitted)
-  and :attr:`IncrementalDecoder.stopped` turns True.
+  the text is cut before it (the stop string and everything after are never emitted;
+  with ``include_stop`` the stop string is emitted, nothing after it) and
+  :attr:`IncrementalDecoder.stopped` turns True.
 
 The cost per token is a decode of a few tokens, not of the whole output.
 """
@@ -40,7 +41,10 @@ class IncrementalDecoder:
     ``tokenizer.decode(all_ids, skip_special_tokens)`` cut before the first stop string.
     """
 
-    def __init__(self, tokenizer: _Decodes, *, skip_special_tokens: bool = True, stop: Sequence[str] = ()):
+    def __init__(
+        self, tokenizer: _Decodes, *, skip_special_tokens: bool = True, stop: Sequence[str] = (),
+        include_stop: bool = False,
+    ):
         if isinstance(stop, str):
             stop = (stop,)
         if any(not isinstance(s, str) or not s for s in stop):
@@ -48,6 +52,7 @@ class IncrementalDecoder:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._stop = tuple(dict.fromkeys(stop))
+        self._include_stop = include_stop  # the text ends after the stop string, not before it
         self._ids: list[int] = []
         self._prefix_offset = 0  # ids[prefix_offset:read_offset] decode to text already taken
         self._read_offset = 0
@@ -101,7 +106,8 @@ class IncrementalDecoder:
         text = self._held + new
         cut = self._first_stop(text)
         if cut is not None:
-            out, self._held = text[:cut], ""
+            end = cut + len(self.stop_string or "") if self._include_stop else cut
+            out, self._held = text[:end], ""
             self.stopped = True
         elif final or not self._stop:
             out, self._held = text, ""

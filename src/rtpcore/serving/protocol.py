@@ -1,10 +1,18 @@
-"""Request and response shapes of the OpenAI-compatible API (docs/design.md §8).
+"""Request and response shapes of the OpenAI-compatible API (docs/design.md §8, §15).
 
-Requests are pydantic models mirroring OpenAI's: a field that is malformed or out of
-range fails validation, and the server answers 400 naming it (``param``). Fields
-OpenAI clients send that rtpcore does not use (``user``, ``frequency_penalty`` at
-its default, ...) are accepted and ignored; a value rtpcore cannot honour (``n``
-other than 1, a penalty other than 0) is refused by name rather than ignored.
+Requests are pydantic models mirroring OpenAI's (and vLLM's extensions). Every field is one
+of three kinds, and nothing is silently ignored:
+
+* **honoured**: wired to the engine or the text layer (``FIELDS`` lists them per endpoint);
+* **accepted without effect**: ``user``, ``metadata``, ``store``, ``service_tier``
+  (bookkeeping fields of OpenAI's platform);
+* **refused**: any other field, and any value rtpcore cannot honour (``best_of`` > 1,
+  ``suffix``, ``echo``, image or audio parts, ...) is a 400 naming the field.
+
+``null`` means "absent" for every field OpenAI marks nullable (several SDKs and proxies send
+explicit nulls), so every optional field here takes None and the defaults live in the
+properties that read them. A malformed or out-of-range value fails validation and the server
+answers 400 naming it (``param``).
 """
 
 from __future__ import annotations
@@ -14,6 +22,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "ACCEPTED_WITHOUT_EFFECT",
+    "MAX_LOGPROBS",
+    "MAX_MESSAGES",
+    "MAX_N",
+    "MAX_STOP_LENGTH",
+    "MAX_STOP_STRINGS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -21,58 +35,81 @@ __all__ = [
     "StreamOptions",
 ]
 
-MAX_LOGPROBS = 5
+MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1024  # characters of one stop string: each is searched in every new piece of text
+MAX_MESSAGES = 4096  # messages of one chat request
+MAX_N = 16  # choices of one request
+ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    """Unknown fields are refused (a 400 naming the field), never dropped."""
 
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
 
 
-class _Sampling(BaseModel):
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _Sampling(_Strict):
     """The fields completions and chat share."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # -1 and 0 switch it off, as vLLM reads them
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stop_token_ids: list[int] | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    ignore_eos: bool = False  # an extension (vLLM's name): run to max_tokens past the model's stop tokens
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported; send 0 or leave it out")
-        return value
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None  # vLLM's: run to max_tokens past the model's stop tokens
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # Accepted without effect (OpenAI platform bookkeeping).
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
         strings = [stop] if isinstance(stop, str) else stop or []
         if len(strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
         if any(s == "" for s in strings):
             raise ValueError("a stop string must not be empty")
+        if any(len(s) > MAX_STOP_LENGTH for s in strings):
+            raise ValueError(f"a stop string may hold at most {MAX_STOP_LENGTH} characters")
         return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and any(t < 0 for t in ids):
+            raise ValueError("token ids must be >= 0")
+        return ids
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (strings of decimal digits), got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {value}")
+        return bias
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -82,13 +119,19 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
 
     prompt: str | list[int]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -101,39 +144,104 @@ class CompletionRequest(_Sampling):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
+    def _no_echo(cls, echo: bool | None) -> bool | None:
         if echo:
-            raise ValueError("echo is not supported")
+            raise ValueError("echo is not supported; send false or leave it out")
         return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise ValueError("best_of is not supported (only 1); ask for n choices instead")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix (insertion) is not supported")
+        return suffix
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: handed to the template as sent
+    """One message. Fields beyond ``role`` and ``content`` (``name``, ``tool_calls``,
+    ``tool_call_id``, ...) are handed to the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(
+                        f"part {j} is of type {kind!r}: this model reads text only (image, audio and file parts "
+                        "are not supported)"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {j}: a text part needs a string 'text'")
+        return content
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template sees it; text parts of a list content joined."""
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            out["content"] = "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+            out["content"] = "".join(str(p["text"]) for p in self.content)
         return out
 
 
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``: ``messages`` rendered with the checkpoint's chat template."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Structured outputs and tools are refused until they are honoured (docs/design.md §16).
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message: send add_generation_prompt=false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(f"response_format of type {value.get('type')!r} is not supported (only 'text')")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tool calls are not supported by this server")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise ValueError("tool calls are not supported by this server (only 'none')")
+        return value
 
     @property
     def token_limit(self) -> int | None:

@@ -18,7 +18,9 @@ when a tokenizer is loaded, not with this module.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,47 @@ class Tokenizer:
         found = self._backend.id_to_token(int(token_id))
         return f"<id {token_id}>" if found is None else str(found)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, even when they are part of a character (decoding
+        it alone would give U+FFFD): a byte-level BPE entry mapped back through its byte
+        alphabet, a byte-fallback entry (``<0xE2>``) as its byte, a SentencePiece entry with
+        ``▁`` as a space; otherwise (added and special tokens, other decoders) the UTF-8 of
+        its decoded text."""
+        entry = self._backend.id_to_token(int(token_id))
+        if entry is not None and int(token_id) not in self._added_ids:
+            if self._byte_level:
+                table = _byte_level_decoder()
+                if all(c in table for c in entry):
+                    return bytes(table[c] for c in entry)
+            m = _BYTE_FALLBACK.fullmatch(entry)
+            if m is not None:
+                return bytes([int(m.group(1), 16)])
+            if self._metaspace:
+                return entry.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    @functools.cached_property
+    def _decoder_kinds(self) -> frozenset[str]:
+        """The types of the tokenizer.json decoder (and of a Sequence's parts)."""
+        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+        kinds = {str(d.get("type")) for d in parts if isinstance(d, dict)}
+        if any(d.get("type") == "Replace" and "\u2581" in json.dumps(d, ensure_ascii=False) for d in parts if isinstance(d, dict)):
+            kinds.add("Metaspace")
+        return frozenset(kinds)
+
+    @property
+    def _byte_level(self) -> bool:
+        return "ByteLevel" in self._decoder_kinds
+
+    @property
+    def _metaspace(self) -> bool:
+        return "Metaspace" in self._decoder_kinds
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._backend.get_added_tokens_decoder())
+
     @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
@@ -145,6 +188,23 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet back to bytes: printable Latin-1 bytes stand for themselves,
+    the other 68 byte values for the characters from U+0100 on, in order (GPT-2's mapping)."""
+    direct = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    table = {chr(b): b for b in direct}
+    shifted = 0
+    for b in range(256):
+        if b not in table.values():
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
 
 
 def _add_declared_tokens(backend: Any, declared: object, named: Iterable[str]) -> None:
