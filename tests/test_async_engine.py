@@ -315,7 +315,7 @@ def test_a_request_beyond_max_model_len_fails_alone(ckpt: Path) -> None:
     ({"top_p": 1.5}, "top_p", "top_p must be in (0, 1]"),
     ({"seed": 1.5}, "seed", "seed must be None or an integer"),
     ({"stop_token_ids": [1, -2]}, "stop_token_ids", "stop_token_ids holds -2"),
-    ({"logprobs": 6}, "logprobs", "logprobs must be None or an integer from 0 to 5"),
+    ({"logprobs": 21}, "logprobs", "logprobs must be None or an integer from 0 to 20"),
     ({"stop": ["ok", ""]}, "stop", "stop holds ''"),
     ({"ignore_eos": 1}, "ignore_eos", "ignore_eos must be True or False"),
 ])

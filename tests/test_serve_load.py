@@ -74,12 +74,33 @@ def test_a_900_token_prompt_prefilled_64_tokens_a_step_gives_the_unchunked_greed
     assert code == 0, out
 
 
+TIE = 1e-2  # nats: two log-probabilities this close are a tie for greedy decoding across batch shapes
+
+
+def same_up_to_a_tie(choice: Any, want: str) -> None:
+    """``choice.text`` equals ``want``, or first differs inside a token (or the two before it: a
+    character can span tokens) whose two most likely alternatives were tied within TIE."""
+    text = choice.text
+    if text == want:
+        return
+    cut = next((i for i, (a, b) in enumerate(zip(text, want, strict=False)) if a != b), min(len(text), len(want)))
+    lp = choice.logprobs
+    at = max(i for i, offset in enumerate(lp.text_offset) if offset <= cut)
+    gaps = []
+    for i in range(max(0, at - 2), at + 1):
+        top = sorted(lp.top_logprobs[i].values(), reverse=True)
+        gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+    assert min(gaps) < TIE, f"the text departs at character {cut} (token {at}) with no tie: top-2 gaps {gaps}"
+
+
 def test_twelve_long_requests_on_a_96_block_pool_run_together_preempt_and_keep_their_tokens(
     checkpoint: Path,
 ) -> None:
     """12 requests of 20 prompt + 700 new tokens on a 96-block pool (enough for two of them whole):
     at least 6 run at once, some are preempted and recompute, and each returns the tokens it
-    returns with a pool that holds them all."""
+    returns with a pool that holds them all -- up to a near-tie: a recomputed (or cached) prefix
+    runs in other batch shapes than the reference's, and where the two most likely tokens are
+    within float error of each other the greedy choice may go either way."""
     prompts = [[(31 * r + 7 * i) % 300 + 5 for i in range(20)] for r in range(12)]
     with Engine.from_pretrained(checkpoint, max_num_batched_tokens=1024) as e:
         block_bytes = sum(s.block_bytes for s in e.kv_cache_specs)
@@ -93,7 +114,7 @@ def test_twelve_long_requests_on_a_96_block_pool_run_together_preempt_and_keep_t
 
         def one(prompt: list[int]) -> Any:
             return client.completions.create(
-                model="tiny", prompt=prompt, max_tokens=700, temperature=0.0, logprobs=0,
+                model="tiny", prompt=prompt, max_tokens=700, temperature=0.0, logprobs=2,
                 extra_body={"ignore_eos": True},
             )
 
@@ -104,7 +125,7 @@ def test_twelve_long_requests_on_a_96_block_pool_run_together_preempt_and_keep_t
         tok = Tokenizer.from_pretrained(checkpoint)
         for answer, tokens in zip(answers, want, strict=True):
             assert answer.usage.completion_tokens == 700
-            assert answer.choices[0].text == tok.decode(tokens, skip_special_tokens=True)
+            same_up_to_a_tie(answer.choices[0], tok.decode(tokens, skip_special_tokens=True))
         m = srv.metrics()
         assert m["rtpcore_preemptions_total"] > 0
         seqs = histogram(m, "rtpcore_iteration_sequences")
