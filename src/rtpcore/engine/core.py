@@ -268,6 +268,7 @@ class EngineCore:
             on_output=on_output,
             arrival_time=time.monotonic(),
             generator=generator,
+            grammar=params.grammar.state() if params.grammar is not None else None,
         )
         with self._cv:
             self._check_open()
@@ -441,10 +442,15 @@ class EngineCore:
         reason = None
         for token in sampled:
             t = token.token_id
+            if r.grammar is not None and not r.grammar.accept(t):  # cannot happen: the sampler masked
+                logger.error("request %r: token %d is outside its grammar; the request ends here", r.request_id, t)
+                reason = "stop"
+                break
             r.tokens.append(t)
             kept.append(token)
             n = len(r.tokens) - r.prompt_len
-            reason = "stop" if t in r.stop_ids else "length" if n >= r.params.max_tokens else None
+            done = r.grammar is not None and r.grammar.done  # the grammar is complete: it took a stop id
+            reason = "stop" if t in r.stop_ids or done else "length" if n >= r.params.max_tokens else None
             if reason is not None:
                 break
         self._generated += len(kept)
@@ -456,7 +462,7 @@ class EngineCore:
             num_prompt_tokens=r.prompt_len,
             num_generated_tokens=n,
             logprobs=None if r.params.logprobs is None else tuple(kept),
-            stop_token_id=kept[-1].token_id if reason == "stop" else None,
+            stop_token_id=kept[-1].token_id if reason == "stop" and kept[-1].token_id in stop_set(r) else None,
             arrival_time=r.arrival_time,
             token_times=(now,) * len(kept),
             num_cached_tokens=r.num_cached_tokens or 0,
@@ -493,3 +499,8 @@ def _deliver(r: Request, out: RequestOutput) -> None:
         r.on_output(out)
     except Exception:  # a consumer's callback must not break the step of the others
         logger.exception("the output callback of request %r failed", r.request_id)
+
+
+def stop_set(r: Request) -> frozenset[int]:
+    """The ids that ended ``r`` as a stop token: its stop ids, and its grammar's."""
+    return r.stop_ids | (frozenset(r.params.grammar.stop_token_ids) if r.params.grammar is not None else frozenset())

@@ -3,8 +3,11 @@
 :func:`process_logits` turns a step's (N, V) logits into the logits the draw uses, one row
 per request (:class:`SamplingRow`), in this order:
 
+0. a grammar (``SamplingParams.grammar``, ``rtpcore.engine.grammar``): the tokens the row's
+   grammar does not allow next are -inf (rows without one pay nothing);
 1. ``logit_bias``: each named token's bias added to its logit;
-2. ``min_tokens``: while the row's request generated fewer tokens, its stop ids are -inf;
+2. ``min_tokens``: while the row's request generated fewer tokens, its stop ids are -inf
+   (not on a row with a grammar: the grammar decides when the output may end);
 3. ``repetition_penalty`` over the prompt and the output tokens: a seen token's logit is
    divided by the penalty when positive, multiplied when negative (transformers'
    ``RepetitionPenaltyLogitsProcessor``);
@@ -47,6 +50,7 @@ from typing import overload
 import attrs
 import torch
 
+from rtpcore.engine.grammar import GrammarState, apply_grammar_masks
 from rtpcore.engine.sampling import SampledToken, SamplingParams
 from rtpcore.errors import RtpcoreError
 
@@ -68,6 +72,7 @@ class SamplingRow:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     stop_ids: frozenset[int] = frozenset()
+    grammar: GrammarState | None = None  # the request's position in its grammar (rtpcore.engine.grammar)
 
 
 @attrs.frozen
@@ -110,7 +115,8 @@ def history_row(row: SamplingRow, drafted: Sequence[int]) -> SamplingRow:
     """``row`` with ``drafted`` appended to its output (a speculative row's history)."""
     if not drafted:
         return row
-    return SamplingRow(row.params, row.generator, row.prompt_ids, _Concat(row.output_ids, drafted), row.stop_ids)
+    return SamplingRow(row.params, row.generator, row.prompt_ids, _Concat(row.output_ids, drafted), row.stop_ids,
+                       row.grammar)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -138,7 +144,7 @@ def process_rows(
     as an int64 device tensor, carried in the same host-to-device copy."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows")
-    x = logits.float()
+    x = apply_grammar_masks(logits.float(), [r.grammar for r in rows])  # a new tensor when any row has one
     n, v = x.shape
     params = [r.params for r in rows]
     # Per-row settings; greedy rows are neither scaled nor truncated.
@@ -156,7 +162,7 @@ def process_rows(
     mask_idx = [
         b * v + t
         for b, r in enumerate(rows)
-        if r.params.min_tokens and r.stop_ids and len(r.output_ids) < r.params.min_tokens
+        if r.params.min_tokens and r.stop_ids and len(r.output_ids) < r.params.min_tokens and r.grammar is None
         for t in sorted(r.stop_ids)
         if 0 <= t < v
     ]

@@ -195,6 +195,15 @@ def _frequency_penalty(value: Any) -> float:
     return _penalty("frequency_penalty", value)
 
 
+def _grammar(value: Any) -> Any:
+    if value is not None and not callable(getattr(value, "state", None)):
+        raise InvalidRequestError(
+            f"grammar must be None or an rtpcore.engine.grammar.Grammar, got {type(value).__name__}",
+            field="grammar", value=value,
+        )
+    return value
+
+
 def _ignore_eos(value: Any) -> bool:
     if not isinstance(value, bool):
         raise InvalidRequestError(f"ignore_eos must be True or False, got {value!r}", field="ignore_eos", value=value)
@@ -213,7 +222,7 @@ class SamplingParams:
     request's own generator (None: torch's global one). ``stop_token_ids`` end the request
     (the token is part of the output), besides the model's ``eos_token_id`` unless
     ``ignore_eos``. ``logprobs``: None, or how many top log-probabilities each new token
-    reports (0-5; the chosen token's own is always reported; the model's raw
+    reports (0-20; the chosen token's own is always reported; the model's raw
     log-probabilities). ``stop``: strings the text layer stops at; the engine carries them
     and stops on token ids only.
 
@@ -226,6 +235,10 @@ class SamplingParams:
     (transformers' ``RepetitionPenaltyLogitsProcessor``). ``presence_penalty`` and
     ``frequency_penalty`` (each in [-2, 2]): over the output only, ``logit -= presence *
     (count > 0) + frequency * count`` (OpenAI's).
+
+    ``grammar``: an :class:`rtpcore.engine.grammar.Grammar` the output must follow (a JSON
+    schema); every step samples only the tokens it allows next, and the request ends when it
+    is complete. Such a request decodes without speculative proposals.
     """
 
     max_tokens: int = attrs.field(default=16, converter=_max_tokens)
@@ -243,6 +256,7 @@ class SamplingParams:
     repetition_penalty: float = attrs.field(default=1.0, converter=_repetition_penalty)
     presence_penalty: float = attrs.field(default=0.0, converter=_presence_penalty)
     frequency_penalty: float = attrs.field(default=0.0, converter=_frequency_penalty)
+    grammar: Any = attrs.field(default=None, converter=_grammar, eq=False)
 
     @classmethod
     def create(

@@ -86,6 +86,7 @@ class Request:
     block_keys: list[bytes] = attrs.field(factory=list)
     num_registered: int = 0
     num_cached_tokens: int | None = None
+    grammar: Any = None  # rtpcore.engine.grammar.GrammarState of a constrained request
 
     @property
     def generated(self) -> list[int]:
@@ -229,7 +230,7 @@ class Scheduler:
         step sampled for it, never a token past ``max_tokens``, nor a draft input past the
         draft's context (its inputs reach position len(tokens) + k - 2)."""
         k = self.num_speculative_tokens
-        if k == 0 or not r.can_propose:
+        if k == 0 or not r.can_propose or r.grammar is not None:  # constrained: no proposals
             return 0
         k = min(k, r.params.max_tokens - (len(r.tokens) - r.prompt_len) - 1)
         if self.draft_max_positions is not None:

@@ -217,7 +217,7 @@ class StepRunner:
 def _row(r: Request) -> SamplingRow:
     return SamplingRow(
         params=r.params, generator=r.generator, prompt_ids=r.tokens[: r.prompt_len],
-        output_ids=r.tokens[r.prompt_len :], stop_ids=r.stop_ids,
+        output_ids=r.tokens[r.prompt_len :], stop_ids=r.stop_ids, grammar=r.grammar,
     )
 
 
