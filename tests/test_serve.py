@@ -303,8 +303,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
      "messages[0].content"),
-    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    # tools default to tool_choice "auto", which needs --tool-call-parser (this server has none)
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": USER, "tools": [{"type": "code", "function": {"name": "f"}}]},
+     "tools[0].type"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": USER, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": USER, "continue_final_message": True}, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 4097}, "messages"),

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from rtpcore.plugins.model_plugin import FORWARD_CONTRACT, ModelPlugin
     from rtpcore.plugins.registry import ModelRegistry
     from rtpcore.plugins.resolution import Plan, PlanEntry
+    from rtpcore.plugins.tool_parser import ParsedToolCalls, ToolCall, ToolCallParser
 
 __all__ = [
     "FORWARD_CONTRACT",
@@ -30,10 +31,13 @@ __all__ = [
     "EngineConfig",
     "ModelPlugin",
     "ModelRegistry",
+    "ParsedToolCalls",
     "Plan",
     "PlanEntry",
     "RequestOutput",
     "SamplingParams",
+    "ToolCall",
+    "ToolCallParser",
     "__version__",
     "errors",
     "hookimpl",
@@ -52,6 +56,9 @@ _LAZY = {
     "PlanEntry": "rtpcore.plugins.resolution",
     "RequestOutput": "rtpcore.engine.core",
     "SamplingParams": "rtpcore.engine.sampling",
+    "ToolCall": "rtpcore.plugins.tool_parser",
+    "ToolCallParser": "rtpcore.plugins.tool_parser",
+    "ParsedToolCalls": "rtpcore.plugins.tool_parser",
     "hookimpl": "rtpcore.plugins.hooks",
     "load_plugins": "rtpcore.plugins.loading",
 }

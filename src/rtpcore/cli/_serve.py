@@ -78,6 +78,9 @@ def add_parser(subparsers: Any) -> None:
                    help="most requests running at once (default: 256)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="e.g. 2GiB")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N")
+    p.add_argument("--tool-call-parser", metavar="NAME", default=None,
+                   help="how the model writes tool calls, for tool_choice 'auto': hermes, llama3_json, or a "
+                   "parser a loaded plugin registers (rtpcore_register_tool_parsers)")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=None, metavar="BYTES",
                    help="a request body over this size is answered 413 before it is parsed (default: 32MiB)")
     p.add_argument("--max-waiting", type=positive_int, default=256, metavar="N",
@@ -145,7 +148,19 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.tensor_parallel_size == 1:  # a group sets its ranks' threads
         torch.set_num_threads(args.threads)
     name = args.served_model_name or args.demo or path.resolve().name
-    limits = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+    limits: dict[str, Any] = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+    if args.tool_call_parser is not None:
+        from rtpcore.serving.tool_parsers import find_tool_parser, tool_parser_names
+
+        registry = engine.engine.plugin_registry
+        parser = find_tool_parser(args.tool_call_parser, registry)
+        if parser is None:
+            engine.close()
+            args._parser.error(
+                f"--tool-call-parser {args.tool_call_parser!r} is not a known parser; known: "
+                f"{', '.join(tool_parser_names(registry))} (a plugin adds more with rtpcore_register_tool_parsers)"
+            )
+        limits["tool_call_parser"] = parser
     app = build_app(engine, tokenizer=tokenizer, chat_template=chat_template, model_name=name,
                     api_key=key, on_shutdown=engine.aclose, **limits)
     # log_config=None: uvicorn's loggers get no handlers of their own and propagate to the one

@@ -535,6 +535,12 @@ class Engine:
         self._check_open()
         return self._core.stats()
 
+    @property
+    def plugin_registry(self) -> Any:
+        """The registry of the loaded plugins: their models, KV layouts and tool-call parsers."""
+        self._check_open()
+        return self._group.local.registry
+
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache (after changing what a cached block would hold, or to measure
         without it); requests running keep their blocks. How many blocks were cached."""

@@ -27,3 +27,11 @@ def rtpcore_register_models(registry: Any) -> None:
 def rtpcore_kv_cache_layouts() -> list[Any]:  # type: ignore[empty-body]
     """Return extra fp8 KV-cache layout policies (``rtpcore_native.Fp8LayoutPolicy``
     instances), selectable by their ``name``."""
+
+
+@hookspec
+def rtpcore_register_tool_parsers(registry: Any) -> None:
+    """Register the plugin's tool-call parsers (``rtpcore.ToolCallParser`` subclasses) with
+    ``registry.register_tool_parser(cls)``, selectable by their ``name`` with
+    ``rtpcore serve --tool-call-parser NAME``. Recorded like ``rtpcore_register_models``:
+    they take effect only if the plugin's hooks all return without raising."""

@@ -242,6 +242,7 @@ def _install(
         _call(pm, "rtpcore_register_models", others, provider, registry=view)
         for result in _call(pm, "rtpcore_kv_cache_layouts", others, provider):
             view.add_layouts(result)
+        _call(pm, "rtpcore_register_tool_parsers", others, provider, registry=view)
         registry.commit(view)
     except BaseException:
         pm.unregister(obj)

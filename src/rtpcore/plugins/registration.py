@@ -18,6 +18,8 @@ from rtpcore.errors import PluginLoadError
 from rtpcore.plugins.model_plugin import ModelPlugin, model_plugin_problems
 from rtpcore_native import BUILTIN_LAYOUTS
 
+BUILTIN_TOOL_PARSERS = ("hermes", "llama3_json")  # rtpcore.serving.tool_parsers; names plugins cannot take
+
 __all__ = ["BUILTIN_LAYOUTS", "ModelRecord", "Provider", "RecordingView", "first_line"]
 
 # BUILTIN_LAYOUTS: the fp8 MLA layouts built into rtpcore_native; no plugin may register these names.
@@ -81,6 +83,7 @@ class RecordingView:
         self.provider = provider
         self.models: list[ModelRecord] = []
         self.layouts: list[Any] = []
+        self.tool_parsers: list[type[Any]] = []
 
     def _invalid(self, message: str) -> PluginLoadError:
         return PluginLoadError(
@@ -179,6 +182,27 @@ class RecordingView:
                     f"architecture {shared[0]!r} registered twice, by {other.target} and {record.target}"
                 )
         self.models.append(record)
+
+    def register_tool_parser(self, cls: type[Any]) -> None:
+        """Record a tool-call parser class (``rtpcore.ToolCallParser`` subclass)."""
+        from rtpcore.plugins.tool_parser import tool_parser_problems
+
+        problems = tool_parser_problems(cls)
+        if problems:
+            raise self._invalid(f"tool-call parser {getattr(cls, '__name__', cls)!r}: " + "; ".join(problems))
+        if cls.name in BUILTIN_TOOL_PARSERS:
+            from rtpcore.errors import PluginConflictError
+
+            raise PluginConflictError(
+                f"tool-call parser name {cls.name!r} is built into rtpcore (reserved: {', '.join(BUILTIN_TOOL_PARSERS)}); "
+                f"{self.provider} must choose another name",
+                providers=("rtpcore built-in tool-call parsers", str(self.provider)),
+                state="conflict",
+                **self.provider.error_fields(),
+            )
+        if any(p.name == cls.name for p in self.tool_parsers):
+            raise self._invalid(f"tool-call parser {cls.name!r} registered twice")
+        self.tool_parsers.append(cls)
 
     def add_layouts(self, policies: object) -> None:
         """Record what the plugin's ``rtpcore_kv_cache_layouts`` hook returned."""

@@ -43,6 +43,7 @@ class ModelRegistry:
         self._arch: dict[str, str] = {}
         self._classes: dict[str, type[ModelPlugin]] = {}
         self._layouts: dict[str, tuple[Any, Provider]] = {}
+        self._tool_parsers: dict[str, tuple[type[Any], Provider]] = {}
         self._lock = threading.RLock()
 
     # -- registration -------------------------------------------------------------------
@@ -73,6 +74,11 @@ class ModelRegistry:
                     other = layouts[name][1]
                     raise _conflict(f"KV layout {name!r}", other, view.provider)
                 layouts[name] = (policy, view.provider)
+            parsers = dict(self._tool_parsers)
+            for cls in view.tool_parsers:
+                if cls.name in parsers:
+                    raise _conflict(f"tool-call parser {cls.name!r}", parsers[cls.name][1], view.provider)
+                parsers[cls.name] = (cls, view.provider)
             for model_type, record in models.items():
                 previous = self._models.get(model_type)
                 if previous is None or previous.target != record.target:
@@ -80,6 +86,7 @@ class ModelRegistry:
                 if record.cls is not None:
                     self._classes[model_type] = record.cls
             self._models, self._arch, self._layouts = models, arch, layouts
+            self._tool_parsers = parsers
 
     def _plan_model(
         self, record: ModelRecord, models: dict[str, ModelRecord], arch: dict[str, str]
@@ -233,6 +240,18 @@ class ModelRegistry:
         """Every selectable layout name, sorted: the built-in ones and those plugins registered."""
         with self._lock:
             return sorted(set(BUILTIN_LAYOUTS) | set(self._layouts))
+
+    def get_tool_parser(self, name: str) -> type[Any] | None:
+        """The tool-call parser class a plugin registered as ``name`` (None: unknown here; the
+        built-in ones live in ``rtpcore.serving.tool_parsers``)."""
+        with self._lock:
+            found = self._tool_parsers.get(name)
+            return None if found is None else found[0]
+
+    def tool_parser_names(self) -> list[str]:
+        """The names of the tool-call parsers plugins registered, sorted."""
+        with self._lock:
+            return sorted(self._tool_parsers)
 
     def by_provider(self, plugin: str) -> tuple[list[str], list[str], list[str]]:
         """(model types, architectures, layout names) registered by the plugin named ``plugin``."""

@@ -33,9 +33,10 @@ import contextlib
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 import attrs
@@ -45,6 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rtpcore.engine.async_engine import AsyncEngine, RequestStream
 from rtpcore.engine.core import RequestOutput
+from rtpcore.engine.grammar import Grammar, GrammarCompiler
 from rtpcore.engine.sampling import SampledToken, SamplingParams
 from rtpcore.errors import (
     EngineClosedError,
@@ -53,10 +55,17 @@ from rtpcore.errors import (
     RequestFailedError,
     RtpcoreError,
 )
+from rtpcore.plugins.tool_parser import ToolCall
 from rtpcore.serving.chat_template import ChatTemplate
 from rtpcore.serving.detokenize import IncrementalDecoder
 from rtpcore.serving.metrics import ServerMetrics
-from rtpcore.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody
+from rtpcore.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorBody,
+    NamedToolChoice,
+    ResponseFormat,
+)
 from rtpcore.serving.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "build_app"]
@@ -87,7 +96,7 @@ class _Served:
     """What the handlers share: the engine, the text side, the model's limits, metrics."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
-                 model_name: str, api_key: str | None, max_request_bytes: int):
+                 model_name: str, api_key: str | None, max_request_bytes: int, tool_parser: Any = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.chat_template = chat_template
@@ -104,6 +113,23 @@ class _Served:
         engine.engine._core.step_observers.append(self.metrics.observe_step)
         self.created = int(time.time())
         self.draining = False
+        self.tool_parser = tool_parser  # the ToolCallParser class of --tool-call-parser, or None
+        self._grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler over this model's vocabulary (built on first use; call it from
+        a worker thread)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                stops = [*self.engine.engine.eos_token_ids, *self.tokenizer_eos]
+                if not stops:
+                    raise ApiError(400, "this model names no stop token (eos_token_id), which a grammar needs to "
+                                        "end: structured outputs and tool calls are unavailable",
+                                   param="response_format")
+                size = max(self.vocab_size or 0, self.tokenizer.vocab_size)
+                self._grammars = GrammarCompiler(self.tokenizer.json_path, vocab_size=size, stop_token_ids=stops)
+            return self._grammars
 
 
 class _Guard:
@@ -186,10 +212,13 @@ def build_app(
     api_key: str | None = None,
     on_shutdown: Callable[[], Any] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_call_parser: Any = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``. ``on_shutdown`` runs when the
-    app's lifespan ends (after uvicorn has drained or cut the open requests)."""
-    served = _Served(engine, tokenizer, chat_template, model_name, api_key, max_request_bytes)
+    app's lifespan ends (after uvicorn has drained or cut the open requests).
+    ``tool_call_parser``: the ``ToolCallParser`` class that finds calls in answers to requests
+    with tools and ``tool_choice: "auto"`` (None: such requests are a 400)."""
+    served = _Served(engine, tokenizer, chat_template, model_name, api_key, max_request_bytes, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -247,18 +276,22 @@ def build_app(
                 raise ApiError(400, f"prompt: token id {max(ids)} is not below the vocabulary size "
                                     f"{served.vocab_size}", param="prompt")
         limit = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        params = _params(served, body, ids, limit, "max_tokens", body.logprobs)
+        grammar = await asyncio.to_thread(_format_grammar, served, body.response_format)
+        params = _params(served, body, ids, limit, "max_tokens", body.logprobs, grammar)
         return await _respond(served, request, body, ids, params, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         _check_model(served, body.model)
+        tools, grammar = await asyncio.to_thread(_tool_plan, served, body)
+        if grammar is None:
+            grammar = await asyncio.to_thread(_format_grammar, served, body.response_format)
         ids = await asyncio.to_thread(_render_chat, served, body)
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         limit = body.token_limit if body.token_limit is not None else max(1, served.max_model_len - len(ids))  # chat may run to max_model_len
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = _params(served, body, ids, limit, field, top)
-        return await _respond(served, request, body, ids, params, chat=True)
+        params = _params(served, body, ids, limit, field, top, grammar)
+        return await _respond(served, request, body, ids, params, chat=True, tools=tools)
 
     return app
 
@@ -281,6 +314,61 @@ def _validation_body(exc: RequestValidationError) -> ErrorBody:
     return ErrorBody(message=message, type="invalid_request_error", param=param)
 
 
+def _format_grammar(served: _Served, fmt: ResponseFormat | None) -> Grammar | None:
+    """The grammar of ``response_format`` (runs in a worker thread); None for text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    try:
+        if fmt.type == "json_object":
+            return served.grammars().json_object()
+        assert fmt.json_schema is not None
+        schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
+        return served.grammars().json_schema(schema, field="response_format")
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param="response_format.json_schema.schema") from None
+
+
+def _tool_plan(served: _Served, body: ChatCompletionRequest) -> tuple[_Tools | None, Grammar | None]:
+    """How the request's tools are answered, and the grammar that constrains the output to a
+    call ("required" or a named function; runs in a worker thread)."""
+    mode = body.tool_mode
+    if mode is None:
+        return None, None
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError(400, "response_format cannot be combined with tool calls (tool_choice "
+                            f"{body.tool_choice!r}); send one of them", param="response_format")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+    if mode == "auto":
+        if served.tool_parser is None:
+            raise ApiError(400, "tool_choice 'auto' needs a tool-call parser: start the server with "
+                                "--tool-call-parser NAME (or send tool_choice 'required' or a named function)",
+                           param="tool_choice")
+        return _Tools("auto", parser=served.tool_parser, tools=tools), None
+    functions = {t.function.name: t.function for t in body.tools or ()}
+    try:
+        if mode == "named":
+            assert isinstance(body.tool_choice, NamedToolChoice)
+            name = body.tool_choice.function.name
+            grammar = served.grammars().json_schema(_parameters(functions[name]), field="tools")
+            return _Tools("named", name=name, tools=tools), grammar
+        calls = {"anyOf": [
+            {"type": "object", "properties": {"name": {"enum": [n]}, "parameters": _parameters(f)},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for n, f in functions.items()
+        ]}
+        schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+        if body.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return _Tools("required", tools=tools), served.grammars().json_schema(schema, field="tools")
+    except InvalidRequestError as exc:
+        raise ApiError(400, f"tools: a function's parameters are not a usable JSON schema: {exc}",
+                       param="tools") from None
+
+
+def _parameters(function: Any) -> dict[str, Any]:
+    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+
+
 def _render_chat(served: _Served, body: ChatCompletionRequest) -> list[int]:
     """The token ids of the rendered conversation (runs in a worker thread)."""
     if served.chat_template is None:
@@ -294,8 +382,9 @@ def _render_chat(served: _Served, body: ChatCompletionRequest) -> list[int]:
     messages = [m.for_template() for m in body.messages]
     final = bool(body.continue_final_message)
     add = body.add_generation_prompt if body.add_generation_prompt is not None else not final
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
-        text = served.chat_template.render(messages, add_generation_prompt=add, **extra)
+        text = served.chat_template.render(messages, add_generation_prompt=add, tools=tools, **extra)
     except RtpcoreError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
     if final:  # cut what the template closes the last message with: the model continues it
@@ -314,7 +403,8 @@ def _check_model(served: _Served, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _params(served: _Served, body: Any, ids: list[int], limit: int, field: str, logprobs: int | None) -> SamplingParams:
+def _params(served: _Served, body: Any, ids: list[int], limit: int, field: str, logprobs: int | None,
+            grammar: Grammar | None = None) -> SamplingParams:
     if not ids:
         raise ApiError(400, "the prompt encodes to no tokens", param="prompt" if field == "max_tokens" else "messages")
     if len(ids) + limit > served.max_model_len:
@@ -339,6 +429,7 @@ def _params(served: _Served, body: Any, ids: list[int], limit: int, field: str, 
             logit_bias=body.logit_bias, min_tokens=body.min_tokens or 0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            grammar=grammar,
         )
     except InvalidRequestError as exc:
         raise ApiError(400, str(exc), param=getattr(exc, "field", None)) from None
@@ -459,8 +550,12 @@ class _Choice:
 class _Response:
     """One HTTP request's choices, and the shapes they are returned in."""
 
-    def __init__(self, served: _Served, body: Any, ids: list[int], params: SamplingParams, *, chat: bool):
+    def __init__(self, served: _Served, body: Any, ids: list[int], params: SamplingParams, *, chat: bool,
+                 tools: _Tools | None = None):
         self.served, self.params, self.chat, self.model = served, params, chat, body.model
+        self.tools = tools
+        # Per choice index: how its text becomes content and tool calls.
+        self.tool_streams = [tools.stream() if tools is not None else None for _ in range(body.num_choices)]
         self.ids = ids
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -529,7 +624,18 @@ class _Response:
         tokens = [t for d in deltas for t in d.tokens]
         out: dict[str, Any] = {"index": index, "finish_reason": choice.finish_reason,
                                "logprobs": self._logprobs(tokens, 0)}
-        if self.chat:
+        stream = self.tool_streams[index]
+        if stream is not None:
+            content, _ = stream.feed(text)
+            rest, _ = stream.finish()
+            message: dict[str, Any] = {"role": "assistant", "content": (content + rest) or None}
+            if stream.calls:
+                message["tool_calls"] = stream.call_objects()
+                out["finish_reason"] = _tool_finish(choice.finish_reason)
+            else:
+                message["content"] = content + rest
+            out["message"] = message
+        elif self.chat:
             out["message"] = {"role": "assistant", "content": text}
         else:
             out["text"] = text
@@ -586,6 +692,11 @@ class _Response:
                 done = item is None
                 delta = item or _Delta("")
                 for index in self._indices(r):
+                    stream = self.tool_streams[index]
+                    if stream is not None:
+                        for chunk in self._tool_chunks(index, stream, delta, done, choice.finish_reason):
+                            yield _sse(chunk)
+                        continue
                     if delta.text or delta.tokens or done:
                         body = {"content": delta.text} if self.chat else delta.text
                         yield _sse(self._chunk(index, body, choice.finish_reason if done else None,
@@ -600,6 +711,26 @@ class _Response:
             starter.cancel()
             for task in tasks:
                 task.cancel()
+
+    def _tool_chunks(self, index: int, stream: _ToolStream, delta: _Delta, done: bool,
+                     finish: str | None) -> list[dict[str, Any]]:
+        """The chunks of one delta of a choice with tools: content that cannot be a call yet,
+        then tool-call pieces; at the end, what was held back and the finish."""
+        content, calls = stream.feed(delta.text)
+        chunks = []
+        if content or delta.tokens:
+            chunks.append(self._chunk(index, {"content": content}, None, list(delta.tokens)))
+        if calls:
+            chunks.append(self._chunk(index, {"tool_calls": calls}, None, []))
+        if done:
+            rest, calls = stream.finish()
+            if rest:
+                chunks.append(self._chunk(index, {"content": rest}, None, []))
+            if calls:
+                chunks.append(self._chunk(index, {"tool_calls": calls}, None, []))
+            reason = _tool_finish(finish) if stream.calls else finish
+            chunks.append(self._chunk(index, {}, reason, []))
+        return chunks
 
     def _failure(self, choice: _Choice, exc: BaseException) -> ErrorBody:
         """What a client is told about its failed request, and the log line with its id."""
@@ -643,6 +774,139 @@ class _Response:
                 "text_offset": offsets}
 
 
+# -- tools ------------------------------------------------------------------------------------------
+
+
+def _tool_finish(reason: str | None) -> str | None:
+    """A choice that called tools ends with "tool_calls" (unless it was cut: "length", "abort")."""
+    return "tool_calls" if reason in (None, "stop") else reason
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class _Tools:
+    """How the choices of one request become tool calls: ``mode`` "named" (the output is the
+    named function's arguments), "required" (a JSON array of ``{"name", "parameters"}``) or
+    "auto" (``parser`` finds the calls in free text)."""
+
+    def __init__(self, mode: str, *, name: str | None = None, parser: Any = None,
+                 tools: Sequence[dict[str, Any]] = ()):
+        self.mode, self.name, self.parser, self.tools = mode, name, parser, tools
+
+    def stream(self) -> _ToolStream:
+        return _ToolStream(self)
+
+
+class _ToolStream:
+    """One choice's text -> content and tool-call deltas, as it streams (``feed``) and at its
+    end (``finish``); ``calls`` holds the calls found."""
+
+    def __init__(self, tools: _Tools):
+        self.tools = tools
+        self.calls: list[ToolCall] = []
+        self.ids: list[str] = []
+        self._held = ""  # text that may be (the start of) a call
+        self._holding = False  # a marker was seen: everything from it on waits for the end
+        self._started = False  # named: the call's header was sent
+        self._sent = 0  # text seen so far (to know whether a prefix marker is at the start)
+        self._parser: Any = tools.parser(tools.tools) if tools.parser is not None else None
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        mode = self.tools.mode
+        if mode == "named":
+            pieces: list[dict[str, Any]] = []
+            if not self._started:
+                self._started = True
+                self.ids.append(_call_id())
+                pieces.append({"index": 0, "id": self.ids[0], "type": "function",
+                               "function": {"name": self.tools.name, "arguments": ""}})
+            self._held += text
+            if text:
+                pieces.append({"index": 0, "function": {"arguments": text}})
+            return "", pieces
+        if mode == "required" or self._holding:
+            self._held += text
+            return "", []
+        # auto: stream content until it may be a call
+        held = self._held + text
+        parser = self._parser
+        at_start = self._sent == 0
+        cut = _marker_cut(held, parser.markers, parser.prefix_markers if at_start else ())
+        if cut is None:
+            keep = _partial_marker(held, parser.markers, parser.prefix_markers if at_start else ())
+            out, self._held = held[: len(held) - keep], held[len(held) - keep :]
+        else:
+            out, self._held, self._holding = held[:cut], held[cut:], True
+        self._sent += len(out)
+        return out, []
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What was held back: the content after the calls, and the calls (not for "named",
+        whose pieces already went out)."""
+        mode, text = self.tools.mode, self._held
+        self._held = ""
+        if mode == "named":
+            self.calls = [ToolCall(str(self.tools.name), text)] if _is_json_object(text) else []
+            return "", []
+        if mode == "required":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:  # cut short (max_tokens): no call
+                return text, []
+            self.calls = [ToolCall.of(i["name"], i.get("parameters", {})) for i in items
+                          if isinstance(i, dict) and isinstance(i.get("name"), str)]
+            content = ""
+        else:
+            parsed = self._parser.parse(text) if self._holding else None
+            if parsed is None or not parsed.calls:
+                return text, []
+            self.calls = list(parsed.calls)
+            content = parsed.content or ""
+        self.ids = [_call_id() for _ in self.calls]
+        return content, self.call_objects(indexed=True)
+
+    def call_objects(self, indexed: bool = False) -> list[dict[str, Any]]:
+        """The calls as OpenAI's ``tool_calls`` (``index`` added for stream deltas)."""
+        out = []
+        for i, (call, call_id) in enumerate(zip(self.calls, self.ids, strict=True)):
+            obj: dict[str, Any] = {"id": call_id, "type": "function",
+                                   "function": {"name": call.name, "arguments": call.arguments}}
+            out.append({"index": i, **obj} if indexed else obj)
+        return out
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _marker_cut(text: str, markers: tuple[str, ...], prefix: tuple[str, ...]) -> int | None:
+    """Where the first marker starts in ``text`` (a prefix marker only at its start, after blanks)."""
+    found = [i for i in (text.find(m) for m in markers) if i >= 0]
+    stripped = text.lstrip()
+    if any(stripped.startswith(m) for m in prefix):
+        found.append(len(text) - len(stripped))
+    return min(found) if found else None
+
+
+def _partial_marker(text: str, markers: tuple[str, ...], prefix: tuple[str, ...]) -> int:
+    """How much of ``text``'s end may be the start of a marker (all of it while it is only
+    blanks or a prefix marker's start, at the answer's start)."""
+    if prefix and (not text.strip() or any(m.startswith(text.lstrip()) for m in prefix)):
+        return len(text)
+    longest = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), longest, -1):
+            if text.endswith(m[:k]):
+                longest = k
+                break
+    return longest
+
+
 def _piece(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -670,10 +934,10 @@ def _failure_body(response_id: str, request_id: str, error: RtpcoreError) -> Err
 
 
 async def _respond(served: _Served, request: Request, body: Any, ids: list[int], params: SamplingParams,
-                   *, chat: bool) -> Any:
+                   *, chat: bool, tools: _Tools | None = None) -> Any:
     if served.draining:
         raise ApiError(503, "the server is shutting down", type="server_error")
-    response = _Response(served, body, ids, params, chat=chat)
+    response = _Response(served, body, ids, params, chat=chat, tools=tools)
     response.submit_first()
     if body.stream:
         return StreamingResponse(response.events(body.include_usage, request), media_type="text/event-stream",

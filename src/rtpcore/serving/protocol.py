@@ -53,6 +53,48 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict"}}`` (docs/design.md §16)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs json_schema: {name, schema}")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _Sampling(_Strict):
     """The fields completions and chat share."""
 
@@ -74,6 +116,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None  # vLLM's: run to max_tokens past the model's stop tokens
+    response_format: ResponseFormat | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     # Accepted without effect (OpenAI platform bookkeeping).
@@ -206,10 +249,8 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # Structured outputs and tools are refused until they are honoured (docs/design.md §16).
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
@@ -222,26 +263,27 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("continue_final_message needs the last message to be the assistant's")
         return self
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError(f"response_format of type {value.get('type')!r} is not supported (only 'text')")
-        return value
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two tools have the same name")
+        if (choice in ("auto", "required") or isinstance(choice, NamedToolChoice)) and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not among the "
+                             f"tools ({', '.join(names)})")
+        return self
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("tool calls are not supported by this server")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        if value not in (None, "none"):
-            raise ValueError("tool calls are not supported by this server (only 'none')")
-        return value
+    @property
+    def tool_mode(self) -> str | None:
+        """None (no tools, or ``"none"``), ``"auto"``, ``"required"`` or ``"named"``."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"  # OpenAI's default with tools
 
     @property
     def token_limit(self) -> int | None:

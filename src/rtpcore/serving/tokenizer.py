@@ -145,6 +145,13 @@ class Tokenizer:
                 return entry.replace("\u2581", " ").encode()
         return self.decode([token_id], skip_special_tokens=False).encode()
 
+    @property
+    def json_path(self) -> Path:
+        """The ``tokenizer.json`` this tokenizer was read from (a grammar library reads it too)."""
+        if self.path is None:
+            raise ValueError("this tokenizer was not read from a checkpoint folder")
+        return self.path / "tokenizer.json"
+
     @functools.cached_property
     def _decoder_kinds(self) -> frozenset[str]:
         """The types of the tokenizer.json decoder (and of a Sequence's parts)."""

@@ -1,8 +1,8 @@
 """rtpcore hook implementations of atom-plugin (the ``rtpcore.plugins`` entry point ``atom``).
 
-Both hooks are cheap: models are registered lazily by ``"module:Class"`` (the
-model code is imported only when a checkpoint needs it) and the layout module
-imports only ``rtpcore_native``, never torch.
+The hooks are cheap: models are registered lazily by ``"module:Class"`` (the
+model code is imported only when a checkpoint needs it), the layout module
+imports only ``rtpcore_native`` and the tool-call parser only ``rtpcore``, never torch.
 """
 
 from __future__ import annotations
@@ -31,3 +31,10 @@ def rtpcore_kv_cache_layouts() -> list[Any]:
     from atom_plugin.layouts import Ue8m0Layout
 
     return [Ue8m0Layout()]
+
+
+@hookimpl
+def rtpcore_register_tool_parsers(registry: Any) -> None:
+    from atom_plugin.tool_calls import DeepseekV3ToolParser
+
+    registry.register_tool_parser(DeepseekV3ToolParser)
