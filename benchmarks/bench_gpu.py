@@ -16,10 +16,15 @@ of ``--new-tokens`` tokens from ``--prompt-len``-token prompts of:
   with ``cuda_graphs=False`` (every step eager) as the last column.
 
 Each figure is the best of ``--repeats`` runs after a warm-up, prefill included. It prints
-tokens/s and the ratios rtpcore / graph step and rtpcore / transformers, then a float32
+tokens/s and the ratios rtpcore / graph step and rtpcore / transformers; per rtpcore step,
+the GPU time of its forward (CUDA events around each forward) and the host time (the step's
+wall time less that); the CUDA-graph replays each run made (``EngineStats``); then a float32
 greedy parity check (same weights, TF32 off) of rtpcore against transformers on the GPU,
-and the throughput of an fp8 (e4m3) KV cache at the largest batch. Exit status: 0; 1 when
-the parity check fails; 2 when torch sees no CUDA/ROCm device.
+and the throughput of an fp8 (e4m3) KV cache at the largest batch.
+
+Exit status: 0; 1 when the parity check fails; 3 when rtpcore is below ``--min-ratio``
+(0.75) of the graph step at any batch size, or its decode steps did not replay CUDA graphs;
+2 when torch sees no CUDA/ROCm device.
 """
 
 from __future__ import annotations
@@ -172,7 +177,33 @@ def device_line() -> str:
     return f"GPU: {props.name}, {props.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, {stack}"
 
 
-def throughput(args: argparse.Namespace, path: Path) -> None:
+class ForwardTimer:
+    """CUDA events around every forward of an engine's rank-0 shard: the GPU time of its steps."""
+
+    def __init__(self, engine: Any):
+        self.shard = engine._group.local
+        self.inner = self.shard.forward
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.shard.forward = self._timed
+
+    def _timed(self, batch: Any) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self.inner(batch)
+        end.record()
+        self.events.append((start, end))
+        return out
+
+    def take(self) -> tuple[int, float]:
+        """(forwards, their GPU seconds) since the last call."""
+        torch.cuda.synchronize()
+        n, seconds = len(self.events), sum(s.elapsed_time(e) for s, e in self.events) / 1000
+        self.events.clear()
+        return n, seconds
+
+
+def throughput(args: argparse.Namespace, path: Path) -> list[str]:
+    """Print the table; the problems that make the run fail (ratio below --min-ratio, no replays)."""
     from transformers import AutoModelForCausalLM
 
     from rtpcore import Engine
@@ -184,29 +215,43 @@ def throughput(args: argparse.Namespace, path: Path) -> None:
     prompts = {b: torch.randint(3, SHAPE["vocab_size"], (b, args.prompt_len), generator=gen) for b in args.batches}
     print(f"bfloat16, prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy), best of {args.repeats}")
     print(f"{'batch':>5} {'hf tok/s':>9} {'graph tok/s':>11} {'rtpcore tok/s':>13} {'rt/graph':>8} {'rt/hf':>6}"
-          f" {'rt eager tok/s':>14}")
+          f" {'rt eager tok/s':>14} {'GPU ms/step':>11} {'host ms/step':>12} {'replays':>7}")
     rt_tps: dict[int, float] = {}
+    problems: list[str] = []
     options: dict[str, Any] = {"dtype": "bfloat16", "device": "cuda", "max_batch_size": max(args.batches)}
     with Engine.from_pretrained(path, **options) as engine, \
             Engine.from_pretrained(path, cuda_graphs=False, **options) as eager:
         graphs = engine._group.local.graphs
         state = "off" if graphs is None else f"failed ({graphs.failure})" if graphs.failure else sorted(graphs.graphs)
         print(f"rtpcore decode graphs: {state}")
+        timer = ForwardTimer(engine)
         for b, ids in prompts.items():
             on_gpu, rows = ids.cuda(), ids.tolist()
             t_hf, _ = best_time(partial(hf_generate, hf, on_gpu, args.new_tokens), args.repeats)
             t_gr, _ = best_time(partial(graph.generate, on_gpu, args.new_tokens), args.repeats)
+            before = engine.stats().cuda_graph_replays_total
+            timer.take()
             t_rt, _ = best_time(
                 partial(engine.generate, rows, max_new_tokens=args.new_tokens, stop_token_ids=[]), args.repeats
             )
+            steps, gpu_s = timer.take()
+            wall_step = t_rt / args.new_tokens  # the best run's time per step
+            gpu_step = gpu_s / max(steps, 1)
+            replays = (engine.stats().cuda_graph_replays_total - before) // (args.repeats + 1)
             t_ea, _ = best_time(
                 partial(eager.generate, rows, max_new_tokens=args.new_tokens, stop_token_ids=[]), args.repeats
             )
             pairs = (("hf", t_hf), ("graph", t_gr), ("rt", t_rt), ("eager", t_ea))
             tps = {name: b * args.new_tokens / t for name, t in pairs}
             rt_tps[b] = tps["rt"]
+            ratio = tps["rt"] / tps["graph"]
             print(f"{b:5d} {tps['hf']:9.1f} {tps['graph']:11.1f} {tps['rt']:13.1f}"
-                  f" {tps['rt'] / tps['graph']:7.2f}x {tps['rt'] / tps['hf']:5.2f}x {tps['eager']:14.1f}")
+                  f" {ratio:7.2f}x {tps['rt'] / tps['hf']:5.2f}x {tps['eager']:14.1f}"
+                  f" {gpu_step * 1000:11.3f} {max(wall_step - gpu_step, 0.0) * 1000:12.3f} {replays:7d}")
+            if ratio < args.min_ratio:
+                problems.append(f"batch {b}: rtpcore is {ratio:.2f}x the graph step (target >= {args.min_ratio}x)")
+            if replays == 0:
+                problems.append(f"batch {b}: no decode step replayed a CUDA graph ({state})")
     del hf, graph
     torch.cuda.empty_cache()
     if args.fp8:
@@ -219,7 +264,9 @@ def throughput(args: argparse.Namespace, path: Path) -> None:
                 args.repeats,
             )
         tps = b * args.new_tokens / t
-        print(f"fp8 (e4m3) KV cache, batch {b}: {tps:.1f} tok/s, {tps / rt_tps[b]:.2f}x the bf16 cache")
+        print(f"fp8 (e4m3) KV cache, batch {b}: {tps:.1f} tok/s, {tps / rt_tps[b]:.2f}x the bf16 cache "
+              "(eager decode: fp8 pools dequantize by gathering, so they take no graphs)")
+    return problems
 
 
 def parity(args: argparse.Namespace, path: Path) -> bool:
@@ -258,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up; each figure keeps its best")
     parser.add_argument("--parity-tokens", type=int, default=32, help="new tokens of the float32 parity check (0: skip it)")
     parser.add_argument("--no-fp8", dest="fp8", action="store_false", help="skip the fp8 KV cache line")
+    parser.add_argument("--min-ratio", type=float, default=0.75,
+                        help="exit 3 when rtpcore is below this fraction of the graph step at any batch size")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"bench_gpu: needs a CUDA/ROCm device: torch {torch.__version__} sees none; "
@@ -268,9 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "llama-1b-shape"
         make_model(path, args.layers, max(2048, args.prompt_len + max(args.new_tokens, args.parity_tokens)))
-        throughput(args, path)
+        problems = throughput(args, path)
         ok = parity(args, path) if args.parity_tokens > 0 else True
-    return 0 if ok else 1
+    for problem in problems:
+        print(f"bench_gpu: FAIL: {problem}", file=sys.stderr)
+    return 1 if not ok else 3 if problems else 0
 
 
 if __name__ == "__main__":

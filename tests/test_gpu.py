@@ -184,11 +184,12 @@ def test_speculative_decoding_on_the_gpu(llama: tuple[Path, Any], tmp_path: Path
 
 def test_decode_reads_kv_blocks_in_place_with_the_triton_kernel(llama: tuple[Path, Any], no_tf32: None) -> None:
     """On the GPU decode steps use the paged kernel (rtpcore.kv.paged_attention) by default; its
-    tokens equal the gather path's."""
+    tokens equal the gather path's. Graphs off: a captured graph keeps the kernel it was captured
+    with, whatever use_backend says, and the comparison would be the kernel with itself."""
     from rtpcore.kv.paged_attention import decode_backend, use_backend
 
     path, _ = llama
-    with Engine.from_pretrained(path, device="cuda") as engine:
+    with Engine.from_pretrained(path, device="cuda", cuda_graphs=False) as engine:
         q = torch.zeros(1, engine.model_config.num_attention_heads, engine.model_config.head_dim, device="cuda")
         assert decode_backend(engine.kv_caches[0], q) == "triton"
         paged = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
@@ -212,11 +213,50 @@ def test_decode_steps_replay_cuda_graphs(llama: tuple[Path, Any], no_tf32: None)
         assert sorted(graphs.graphs) == buckets(4)
         assert engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) == eager
         assert engine.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS, stop_token_ids=[]) == eager[:1]
+        stats = engine.stats()
+        # every decode step replayed a graph: (NEW_TOKENS - 1) steps per call, none eager
+        assert stats.cuda_graph_replays_total == 2 * (NEW_TOKENS - 1) and stats.eager_decode_steps_total == 0
+
+
+@two_gpus
+def test_engines_on_two_gpus_each_capture_on_their_own_device(llama: tuple[Path, Any], no_tf32: None) -> None:
+    """A second engine on another GPU captures on a stream of its own device: its graphs replay
+    (the counter moves) and give the eager tokens -- an empty capture would give stale logits."""
+    path, _ = llama
+    with Engine.from_pretrained(path, device="cuda:0", cuda_graphs=False) as engine:
+        eager = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+    with Engine.from_pretrained(path, device="cuda:0", cuda_graphs=True) as first, \
+            Engine.from_pretrained(path, device="cuda:1", cuda_graphs=True) as second:
+        for engine in (first, second):
+            assert engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[]) == eager
+            assert engine.stats().cuda_graph_replays_total == NEW_TOKENS - 1
+
+
+def test_the_mla_triton_kernel_runs_on_the_gpu_and_matches_the_gather_path() -> None:
+    """atom-plugin's DeepSeek demo with an unquantized cache decodes with the MLA Triton kernel
+    (float32: tokens equal the gather path's; bfloat16: it runs, graphs replay)."""
+    pytest.importorskip("atom_plugin")
+    from rtpcore.cli.demo import demo_checkpoint
+    from rtpcore.kv.paged_attention import decode_backend, use_backend
+
+    path = demo_checkpoint("deepseek_v3", plugins=["atom-plugin"])
+    options: dict[str, Any] = {"plugins": ["atom-plugin"], "device": "cuda", "cuda_graphs": False}
+    with Engine.from_pretrained(path, dtype="float32", **options) as engine:
+        q = torch.zeros(1, 1, device="cuda")
+        assert decode_backend(engine.kv_caches[0], q) == "triton"
+        kernel = engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
+        with use_backend("gather"):
+            gathered = engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
+    assert kernel == gathered
+    with Engine.from_pretrained(path, dtype="bfloat16", plugins=["atom-plugin"], device="cuda") as engine:
+        out = engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
+        assert [len(o) for o in out] == [8] * len(PROMPTS)
+        assert engine.stats().cuda_graph_replays_total > 0  # its MoE routing syncs with the host no more
 
 
 def test_a_forward_that_cannot_be_captured_runs_eagerly() -> None:
-    """atom-plugin's DeepSeek demo with a compact fp8 cache (its scale may grow: a host
-    synchronisation) still decodes; either the graphs captured or the failure is recorded."""
+    """atom-plugin's DeepSeek demo with a compact fp8 cache: fp8 pools dequantize by gathering, so the
+    engine takes no graphs (and says why); with cuda_graphs=True that is an error."""
     pytest.importorskip("atom_plugin")
     from rtpcore.cli.demo import demo_checkpoint
 
@@ -225,6 +265,11 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly() -> None:
     with Engine.from_pretrained(path, cuda_graphs=False, **options) as engine:
         eager = engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
     with Engine.from_pretrained(path, **options) as engine:
-        graphs = engine._group.local.graphs
-        assert graphs is not None and (graphs.failure is not None or graphs.graphs)
+        shard = engine._group.local
+        assert shard.graphs is None and "fp8 pools dequantize by gathering" in shard.graphs_off
         assert engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[]) == eager
+        assert engine.stats().eager_decode_steps_total > 0
+    from rtpcore.errors import RtpcoreError
+
+    with pytest.raises(RtpcoreError, match="cuda_graphs=True, but decode steps run eagerly"):
+        Engine.from_pretrained(path, cuda_graphs=True, **options)

@@ -123,9 +123,12 @@ class _Counting(DecodeGraphs):
 
 
 def _graphs_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine takes graphs as on a GPU whose layers read their caches in place (here they
+    gather: the CPU has no paged kernel), so the static path runs on the CPU."""
     from rtpcore.engine import rank
 
     monkeypatch.setattr(rank.EngineShard, "uses_cuda_graphs", property(lambda self: True))
+    monkeypatch.setattr("rtpcore.engine.graphs.in_place_problem", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("draft", [False, True])
@@ -151,7 +154,11 @@ def test_engine_decode_through_the_static_buffers_gives_the_same_tokens(
         assert shard.kv_caches[0].num_blocks == engine.num_kv_blocks + 1  # the scratch block
         assert engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[]) == want
         assert engine.num_free_kv_blocks == engine.num_kv_blocks
-    assert _Counting.steps > 20
+        stats = engine.stats()
+        runs = shard.graphs.static_runs + (shard.draft_graphs.static_runs if draft else 0)
+        assert runs == _Counting.steps > 20 and stats.cuda_graph_replays_total == 0
+        if not draft:  # every decode step of the target went through the static buffers
+            assert stats.eager_decode_steps_total == 0
 
 
 def test_a_failed_capture_leaves_every_step_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,4 +170,60 @@ def test_a_failed_capture_leaves_every_step_eager(tmp_path: Path, monkeypatch: p
     with Engine.from_pretrained(tmp_path, tokens_per_block=TPB) as engine:
         graphs: Any = engine._group.local.graphs
         assert graphs.failure and not graphs.graphs
+        assert engine._group.local.graphs_off.startswith("capturing a CUDA graph failed")
         assert engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[]) == want
+        stats = engine.stats()
+        assert stats.cuda_graph_replays_total == 0 and stats.eager_decode_steps_total >= 7  # the fallback shows
+
+
+def test_with_cuda_graphs_true_a_failed_capture_is_an_error(tmp_path: Path) -> None:
+    """strict (the engine's cuda_graphs=True): capture cannot work here, and that is an error naming why."""
+    make_checkpoint(tmp_path)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, kv_cache_memory=1 << 20) as engine:
+        caches = allocate_kv_caches(engine.kv_cache_specs, 5, compute_dtype=torch.float32)
+        options: dict[str, Any] = {"max_batch_size": 2, "max_positions": engine.max_positions, "tokens_per_block": TPB,
+                                   "scratch_block": 4, "device": "cpu"}
+        lenient = DecodeGraphs(engine.model, caches, **options)
+        assert lenient.failure and not lenient.graphs  # logged, eager
+        with pytest.raises(RtpcoreError, match="cuda_graphs=True but capturing the decode step failed"):
+            DecodeGraphs(engine.model, caches, strict=True, **options)
+
+
+def test_cuda_graphs_true_on_the_cpu_is_an_error_and_none_counts_eager_decodes(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path)
+    with pytest.raises(RtpcoreError, match="cuda_graphs=True needs a CUDA/ROCm device; the engine runs on the CPU"):
+        Engine.from_pretrained(tmp_path, device="cpu", cuda_graphs=True)
+    with Engine.from_pretrained(tmp_path, device="cpu") as engine:
+        engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=6, stop_token_ids=[])
+        stats = engine.stats()
+    assert stats.cuda_graph_replays_total == 0 and stats.eager_decode_steps_total == 5  # 5 decode steps of the pair
+
+
+def test_graphs_need_every_layer_to_read_its_cache_in_place() -> None:
+    """fp8 pools gather; unquantized pools gather on the CPU (no paged kernel); a plugin may say its
+    decode gathers on its own. Each is named in the reason."""
+    from rtpcore.engine.graphs import in_place_problem
+    from rtpcore_native import KVCacheSpecDesc, build_kv_cache_spec
+
+    def spec(dtype: str) -> Any:
+        return build_kv_cache_spec(KVCacheSpecDesc(tag="layers.0", kind="mha", dtype=dtype, num_kv_heads=2,
+                                                    head_dim=16, tokens_per_block=TPB))
+
+    fp8 = allocate_kv_caches([spec("fp8_e4m3")], 4)
+    assert "fp8 pools dequantize by gathering" in (in_place_problem(fp8, "cpu") or "")
+    plain = allocate_kv_caches([spec("fp32")], 4)
+    assert "'layers.0' (LayerKVCache)" in (in_place_problem(plain, "cpu") or "")
+
+    class Gathers:
+        __qualname__ = "Gathers"
+        decode_reads_kv_in_place = False
+
+    assert in_place_problem(plain, "cpu", Gathers) == "Gathers sets decode_reads_kv_in_place = False"
+
+
+def test_the_metrics_expose_graph_replays_and_eager_decodes() -> None:
+    from rtpcore.serving.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: {"kv_blocks_total": 1, "kv_blocks_free": 1, "kv_blocks_cached": 0, "running": 0,
+                                  "waiting": 0, "cuda_graph_replays_total": 7, "eager_decode_steps_total": 2}).render().decode()
+    assert "rtpcore_cuda_graph_replays_total 7.0" in text and "rtpcore_eager_decode_steps_total 2.0" in text

@@ -111,6 +111,8 @@ class EngineStats:
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # of those, tokens found cached
     kv_blocks_cached: int = 0  # blocks in the prefix cache, held by a request or not
+    cuda_graph_replays_total: int = 0  # decode steps a captured CUDA graph served (rtpcore.engine.graphs)
+    eager_decode_steps_total: int = 0  # decode steps run eagerly (on a GPU with graphs on: a fallback)
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)
@@ -148,6 +150,7 @@ class EngineCore:
         draft_max_positions: int | None = None,
         is_broken: Callable[[], bool] = lambda: False,
         prefix_cache_namespace: bytes | None = None,
+        counters: Callable[[], dict[str, int]] = dict,
     ):
         """``max_model_len``: the longest prompt + output a request may ask for (the engine
         checked that the pool holds one). ``draft_forward`` and ``num_speculative_tokens`` > 0:
@@ -157,7 +160,8 @@ class EngineCore:
         ``max_position_embeddings``), past which a request decodes without proposals.
         ``is_broken()``: whether the worker group can no longer step (a fault is then not a
         request's). ``prefix_cache_namespace``: the root key of prefix caching
-        (``rtpcore.engine.prefix_cache.namespace_key``), None to turn it off."""
+        (``rtpcore.engine.prefix_cache.namespace_key``), None to turn it off. ``counters()``:
+        more EngineStats fields the model runner keeps (CUDA graph replays, eager decodes)."""
         k = num_speculative_tokens if draft_forward is not None else 0
         self.num_speculative_tokens = k
         self.allocator = allocator
@@ -185,6 +189,7 @@ class EngineCore:
             shift=draft_shift,
         )
         self.step_observers: list[Callable[[StepReport], None]] = []  # called after each step, on its thread
+        self._counters = counters
         self._requests: dict[str, Request] = {}
         self._cv = threading.Condition()
         self._in_step_requests: set[Request] = set()  # the requests of the step in progress
@@ -424,6 +429,7 @@ class EngineCore:
                 prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
                 prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
                 kv_blocks_cached=self.allocator.num_cached,
+                **self._counters(),
             )
 
     # -- under the lock ----------------------------------------------------------------------

@@ -391,6 +391,7 @@ class Engine:
                 device=self.device,  # per-request generators and step inputs live there
                 is_broken=lambda: self.failure is not None,
                 prefix_cache_namespace=self._prefix_cache_namespace(),
+                counters=shard.graph_counters,  # rank 0's: it steps every batch
             )
         except BaseException as exc:
             self._release()  # every rank's model, pools and processes

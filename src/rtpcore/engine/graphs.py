@@ -10,8 +10,16 @@ owns, replays the graph and returns the first B rows of the logits.
 Static shapes: block tables as wide as ``max_positions`` needs, and ``max_context_len``
 fixed at ``max_positions`` (what a model may size its work by; every sequence still sees
 only its own context, through ``context_lens``). Attention that reads blocks in place
-(``rtpcore.kv.paged_attention``) costs the same either way; the gather path then gathers
-the longest context for every row, so graphs pay off with the paged kernel.
+(``rtpcore.kv.paged_attention``) costs the same either way; the gather path would gather
+the longest possible context for every row on every step, so the engine uses graphs only
+when every layer reads its cache in place (:func:`in_place_problem`): no graphs for fp8
+pools (they dequantize by gathering), nor where the paged kernel cannot run.
+
+Capture runs on a stream of the engine's own device (torch's default capture stream is one
+per process, made on whichever device was current first: a second engine on another GPU
+would capture nothing). ``strict`` (``cuda_graphs=True``) makes a failed capture an error;
+otherwise it is logged and decode steps run eagerly. :attr:`DecodeGraphs.replays` counts
+the steps a graph served, so a fallback is visible (``EngineStats.cuda_graph_replays_total``).
 
 A draft of speculative decoding gets graphs of its own (its proposals after the first are
 decode steps); an engine with an MTP draft (which reads the target's hidden states) uses none. Eager instead: prefill and mixed steps, speculative verification (``logits_indices``),
@@ -31,9 +39,26 @@ import torch
 
 from rtpcore.engine.batch import ForwardBatch
 
-__all__ = ["DecodeGraphs", "buckets"]
+__all__ = ["DecodeGraphs", "buckets", "in_place_problem"]
 
 logger = logging.getLogger(__name__)
+
+
+def in_place_problem(kv_caches: Sequence[Any], device: torch.device | str, plugin: Any = None) -> str | None:
+    """Why decode steps over ``kv_caches`` would not read every layer's cache in place (so a
+    graph would gather the longest possible context each step), or None when they do."""
+    from rtpcore.kv.paged_attention import decode_backend
+
+    if plugin is not None and not getattr(plugin, "decode_reads_kv_in_place", True):
+        return f"{plugin.__qualname__} sets decode_reads_kv_in_place = False"
+    probe = torch.empty(0, device=device)
+    for i, cache in enumerate(kv_caches):
+        if decode_backend(cache, probe) != "triton":
+            tag = getattr(getattr(cache, "spec", None), "tag", f"layer {i}")
+            kind = type(cache).__name__
+            return (f"layer {tag!r} ({kind}) is read by gathering, not in place "
+                    "(fp8 pools dequantize by gathering; unquantized ones need Triton on a CUDA/ROCm device)")
+    return None
 
 
 def buckets(max_batch_size: int) -> list[int]:
@@ -64,6 +89,7 @@ class DecodeGraphs:
         scratch_block: int,
         device: torch.device | str,
         capture: bool = True,
+        strict: bool = False,
     ):
         self.model = model
         self.kv_caches = list(kv_caches)
@@ -82,6 +108,9 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (CUDAGraph, its logits)
         self.failure: str | None = None
         self.capture = capture
+        self.strict = strict  # a failed capture raises (cuda_graphs=True) instead of falling back
+        self.replays = 0  # decode steps a captured graph served
+        self.static_runs = 0  # steps the static buffers served eagerly (capture=False)
         if capture:
             self._capture_all()
 
@@ -126,11 +155,13 @@ class DecodeGraphs:
             self.context_lens[b:n].fill_(1)
             self.block_tables[b:n].fill_(self.scratch)
         if not self.capture:
+            self.static_runs += 1
             with torch.inference_mode():
                 return self.model(self.static_batch(n), self.kv_caches)[:b]
         graph, logits = self.graphs[n]
         with torch.cuda.device(self.device):  # the graph's device, whatever device is current
             graph.replay()
+        self.replays += 1
         return logits[:b]
 
     def _capture_all(self) -> None:
@@ -138,16 +169,25 @@ class DecodeGraphs:
         try:
             with torch.cuda.device(self.device):  # capture on the engine's device, whatever is current
                 pool = torch.cuda.graph_pool_handle()
+                stream = torch.cuda.Stream(self.device)  # not torch's process-wide one (see the docstring)
                 for n in reversed(buckets(self.max_batch_size)):
-                    self.graphs[n] = self._capture(n, pool)
+                    self.graphs[n] = self._capture(n, pool, stream)
         except Exception as exc:  # the forward cannot be captured: every step runs eagerly
             self.graphs.clear()
             self.failure = f"{type(exc).__name__}: {exc}"
+            if self.strict:
+                from rtpcore.errors import RtpcoreError
+
+                raise RtpcoreError(
+                    f"cuda_graphs=True but capturing the decode step failed: {self.failure} "
+                    "(a forward that synchronises with the host cannot be captured; cuda_graphs=None "
+                    "falls back to eager steps with a warning)"
+                ) from exc
             logger.warning("decode steps run eagerly: capturing a CUDA graph failed (%s)", self.failure)
         else:
             logger.info("decode steps replay CUDA graphs for batch sizes %s", sorted(self.graphs))
 
-    def _capture(self, n: int, pool: Any) -> tuple[Any, torch.Tensor]:
+    def _capture(self, n: int, pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
         batch = self.static_batch(n)  # all padding rows: warm-up and capture write the scratch block only
         with torch.inference_mode():
             side = torch.cuda.Stream(self.device)
@@ -157,6 +197,6 @@ class DecodeGraphs:
                     self.model(batch, self.kv_caches)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 logits = self.model(batch, self.kv_caches)
         return graph, logits

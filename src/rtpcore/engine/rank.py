@@ -98,6 +98,8 @@ class EngineShard:
         self.draft_kv_caches: list[Any] = []
         self.graphs: Any = None  # rtpcore.engine.graphs.DecodeGraphs when decode steps replay CUDA graphs
         self.draft_graphs: Any = None  # the same for the draft's decode steps
+        self.graphs_off: str | None = None  # why decode steps run eagerly on a GPU (None: graphs, or the CPU)
+        self.eager_decodes = 0  # target decode steps no graph served
 
     def allocate(self, num_blocks: int) -> None:
         """Preallocate ``num_blocks`` KV blocks per layer (rank 0 decides the number), for
@@ -117,9 +119,27 @@ class EngineShard:
                 self.draft.kv_cache_specs, pool_blocks, workspace=GatherWorkspace(), **options
             )
         if graphs:
+            from rtpcore.engine.graphs import in_place_problem
+
+            problem = in_place_problem(self.kv_caches, self.ctx.device, self.target.plugin)
+            if problem is None and self.draft is not None:
+                problem = in_place_problem(self.draft_kv_caches, self.ctx.device, self.draft.plugin)
+            if problem is not None:
+                self._no_graphs(f"decode steps run eagerly, without CUDA graphs: {problem}")
+                return
             self.graphs = self._decode_graphs(self.model, self.kv_caches, num_blocks)
+            if self.graphs.failure is not None:
+                self.graphs_off = f"capturing a CUDA graph failed: {self.graphs.failure}"
             if self.draft is not None:  # its proposals after the first are decode steps too
                 self.draft_graphs = self._decode_graphs(self.draft.model, self.draft_kv_caches, num_blocks)
+
+    def _no_graphs(self, reason: str) -> None:
+        """Decode steps stay eager: an error with ``cuda_graphs=True``, a warning otherwise."""
+        if self.config.cuda_graphs is True:
+            raise RtpcoreError(f"cuda_graphs=True, but {reason}; pass cuda_graphs=None to run such steps eagerly")
+        self.graphs_off = reason
+        if self.ctx.rank == 0:
+            logger.warning("%s", reason)
 
     def _decode_graphs(self, model: Any, caches: list[Any], scratch_block: int) -> Any:
         from rtpcore.engine.graphs import DecodeGraphs
@@ -132,6 +152,7 @@ class EngineShard:
             tokens_per_block=self.config.tokens_per_block,
             scratch_block=scratch_block,
             device=self.ctx.device,
+            strict=self.config.cuda_graphs is True,
         )
 
     @property
@@ -142,6 +163,9 @@ class EngineShard:
         choice = self.config.cuda_graphs
         on_gpu = torch.device(self.ctx.device).type == "cuda"
         if self.config.draft_model == "mtp":
+            if choice is True:
+                raise RtpcoreError("cuda_graphs=True cannot be honoured with draft_model='mtp': the draft reads the "
+                                   "target's hidden states, which a replayed graph leaves in its capture buffers")
             return False
         return bool(on_gpu and (choice if choice is not None else self.ctx.world_size == 1))
 
@@ -151,9 +175,16 @@ class EngineShard:
         if self.graphs is not None and self.graphs.supports(batch):
             logits = self.graphs.run(batch)
         else:
+            if batch.is_decode:
+                self.eager_decodes += 1
             with torch.inference_mode():
                 logits = self.model(batch, self.kv_caches)
         return logits if self.ctx.rank == 0 else None
+
+    def graph_counters(self) -> dict[str, int]:
+        """This rank's target decode steps replayed from a CUDA graph, and those run eagerly."""
+        replays = self.graphs.replays if self.graphs is not None else 0
+        return {"cuda_graph_replays_total": replays, "eager_decode_steps_total": self.eager_decodes}
 
     def draft_forward(self, batch: Any) -> torch.Tensor | None:
         """The draft model's forward over its own KV pools (rank 0 gets the logits)."""

@@ -69,6 +69,10 @@ class ModelPlugin:
     architectures: ClassVar[tuple[str, ...]]
     replaces: ClassVar[tuple[str, ...]] = ()
     forward_contract: ClassVar[int] = 1  # the version of the forward contract the model follows
+    # Whether a decode step reads every layer's KV pool in place (through rtpcore.kv.paged_attention,
+    # or a kernel of its own); False keeps its decode steps out of CUDA graphs, which would
+    # otherwise gather the longest possible context on every step (docs/design.md §9).
+    decode_reads_kv_in_place: ClassVar[bool] = True
 
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any]) -> Any:

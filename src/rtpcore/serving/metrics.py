@@ -83,6 +83,8 @@ _ENGINE_COUNTERS = {
     "rtpcore_request_errors": ("request_errors_total", "requests ended by their own fault (a model fault on them, a non-finite distribution)"),
     "rtpcore_prefix_cache_queries": ("prefix_cache_queries_total", "prompt tokens looked up in the prefix cache"),
     "rtpcore_prefix_cache_hits": ("prefix_cache_hits_total", "prompt tokens found in the prefix cache"),
+    "rtpcore_cuda_graph_replays": ("cuda_graph_replays_total", "decode steps replayed from a captured CUDA graph"),
+    "rtpcore_eager_decode_steps": ("eager_decode_steps_total", "decode steps run eagerly (a fallback on a GPU with graphs on)"),
 }
 
 

@@ -257,13 +257,15 @@ class MoE(nn.Module):
         weights, idx = self.route(x)  # (T, k), (T, k)
         t, k = idx.shape
         stacked_gate_up, stacked_down = self.stacked_gate_up, self.stacked_down  # None when packed
-        if t == 1:
-            out = self._one_token(x, weights, idx)  # batch-1 decode
-        elif (
+        stacked = (
             stacked_gate_up is not None
             and stacked_down is not None
             and t * k * stacked_down[0].numel() * 3 <= self.GATHER_LIMIT
-        ):
+        )
+        if t == 1 and not (x.is_cuda and stacked):
+            out = self._one_token(x, weights, idx)  # batch-1 decode on the CPU: transformers' order, bit for bit
+        elif stacked:  # no host synchronisation: what a CUDA graph can capture
+            assert stacked_gate_up is not None and stacked_down is not None
             gu = torch.einsum("td,tkid->tki", x, stacked_gate_up[idx])  # (T, k, 2I)
             g, u = gu.chunk(2, dim=-1)  # (T, k, I)
             y = torch.einsum("tki,tkdi->tkd", F.silu(g) * u, stacked_down[idx])  # (T, k, D)
