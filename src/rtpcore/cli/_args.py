@@ -18,7 +18,7 @@ def add_log_level_argument(p: argparse.ArgumentParser) -> None:
     """``--log-level``, which every subcommand takes: :func:`rtpcore.cli.main` configures logging
     with it before the command runs."""
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info", type=str.lower,
-                   help="the least severe of rtpcore's log records shown on stderr (default: info)")
+                   help="the least severe of rtpcore's log records shown on stderr (default: %(default)s)")
 
 
 def positive_int(text: str) -> int:
@@ -76,21 +76,28 @@ def device_arg(text: str) -> str:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """CHECKPOINT or ``--demo NAME``, the allowlist flags, and the engine's dtype and KV options."""
-    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, safetensors, tokenizer.json)")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
+                   "give it or --demo")
     p.add_argument("--demo", metavar="NAME", help="use the demo model of this model type (random weights, "
                    "built on first use under $XDG_CACHE_HOME/rtpcore/demo)")
     add_allowlist_arguments(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto (default): the checkpoint's torch_dtype on a GPU, float32 on the CPU")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"])
-    p.add_argument("--kv-layout", default=None, metavar="NAME", help="fp8 layout (built-in or from a plugin)")
+                   help="dtype of the weights and activations; auto (the default): the checkpoint's "
+                   "torch_dtype on a GPU, float32 on the CPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"],
+                   help="dtype of the KV cache (fp8: e4m3 bytes, see --kv-layout); auto (the default) "
+                   "follows --dtype")
+    p.add_argument("--kv-layout", default=None, metavar="NAME",
+                   help="byte layout of the fp8 MLA KV-cache layers: padded, compact, or one a loaded plugin "
+                   "registers (default: the one the model's plugin chooses)")
     p.add_argument("--device", type=device_arg, default="auto", metavar="DEVICE",
                    help="auto (default: the first CUDA/ROCm GPU torch sees, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run every decode step eagerly on a GPU (default: replay CUDA graphs, one engine rank)")
     p.add_argument("--draft-model", metavar="PATH|mtp", default=None,
                    help="speculative decoding: a draft checkpoint sharing the vocabulary (any model type the "
-                   "loaded plugins serve), or 'mtp' for the checkpoint's own multi-token-prediction layers")
+                   "loaded plugins serve), or 'mtp' for the checkpoint's own multi-token-prediction layers "
+                   "(default: none, no speculative decoding)")
     p.add_argument("--num-speculative-tokens", type=positive_int, metavar="K", default=None,
                    help="tokens the draft proposes per step (default 4 with --draft-model)")
     # Scheduling (docs/design.md §13)
@@ -100,9 +107,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                    help="longest prompt + output a request may ask for (default: the checkpoint's context)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not reuse the KV blocks of prompts seen before")
+                   help="do not reuse the KV blocks of prompts seen before (default: reuse them)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
-                   help="share of a GPU's memory the engine fills, weights and KV cache (default: 0.9)")
+                   help="share of a GPU's memory the engine fills, weights and KV cache (default: %(default)s)")
 
 
 def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path, dict[str, Any]]:

@@ -41,18 +41,29 @@ def add_parser(subparsers: Any) -> None:
     )
     add_model_arguments(p)
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json, or --demo)")
-    prompt.add_argument("--prompt-ids", type=_prompt_ids, metavar="1,2,3", help="prompt token ids")
+    prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json, or --demo); "
+                        "give it or --prompt-ids")
+    prompt.add_argument("--prompt-ids", type=_prompt_ids, metavar="1,2,3",
+                        help="prompt token ids, comma-separated, used as they are")
     p.add_argument(
         "--chat", action="store_true",
         help="render --prompt as one user message with the checkpoint's chat template (instruct models)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default) is greedy")
-    p.add_argument("--top-k", type=positive_int, default=None, metavar="K")
-    p.add_argument("--top-p", type=float, default=None, metavar="P")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                   help="most tokens to generate; the model's end-of-sequence token ends the output "
+                   "sooner (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K",
+                   help="sample only from the K most likely tokens (default: every token)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample only from the most likely tokens whose probabilities add up to P, "
+                   "in (0, 1] (default: every token)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the request's own random generator: the same seed samples the same "
+                   "tokens (default: none, torch's global generator)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (prompt and output ids, text, model type) instead of the text")
     add_log_level_argument(p)
     p.set_defaults(func=run, _parser=p)
 

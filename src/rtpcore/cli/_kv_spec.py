@@ -34,25 +34,41 @@ def add_parser(subparsers: Any) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=("auto", "fp32", "fp16", "bf16", "fp8"),
-        help="KV-cache dtype; auto follows --dtype (default: auto)",
+        help="KV-cache dtype; auto follows --dtype (default: %(default)s)",
     )
     parser.add_argument(
         "--dtype",
         default="float32",
         choices=("float32", "bfloat16", "float16"),
-        help="model dtype that --kv-cache-dtype auto follows (default: float32, as the engine)",
+        help="model dtype that --kv-cache-dtype auto follows (default: %(default)s, as the engine on the CPU)",
     )
     parser.add_argument(
-        "--kv-layout", metavar="NAME", help="fp8 MLA layout: padded, compact or a plugin's"
+        "--kv-layout",
+        metavar="NAME",
+        help="byte layout of the fp8 MLA layers: padded, compact, or one a loaded plugin registers "
+        "(default: the one the model's plugin chooses)",
     )
-    parser.add_argument("--model-type", metavar="TYPE", help="skip architecture inference")
     parser.add_argument(
-        "--tokens-per-block", type=positive_int, default=16, metavar="N", help="default: 16"
+        "--model-type",
+        metavar="TYPE",
+        help="the model type to use (default: inferred from config.json's architectures)",
     )
     parser.add_argument(
-        "--memory", type=parse_bytes, metavar="BYTES", help="KV memory budget, e.g. 8GiB"
+        "--tokens-per-block",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="tokens in one KV-cache block (default: %(default)s)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--memory",
+        type=parse_bytes,
+        metavar="BYTES",
+        help="a KV memory budget, e.g. 8GiB: also print how many blocks fit in it (default: none)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of the table"
+    )
     add_log_level_argument(parser)
     parser.set_defaults(func=_run)
 

@@ -28,7 +28,12 @@ __all__ = ["add_parser"]
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("plugins", help="list and check rtpcore plugins")
+    parser = subparsers.add_parser(
+        "plugins",
+        help="list and check rtpcore plugins",
+        description="List installed rtpcore plugins without importing them, or load some in a fresh "
+        "process and report how that went.",
+    )
     actions = parser.add_subparsers(dest="plugins_command", metavar="ACTION", required=True)
 
     lister = actions.add_parser(
@@ -51,7 +56,11 @@ def add_parser(subparsers: Any) -> None:
         description="Load each ITEM (a --plugins item) in a fresh Python process and report its outcome.",
     )
     checker.add_argument(
-        "items", nargs="+", type=plugins_arg, metavar="ITEM", help="DIST[:ENTRY_POINT][SPECIFIER]"
+        "items",
+        nargs="+",
+        type=plugins_arg,
+        metavar="ITEM",
+        help="a plugin to load, as --plugins names it: DIST[:ENTRY_POINT][SPECIFIER]",
     )
     checker.add_argument(
         "--external-model-packages",
@@ -59,7 +68,7 @@ def add_parser(subparsers: Any) -> None:
         type=external_model_packages_arg,
         default=[],
         metavar="MOD[,MOD...]",
-        help="also load these modules",
+        help="also load these unpackaged modules holding rtpcore hook implementations (repeatable)",
     )
     checker.add_argument("--json", action="store_true", help="print a JSON array of objects")
     add_log_level_argument(checker)

@@ -64,33 +64,40 @@ def add_parser(subparsers: Any) -> None:
         "OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
     )
     add_model_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="default: 8000")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port to listen on (default: %(default)s)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: the "
                    "checkpoint folder's name, or the demo name)")
     keys = p.add_mutually_exclusive_group()
     keys.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1/ endpoints. "
                       "A key on the command line is visible to every user of the machine (ps, /proc): "
-                      f"prefer --api-key-file or ${API_KEY_ENV}")
+                      f"prefer --api-key-file or ${API_KEY_ENV} (default: ${API_KEY_ENV} when set, else "
+                      "no key: every client is served)")
     keys.add_argument("--api-key-file", metavar="PATH", type=Path, help="read the API key from this file "
-                      "(surrounding whitespace stripped)")
+                      "(surrounding whitespace stripped), instead of --api-key")
     p.add_argument("--max-batch-size", type=positive_int, default=256, metavar="N",
-                   help="most requests running at once (default: 256)")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES", help="e.g. 2GiB")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N")
+                   help="most requests running at once (default: %(default)s)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
+                   help="bytes of KV cache per rank, e.g. 2GiB (default: on a GPU, what "
+                   "--gpu-memory-utilization leaves after the weights and one step; on the CPU, "
+                   "--max-batch-size sequences of --max-model-len tokens, at most a quarter of the memory)")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel ranks the model's layers are split over; on GPUs rank r uses "
+                   "cuda:r (default: %(default)s)")
     p.add_argument("--tool-call-parser", metavar="NAME", default=None,
                    help="how the model writes tool calls, for tool_choice 'auto': hermes, llama3_json, or a "
-                   "parser a loaded plugin registers (rtpcore_register_tool_parsers)")
+                   "parser a loaded plugin registers (rtpcore_register_tool_parsers) (default: none; "
+                   "tool_choice 'auto' is then answered 400)")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=None, metavar="BYTES",
                    help="a request body over this size is answered 413 before it is parsed (default: 32MiB)")
     p.add_argument("--max-waiting", type=positive_int, default=256, metavar="N",
-                   help="requests that may wait for admission; one more is answered 429 (default: 256)")
+                   help="requests that may wait for admission; one more is answered 429 (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
                    help="torch compute threads of a one-rank engine (default: torch's). Fewer threads "
                    "than cores leaves the HTTP event loop a core: more tokens/s under many streams, "
                    "slower prefill (docs/benchmarks.md, Serving)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
-                   help="on SIGTERM/SIGINT, seconds running requests may take to finish (default: 30)")
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish (default: %(default)s)")
     add_log_level_argument(p)
     p.set_defaults(func=run, _parser=p)
 
