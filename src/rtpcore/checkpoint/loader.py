@@ -13,7 +13,8 @@ without a range matches any index and requires nothing (optional tensors). A pat
 without placeholders is required.
 
 The index (``checkpoint_index``) tells which file holds each wanted tensor; only those
-files are opened. Whole tensors are read with positioned reads into memory the tensor
+files are opened (``checkpoint.request``: the same rule tells a pruned Hub download which
+shards to fetch). Whole tensors are read with positioned reads into memory the tensor
 owns (headers validated first), so a file changed later cannot fault the process;
 ``lazy=True`` keeps ``safetensors.safe_open``'s memory-mapped views instead, and
 ``slices`` read through its ``get_slice``. Pattern matching lives in
@@ -27,7 +28,6 @@ import io
 import json
 import logging
 import os
-import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -43,7 +43,8 @@ from rtpcore.checkpoint.index import (
 )
 from rtpcore.checkpoint.patterns import PatternTable, WeightSelection
 from rtpcore.checkpoint.quantized import Fp8BlockQuantization
-from rtpcore.errors import CheckpointError, MissingTensorsError
+from rtpcore.checkpoint.request import WeightRequest, files_wanted
+from rtpcore.errors import CheckpointError
 
 if TYPE_CHECKING:
     import torch
@@ -57,8 +58,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_MISSING_SHOWN = 20
 
 
 def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -115,10 +114,6 @@ class LoadedWeights(dict[str, "torch.Tensor"]):
     stats: LoadStats
 
 
-def _natural_key(name: str) -> list[Any]:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
 def _resolve_dtype(dtype: Any) -> torch.dtype | None:
     import torch
 
@@ -164,30 +159,22 @@ def _check_shapes(plan: _Plan, shapes: PatternTable) -> None:
         raise CheckpointError(f"tensor shape mismatch: {'; '.join(bad[:5])}{more}", path=where)
 
 
-def _missing_error(index: CheckpointIndex, missing: Sequence[str]) -> MissingTensorsError:
-    shown = ", ".join(map(repr, missing[:_MISSING_SHOWN]))
-    more = f" (and {len(missing) - _MISSING_SHOWN} more)" if len(missing) > _MISSING_SHOWN else ""
-    where = index.index_path or index.root
-    return MissingTensorsError(
-        f"{len(missing)} required tensor(s) are in no file of checkpoint {str(where)!r}: {shown}{more}",
-        missing=missing,
-        path=where,
-    )
+def _hub_snapshot(root: Path) -> bool:
+    """Whether ``root`` is a snapshot folder of the Hugging Face cache
+    (``models--org--name/snapshots/<commit>``)."""
+    return root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--")
 
 
 def _plan(index: CheckpointIndex, selection: WeightSelection) -> tuple[_Plan, list[FileHeader]]:
     """Needed file -> (its header, the wanted tensors in it), and the headers read to
     learn it (only the needed files' when there is an index)."""
-    wanted: dict[Path, list[str]] = {}
-    for name, file in index.weight_map.items():
-        if selection.wants(name):
-            wanted.setdefault(file, []).append(name)
-    missing = sorted(selection.required.difference(index.weight_map), key=_natural_key)
-    if missing:
-        raise _missing_error(index, missing)
+    wanted = files_wanted(index, selection)
     absent = [f for f in index.files if f not in wanted and not f.exists()]
     if absent:
-        logger.warning(
+        # A Hub cache snapshot holds what was fetched (rtpcore.checkpoint.hub: only the shards
+        # a model reads); elsewhere an index naming absent files is stale.
+        logger.log(
+            logging.DEBUG if _hub_snapshot(index.root) else logging.WARNING,
             "%s names %d file(s) that do not exist (%s); none holds a tensor this model needs",
             index.index_path,
             len(absent),
@@ -333,13 +320,12 @@ def load_checkpoint(
     Raises :class:`MissingTensorsError` when a required tensor is in no file and
     :class:`CheckpointError` for any unusable file, naming it.
     """
-    selection = WeightSelection.from_patterns(patterns, ranges)
+    request = WeightRequest(patterns, ranges, quantization)
+    WeightSelection.from_patterns(request.patterns, request.ranges)  # bad patterns fail before any file is read
     torch_dtype = _resolve_dtype(dtype)
     index = build_index(path)
-    scaled = None
-    if quantization is not None:
-        scaled = quantization.select(selection, index.weight_map, slices)
-        selection = scaled.selection
+    selection, scaled = request.select(index.weight_map, slices)
+    if scaled is not None:
         slices = {**(slices or {}), **scaled.scale_slices()}
         dtypes = {**(dtypes or {}), **scaled.scale_dtypes()}
     plan, headers = _plan(index, selection)

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from rtpcore.checkpoint.hub import hub_id
 from rtpcore.engine.devices import check_device_form, resolve_device
 from rtpcore.errors import DeviceError
 from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
@@ -112,10 +113,23 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of a GPU's memory the engine fills, weights and KV cache (default: %(default)s)")
 
 
+def checkpoint_name(args: argparse.Namespace, path: Path) -> str:
+    """What the checkpoint is called: the demo's name, a Hub id's repository (``org/name``),
+    else the folder's name."""
+    if args.demo is not None:
+        return str(args.demo)
+    hid = hub_id(args.checkpoint)
+    return hid.repo_id if hid is not None else path.resolve().name
+
+
 def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Path, dict[str, Any]]:
     """The checkpoint folder (a demo's is built on first use) and the engine keywords of the
     arguments :func:`add_model_arguments` added; the allowlist is validated first, importing nothing,
-    then the device (a device torch cannot see raises DeviceError before a demo is built)."""
+    then the device (a device torch cannot see raises DeviceError before a demo is built).
+
+    A Hub id (``org/name[@revision]``, not an existing path) as CHECKPOINT or ``--draft-model``
+    is fetched here (:func:`rtpcore.engine.rank.resolve_checkpoints`: only the shards the engine
+    reads): the folder returned, and the draft among the keywords, are its snapshot folders."""
     if (args.checkpoint is None) == (args.demo is None):
         parser.error("give exactly one of CHECKPOINT or --demo NAME")
     if args.num_speculative_tokens is not None and args.draft_model is None:
@@ -129,6 +143,13 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         path = demo_checkpoint(args.demo, plugins=plugins, external_model_packages=allow.external_model_packages)
     else:
         path = Path(args.checkpoint)
+    draft = args.draft_model
+    if hub_id(args.checkpoint) is not None or hub_id(draft) is not None:
+        from rtpcore.engine.rank import resolve_checkpoints
+
+        checkpoint = args.checkpoint if args.demo is None else path  # an id stays a str: a Path is a folder
+        local, draft = resolve_checkpoints(checkpoint, draft, plan=allow.resolve())
+        path = Path(local)
     return path, {
         "plugins": plugins,
         "external_model_packages": allow.external_model_packages,
@@ -137,7 +158,7 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         "kv_layout": args.kv_layout,
         "device": device,
         "cuda_graphs": args.cuda_graphs,
-        "draft_model": args.draft_model,
+        "draft_model": draft,
         "num_speculative_tokens": args.num_speculative_tokens,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,

@@ -75,12 +75,13 @@ def add_parser(subparsers: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from rtpcore.checkpoint import read_hf_config
+    from rtpcore.checkpoint.hub import resolve_checkpoint
     from rtpcore.kv.specs import kv_cache_specs, plan_blocks, resolve_kv_cache_dtype
     from rtpcore.plugins.loading import load_plugins
 
     allowlist = Allowlist.from_args(args)
     registry = load_plugins(allowlist.resolve())
-    hf_config = read_hf_config(args.checkpoint)
+    hf_config = read_hf_config(resolve_checkpoint(args.checkpoint, extras=()))  # a Hub id: config.json only
     model_type = args.model_type or registry.infer_model_type(hf_config)
     plugin = registry.get(model_type)
     config = plugin.config_from_hf(hf_config)

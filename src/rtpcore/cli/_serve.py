@@ -26,6 +26,7 @@ from typing import Any
 from rtpcore.cli._args import (
     add_log_level_argument,
     add_model_arguments,
+    checkpoint_name,
     model_path,
     parse_bytes,
     positive_int,
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.threads is not None and args.tensor_parallel_size == 1:  # a group sets its ranks' threads
         torch.set_num_threads(args.threads)
-    name = args.served_model_name or args.demo or path.resolve().name
+    name = args.served_model_name or checkpoint_name(args, path)
     limits: dict[str, Any] = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
     if args.tool_call_parser is not None:
         from rtpcore.serving.tool_parsers import find_tool_parser, tool_parser_names

@@ -68,7 +68,7 @@ import torch
 
 from rtpcore.engine.core import EngineCore, EngineStats, RequestOutput
 from rtpcore.engine.prefix_cache import namespace_key
-from rtpcore.engine.rank import max_positions
+from rtpcore.engine.rank import max_positions, resolve_checkpoints
 from rtpcore.engine.sampling import SamplingParams
 from rtpcore.engine.scheduler import BlockAllocator
 from rtpcore.engine.speculative import SpeculativeStats
@@ -159,7 +159,9 @@ class EngineConfig:
     ) -> EngineConfig:
         """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
         a device torch cannot see raises DeviceError here, before anything loads) and the
-        allowlist (imports no plugin)."""
+        allowlist (imports no plugin). A Hub id as ``path`` or ``draft_model`` is fetched here,
+        once, into the Hub cache (:func:`~rtpcore.engine.rank.resolve_checkpoints`: it loads the
+        plan's plugins to learn which shards), so the config carries local folders to every rank."""
         from rtpcore.engine.devices import resolve_device
         from rtpcore.kv.specs import resolve_kv_cache_dtype
         from rtpcore.parallel.context import env_world_size
@@ -187,8 +189,6 @@ class EngineConfig:
             raise RtpcoreError(f"cuda_graphs must be None (automatic), True or False, got {cuda_graphs!r}")
         if cuda_graphs and resolved_device == "cpu":
             raise RtpcoreError("cuda_graphs=True needs a CUDA/ROCm device; the engine runs on the CPU")
-        dtype = _resolve_dtype(dtype, resolved_device, path)
-        kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         device_type = "cpu" if resolved_device == "cpu" else "cuda"
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_BATCHED_TOKENS[device_type]
@@ -209,6 +209,10 @@ class EngineConfig:
         ):
             raise RtpcoreError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages).resolve()
+        # A Hub id (org/name[@revision]) becomes its snapshot folder, holding the shards the ranks read.
+        path, draft = resolve_checkpoints(path, draft, plan=plan, model_type=model_type)
+        dtype = _resolve_dtype(dtype, resolved_device, path)
+        kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         return cls(
             checkpoint=str(path),
             plan=plan,
