@@ -5,8 +5,11 @@ weights, model, pools); ``engine`` wires the stages into :class:`Engine`; ``core
 runs requests step by step through ``scheduler`` (admission, ``batch``: the
 ForwardBatch a model receives) and ``sampling`` (``SamplingParams``, the draw);
 ``async_engine`` steps the core in a background thread for asyncio callers;
-``memory`` reads the memory limit the default KV cache is sized from. Names are
-resolved lazily: importing ``rtpcore.engine.batch`` imports no torch.
+``memory`` reads the memory limit the default KV cache is sized from. The text side of
+a checkpoint lives here too, so that the engine's offline API can take text: ``tokenizer``
+(``tokenizer.json``), ``chat_template`` and ``detokenize`` (ids to text, stop strings);
+the server uses the same modules. Names are resolved lazily: importing
+``rtpcore.engine.batch`` imports no torch.
 """
 
 from __future__ import annotations
