@@ -53,8 +53,9 @@ class CompletionOutput:
 class GenerationOutput:
     """The result of one prompt: ``outputs[i]`` is sequence ``i`` of ``n``.
 
-    ``request_id``: the engine request's id (of its first sequence's request when ``n``
-    sampled sequences ran). ``prompt``: the prompt's text (a chat: the rendered
+    ``request_id``: the id the prompt ran under (``AsyncEngine.abort`` takes it): the engine
+    request's, or with ``n`` sampled sequences the root of theirs (``f"{request_id}-{i}"``
+    for sequence ``i``). ``prompt``: the prompt's text (a chat: the rendered
     conversation), None for a token-id prompt. ``prompt_token_ids``: the ids the model
     read. ``finished``: every sequence ended. ``num_cached_tokens``: prompt tokens found in
     the prefix cache.
