@@ -54,6 +54,15 @@ async def collect(stream: Any) -> tuple[list[int], RequestOutput]:
     return tokens, last
 
 
+async def whole(stream: Any) -> RequestOutput:
+    """A stream's outputs merged into one (every token; the final finish_reason)."""
+    result = None
+    async for out in stream:
+        result = out if result is None else result.merge(out)
+    assert result is not None and result.finished
+    return result
+
+
 async def until(cond: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
     """Poll ``cond`` on the event loop until it holds."""
     deadline = asyncio.get_running_loop().time() + timeout
@@ -220,7 +229,7 @@ def test_logprobs_match_transformers_log_softmax(hf_and_ckpt: tuple[Any, Path]) 
 
     async def main() -> RequestOutput:
         async with AsyncEngine.from_pretrained(ckpt, tokens_per_block=4) as engine:
-            return await engine.generate(prompt, greedy(8, logprobs=5))
+            return await whole(engine.stream(prompt, greedy(8, logprobs=5)))
 
     out = run(main())
     assert out.logprobs is not None and len(out.logprobs) == 8
@@ -241,10 +250,10 @@ def test_logprobs_zero_reports_only_the_chosen_token(ckpt: Path) -> None:
 
     async def main() -> None:
         async with AsyncEngine.from_pretrained(ckpt, tokens_per_block=4) as engine:
-            out = await engine.generate(PROMPTS[0], greedy(3, logprobs=0))
+            out = await whole(engine.stream(PROMPTS[0], greedy(3, logprobs=0)))
             assert out.logprobs is not None and [lp.top for lp in out.logprobs] == [(), (), ()]
             assert all(lp.logprob is not None and lp.logprob <= 0 for lp in out.logprobs)
-            assert (await engine.generate(PROMPTS[0], greedy(3))).logprobs is None
+            assert (await whole(engine.stream(PROMPTS[0], greedy(3)))).logprobs is None
 
     run(main())
 
@@ -259,7 +268,7 @@ def test_stop_token_ids_end_the_request_with_stop(ckpt: Path, alone: list[list[i
         async with AsyncEngine.from_pretrained(ckpt, tokens_per_block=4) as engine:
             params = SamplingParams(max_tokens=NEW, stop_token_ids=[stop], stop="never", ignore_eos=True)
             assert params.stop == ("never",)
-            out = await engine.generate(PROMPTS[1], params)
+            out = await whole(engine.stream(PROMPTS[1], params))
             assert list(out.token_ids) == cut
             assert (out.finish_reason, out.stop_token_id) == ("stop", stop)
 

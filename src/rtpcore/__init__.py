@@ -14,7 +14,15 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from rtpcore import errors
-    from rtpcore.engine import AsyncEngine, Engine, EngineConfig, RequestOutput, SamplingParams
+    from rtpcore.engine import (
+        AsyncEngine,
+        CompletionOutput,
+        Engine,
+        EngineConfig,
+        GenerationOutput,
+        RequestOutput,
+        SamplingParams,
+    )
     from rtpcore.plugins.allowlist import Allowlist
     from rtpcore.plugins.hooks import hookimpl
     from rtpcore.plugins.loading import load_plugins
@@ -27,8 +35,10 @@ __all__ = [
     "FORWARD_CONTRACT",
     "Allowlist",
     "AsyncEngine",
+    "CompletionOutput",
     "Engine",
     "EngineConfig",
+    "GenerationOutput",
     "ModelPlugin",
     "ModelRegistry",
     "ParsedToolCalls",
@@ -48,8 +58,10 @@ _LAZY = {
     "FORWARD_CONTRACT": "rtpcore.plugins.model_plugin",
     "Allowlist": "rtpcore.plugins.allowlist",
     "AsyncEngine": "rtpcore.engine.async_engine",
+    "CompletionOutput": "rtpcore.engine.outputs",
     "Engine": "rtpcore.engine.engine",
     "EngineConfig": "rtpcore.engine.engine",
+    "GenerationOutput": "rtpcore.engine.outputs",
     "ModelPlugin": "rtpcore.plugins.model_plugin",
     "ModelRegistry": "rtpcore.plugins.registry",
     "Plan": "rtpcore.plugins.resolution",

@@ -24,6 +24,14 @@ calls each ``on_broken`` callback. ``aclose()`` aborts
 every open stream (they end with finish_reason ``"abort"``), stops the thread and
 closes the engine.
 
+:meth:`AsyncEngine.generate` is the text-level call (vLLM's ``AsyncLLM.generate``): a
+prompt as text or ids, and an async generator of cumulative outputs
+(:class:`~rtpcore.engine.outputs.GenerationOutput`: text with stop strings cut, ``n``
+sequences), built as ``Engine.generate``'s outputs form builds them::
+
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=64, stop=["\\n"])):
+        out.outputs[0].text, out.finished
+
 ``Engine.generate`` may run on the same engine from other threads meanwhile: both
 feed the one core.
 """
@@ -31,18 +39,23 @@ feed the one core.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from rtpcore.engine.core import EngineStats, RequestOutput
 from rtpcore.engine.engine import Engine
+from rtpcore.engine.output_processor import PromptRun
+from rtpcore.engine.outputs import GenerationOutput
+from rtpcore.engine.prompts import prompt_items
 from rtpcore.engine.sampling import SamplingParams
 from rtpcore.engine.speculative import SpeculativeStats
-from rtpcore.errors import EngineClosedError, RtpcoreError
+from rtpcore.errors import EngineClosedError, InvalidRequestError, RtpcoreError
 
 __all__ = ["AsyncEngine", "RequestStream"]
 
@@ -117,6 +130,7 @@ class AsyncEngine:
         self._core = engine._core
         self._stop = False
         self._closed = False
+        self._groups: dict[str, list[str]] = {}  # a generate request of n sequences -> their engine requests
         # A fault that is not a request's breaks the engine: the loop stops, every request ends
         # with it, and each callback here runs once with it (rtpcore serve drains and exits 1).
         self.broken: RtpcoreError | None = None
@@ -139,9 +153,14 @@ class AsyncEngine:
         """Queue a request and return its stream. Raises at once, with nothing queued:
         InvalidRequestError (a bad prompt, request id or settings), KVCacheCapacityError
         (the prompt and ``max_tokens`` could never fit the cache), QueueFullError,
-        EngineClosedError. Call it on the event loop that iterates the stream."""
+        EngineClosedError. Call it on the event loop that iterates the stream. A stream is one
+        sequence of token ids: ``params.n`` must be 1, and stop strings are only carried (the
+        text layers, :meth:`generate` and the server, honour them)."""
         if self._closed:
             raise EngineClosedError("this AsyncEngine is closed")
+        if params is not None and isinstance(params, SamplingParams) and params.n != 1:
+            raise InvalidRequestError(f"stream runs one sequence, got n={params.n}; AsyncEngine.generate runs n",
+                                      field="n", value=params.n)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
@@ -159,19 +178,88 @@ class AsyncEngine:
         return RequestStream(self, request_id, queue)
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
-    ) -> RequestOutput:
-        """The whole request as one output (every token; the final finish_reason)."""
-        result: RequestOutput | None = None
-        async with self.stream(prompt_ids, params, request_id) as stream:
-            async for out in stream:
-                result = out if result is None else result.merge(out)
-        if result is None:  # pragma: no cover - a stream always ends with an output
-            raise RtpcoreError(f"request {request_id!r} ended without an output")
-        return result
+        self, prompt: Any, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[GenerationOutput]:
+        """Run one prompt and yield its :class:`~rtpcore.engine.outputs.GenerationOutput` as it
+        grows (vLLM's ``AsyncLLM.generate``): each item is cumulative -- the whole text and
+        token ids so far of every one of ``sampling_params.n`` sequences -- with ``finished``
+        False until the last. ``prompt`` is a string, token ids, ``{"prompt": str}`` or
+        ``{"prompt_token_ids": [...]}``; encoding, stop ids, stop strings and ``n`` are those
+        of ``Engine.generate``'s outputs form (and of ``rtpcore serve``). ``request_id`` (a
+        fresh one when None) names the request for :meth:`abort`.
+
+        An async generator runs nothing until it is first iterated: a bad prompt or setting,
+        a full queue or a closed engine raise from the first ``__anext__``. A consumer that
+        stops early aborts the request once the generator is closed (``aclose()``, or
+        ``contextlib.aclosing`` around the loop for at once; garbage collection otherwise). A
+        failed request raises its RtpcoreError. For the tokens of each step as they come, use
+        :meth:`stream`."""
+        if self._closed:
+            raise EngineClosedError("this AsyncEngine is closed")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}",
+                                      field="sampling_params", value=params)
+        items = prompt_items(prompt)
+        if len(items) != 1:
+            raise InvalidRequestError(f"AsyncEngine.generate takes one prompt, got {len(items)}; call it once per "
+                                      "prompt", field="prompt", value=prompt)
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}",
+                                      field="request_id", value=request_id)
+        text = self.engine._text
+        # Loading the tokenizer (the first time) and encoding stay off the event loop.
+        run = await asyncio.to_thread(lambda: PromptRun(request_id, text.encode(items)[0], params, text))
+        ids = self._core.check_prompt(list(run.prompt.token_ids), params.max_tokens)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+        def deliver(i: int, out: RequestOutput) -> None:  # on the stepping thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (i, out))
+            except RuntimeError:  # the event loop is closed: nobody will read this request
+                if not out.finished:
+                    self._core.abort(out.request_id)
+
+        pending = set(range(len(run.requests)))
+        children = [child for child, _ in run.requests]
+        if children != [request_id]:
+            self._groups[request_id] = children
+        try:
+            for i, (child, child_params) in enumerate(run.requests):
+                self._core.add_request(ids, child_params, functools.partial(deliver, i), request_id=child,
+                                       max_waiting=self.max_waiting, checked=True)
+            while pending:
+                got = [await queue.get()]
+                while not queue.empty():  # a lagging consumer takes several steps at once
+                    got.append(queue.get_nowait())
+                changed = False
+                for i, out in got:
+                    if i not in pending:
+                        continue  # ended already: this is the abort of a request its text ended
+                    changed = True
+                    if run.states[i].add(out):
+                        pending.discard(i)
+                        if not out.finished:  # a stop string ended it
+                            self._core.abort(children[i])
+                error = run.error
+                if error is not None:
+                    raise error
+                if changed:
+                    yield run.output()
+        finally:
+            self._groups.pop(request_id, None)
+            for i in pending:
+                self._core.abort(children[i])
 
     async def abort(self, request_id: str) -> bool:
-        """End a request with finish_reason "abort"; False when none such runs or waits."""
+        """End a request with finish_reason "abort" (every sequence of a :meth:`generate`
+        request); False when none such runs or waits."""
+        children = self._groups.get(request_id)
+        if children is not None:
+            return any([self._abort_now(child) for child in children])
         return self._abort_now(request_id)
 
     def _abort_now(self, request_id: str) -> bool:

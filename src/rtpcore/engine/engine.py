@@ -59,19 +59,24 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import attrs
 import torch
 
 from rtpcore.engine.core import EngineCore, EngineStats, RequestOutput
+from rtpcore.engine.output_processor import PromptRun
+from rtpcore.engine.outputs import GenerationOutput
 from rtpcore.engine.prefix_cache import namespace_key
+from rtpcore.engine.prompts import Prompt, PromptInputs, TextSide, conversations, prompt_items
 from rtpcore.engine.rank import max_positions, resolve_checkpoints
 from rtpcore.engine.sampling import SamplingParams
 from rtpcore.engine.scheduler import BlockAllocator
 from rtpcore.engine.speculative import SpeculativeStats
+from rtpcore.engine.tokenizer import Tokenizer
 from rtpcore.errors import (
     EngineBuildError,
     EngineClosedError,
@@ -265,6 +270,7 @@ class Engine:
     _core: EngineCore  # the requests of every generate call and AsyncEngine
     _closed: bool
     _step_lock: threading.Lock  # one model step at a time, and close() between steps
+    _text: TextSide  # the checkpoint's tokenizer and chat template, for the outputs form of generate, and chat
 
     @classmethod
     def from_pretrained(
@@ -375,6 +381,7 @@ class Engine:
             self._group.run("allocate", self.num_kv_blocks)
             self.kv_caches = shard.kv_caches
             self.eos_token_ids = _eos_token_ids(hf, Path(config.checkpoint))
+            self._text = TextSide(config.checkpoint, self.eos_token_ids)  # tokenizer, chat template: on first use
             vocab = hf.get("vocab_size")
             self.vocab_size = vocab if isinstance(vocab, int) else None
             self._allocator = BlockAllocator(self.num_kv_blocks)
@@ -447,27 +454,162 @@ class Engine:
 
     # -- generation ------------------------------------------------------------------------
 
-    def generate(
+    # Token-id prompts without sampling_params are the token-id form (the first two overloads);
+    # that they also fit the third is the overlap mypy reports, and the first match is the one.
+    @overload
+    def generate(  # type: ignore[overload-overlap]
         self,
         prompts: Sequence[Sequence[int]],
+        *,
         max_new_tokens: int = 16,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
         stop_token_ids: Iterable[int] | None = None,
-    ) -> list[list[int]]:
-        """New token ids for each prompt, in order. Generation of a prompt ends after
+    ) -> list[list[int]]: ...
+
+    @overload
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        /,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+    ) -> list[list[int]]: ...
+
+    @overload
+    def generate(
+        self, prompts: PromptInputs, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationOutput]: ...
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: Any = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        *,
+        max_new_tokens: int | None = None,
+    ) -> list[list[int]] | list[GenerationOutput]:
+        """Generate for each prompt, in order. Two forms, told apart by the arguments:
+
+        **Outputs** (vLLM's ``LLM.generate``): ``generate(prompts, sampling_params=None)``
+        where ``sampling_params`` is a :class:`~rtpcore.engine.sampling.SamplingParams` (or a
+        list of them, one per prompt; None: ``SamplingParams()``) and ``prompts`` is one
+        prompt or a list of them, each a string, a sequence of token ids,
+        ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``. Returns one
+        :class:`~rtpcore.engine.outputs.GenerationOutput` per prompt, with
+        ``SamplingParams.n`` sequences in ``.outputs`` (text, token ids, finish and stop
+        reason, logprobs and their sum). Text is encoded and decoded with the checkpoint's
+        tokenizer (loaded on first use) as ``rtpcore serve`` does it, so a request gives the
+        server's tokens and text: stop strings end the text, ``stop_token_ids`` are added to
+        the end-of-sequence ids (the checkpoint's ``eos_token_id`` and the tokenizer's
+        ``eos_token``; ``ignore_eos`` drops those). This form is taken whenever
+        ``sampling_params`` is given or a prompt is text or a dict.
+
+        **Token ids** (the original form, kept): ``generate(token_id_lists,
+        max_new_tokens=16, temperature=0.0, top_k=None, top_p=None, seed=None,
+        stop_token_ids=None)`` -- token-id prompts and no ``sampling_params`` -- returns one
+        list of new token ids per prompt. Generation of a prompt ends after
         ``max_new_tokens`` tokens or at a stop token (included in the output);
-        ``stop_token_ids`` defaults to the checkpoint's ``eos_token_id``. With a
-        ``seed`` every prompt samples from its own generator seeded with it, so a
-        prompt's tokens depend on the prompt and the seed only, not on the batch.
+        ``stop_token_ids``, when given, replaces the checkpoint's ``eos_token_id``. Its
+        keywords are refused in the outputs form, naming the SamplingParams field to use.
+
+        With a ``seed`` every prompt samples from its own generator seeded with it, so a
+        prompt's tokens depend on the prompt and the seed only, not on the batch. Bad
+        prompts and settings raise :class:`~rtpcore.errors.InvalidRequestError` naming the
+        argument before anything runs.
 
         Safe to call from several threads at once (see the module docstring): each
         call gets the tokens it would get alone, steps of different calls take turns,
         and a call waits for KV blocks other calls hold.
         """
         self._check_open()
+        if not _token_id_form(prompts, sampling_params):
+            old = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                   "seed": seed, "stop_token_ids": stop_token_ids}
+            for name, value in old.items():
+                if value is not None:
+                    field = "max_tokens" if name == "max_new_tokens" else name
+                    raise InvalidRequestError(
+                        f"{name} is an argument of generate's token-id form (token-id prompts, no sampling_params); "
+                        f"with sampling_params or text prompts give SamplingParams({field}=...)",
+                        field=name, value=value,
+                    )
+            items = prompt_items(prompts)
+            params = _per_prompt(sampling_params, len(items))
+            return self._run_prompts(self._text.encode(items), params)
+        if sampling_params is not None:  # the token-id form's max_new_tokens, given positionally
+            if max_new_tokens is not None:
+                raise TypeError("generate() got multiple values for argument 'max_new_tokens'")
+            max_new_tokens = sampling_params
+        return self._generate_token_ids(
+            prompts, 16 if max_new_tokens is None else max_new_tokens, 0.0 if temperature is None else temperature,
+            top_k, top_p, seed, stop_token_ids,
+        )
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate the answer to each conversation (vLLM's ``LLM.chat``): ``messages`` is one
+        conversation (``[{"role": "user", "content": "Hi"}, ...]``; a list ``content`` of text
+        parts is joined) or a list of them. Each is rendered with the checkpoint's chat
+        template (``chat_template.jinja`` or ``tokenizer_config.json``'s) as
+        ``/v1/chat/completions`` renders it -- ``tools`` and ``chat_template_kwargs`` reach the
+        template, ``add_generation_prompt`` opens the assistant's turn -- and generated as
+        :meth:`generate` does. One GenerationOutput per conversation; its ``prompt`` is the
+        rendered text. Note that ``max_tokens`` is the SamplingParams' (16 by default), not
+        the rest of the context as on the server when a request names none."""
+        self._check_open()
+        convs = conversations(messages)
+        params = _per_prompt(sampling_params, len(convs))
+        prompts = self._text.render(convs, add_generation_prompt=add_generation_prompt,
+                                    chat_template_kwargs=chat_template_kwargs, tools=tools)
+        return self._run_prompts(prompts, params)
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer (``rtpcore.engine.tokenizer.Tokenizer``, loaded once on
+        first use), None when it has no ``tokenizer.json``."""
+        self._check_open()
+        return self._text.tokenizer
+
+    def _run_prompts(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams]) -> list[GenerationOutput]:
+        """The outputs form of generate and chat: every prompt's requests, run together."""
+        runs = [PromptRun(uuid.uuid4().hex, p, sp, self._text) for p, sp in zip(prompts, params, strict=True)]
+        requests = []
+        for i, run in enumerate(runs):
+            ids = self._core.check_prompt(list(run.prompt.token_ids), run.requests[0][1].max_tokens,
+                                          name=f"prompt {i}", index=i)
+            for (request_id, p), state in zip(run.requests, run.states, strict=True):
+                requests.append((ids, p, request_id, state.add))
+        self._run(requests)
+        return [run.output() for run in runs]
+
+    def _generate_token_ids(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        seed: int | None,
+        stop_token_ids: Iterable[int] | None,
+    ) -> list[list[int]]:
+        """The token-id form of generate (see there)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise InvalidRequestError(
                 f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}",
@@ -484,20 +626,37 @@ class Engine:
         if max_new_tokens == 0 or not checked:
             return [[] for _ in checked]
         results: list[list[int]] = [[] for _ in checked]
-        errors: list[RtpcoreError] = []
-        pending = set(range(len(checked)))
 
-        def collect(i: int, out: RequestOutput) -> None:  # runs on whichever thread steps
+        def collect(i: int, out: RequestOutput) -> bool:
             results[i] += out.token_ids
+            return out.finished
+
+        self._run([(p, params, uuid.uuid4().hex, functools.partial(collect, i)) for i, p in enumerate(checked)])
+        return results
+
+    def _run(self, requests: Sequence[tuple[list[int], SamplingParams, str, Callable[[RequestOutput], bool]]]) -> None:
+        """Add checked requests ``(prompt ids, params, request id, on_output)`` to the core and
+        step until each has ended. ``on_output`` takes every output of its request and says
+        whether the request is done; one done before the core ended it (a stop string) is
+        aborted. The first request's error is raised; after it, or an interrupt, nothing of
+        this call keeps running."""
+        errors: list[RtpcoreError] = []
+        pending = set(range(len(requests)))
+
+        def deliver(i: int, out: RequestOutput) -> None:  # runs on whichever thread steps
+            if i not in pending:
+                return  # ended already: this is the abort of a request its text ended
             if out.error is not None:
                 errors.append(out.error)
-            if out.finished:
                 pending.discard(i)
+            elif requests[i][3](out) or out.finished:
+                pending.discard(i)
+                if not out.finished:
+                    self._core.abort(requests[i][2])
 
-        ids = []
         try:
-            for i, p in enumerate(checked):
-                ids.append(self._core.add_request(p, params, functools.partial(collect, i), checked=True))
+            for i, (ids, params, request_id, _) in enumerate(requests):
+                self._core.add_request(ids, params, functools.partial(deliver, i), request_id=request_id, checked=True)
             while pending and not errors:
                 if self._step_lock.acquire(timeout=0.005):  # else another thread steps for us
                     try:
@@ -508,11 +667,10 @@ class Engine:
                         self._step_lock.release()
         finally:
             if pending:  # an error or an interrupt: nothing of this call may keep running
-                for request_id in ids:
+                for _, _, request_id, _ in requests:
                     self._core.abort(request_id)
         if errors:
             raise errors[0]
-        return results
 
     def _forward(self, batch: Any) -> Any:
         """(B, vocab) logits of one step; every rank steps."""
@@ -619,6 +777,37 @@ class Engine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.num_kv_blocks} KV blocks"
         return f"<Engine {self.model_type} {self.config.dtype} from {self.config.checkpoint!r}, {state}>"
+
+
+def _token_id_form(prompts: Any, sampling_params: Any) -> bool:
+    """Whether a generate call is the token-id form: no ``sampling_params`` (or an int, the
+    form's ``max_new_tokens`` given positionally) and no prompt that is text or a dict."""
+    if sampling_params is not None and (isinstance(sampling_params, bool) or not isinstance(sampling_params, int)):
+        return False
+    if isinstance(prompts, str | Mapping):
+        return False
+    return not (isinstance(prompts, Sequence) and any(isinstance(p, str | Mapping) for p in prompts))
+
+
+def _per_prompt(sampling_params: Any, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: ``SamplingParams()`` for None, one shared, or one each."""
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str | bytes) and all(
+        isinstance(p, SamplingParams) for p in sampling_params
+    ):
+        if len(sampling_params) != count:
+            raise InvalidRequestError(
+                f"{len(sampling_params)} sampling_params for {count} prompts: give one SamplingParams, or one per prompt",
+                field="sampling_params", value=sampling_params,
+            )
+        return list(sampling_params)
+    raise InvalidRequestError(
+        f"sampling_params must be a SamplingParams or a list of them (one per prompt), got {sampling_params!r:.80}",
+        field="sampling_params", value=sampling_params,
+    )
 
 
 DEFAULT_SPECULATIVE_TOKENS = 4  # proposals per step when a draft is given without a count

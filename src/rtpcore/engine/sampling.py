@@ -24,11 +24,12 @@ import attrs
 
 from rtpcore.errors import InvalidRequestError
 
-__all__ = ["GREEDY_BELOW", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "SampledToken", "SamplingParams"]
+__all__ = ["GREEDY_BELOW", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_N", "SampledToken", "SamplingParams"]
 
 MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (0 included): no division, no overflow
 MAX_LOGIT_BIAS = 100.0  # |bias| limit of logit_bias (OpenAI's)
+MAX_N = 16  # most sequences one request of the offline API may ask for (the server's limit of n)
 _DECIMAL = re.compile(r"[0-9]+")
 _SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
 
@@ -204,10 +205,28 @@ def _grammar(value: Any) -> Any:
     return value
 
 
-def _ignore_eos(value: Any) -> bool:
+def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise InvalidRequestError(f"ignore_eos must be True or False, got {value!r}", field="ignore_eos", value=value)
+        raise InvalidRequestError(f"{name} must be True or False, got {value!r}", field=name, value=value)
     return value
+
+
+def _ignore_eos(value: Any) -> bool:
+    return _flag("ignore_eos", value)
+
+
+def _skip_special_tokens(value: Any) -> bool:
+    return _flag("skip_special_tokens", value)
+
+
+def _include_stop_str_in_output(value: Any) -> bool:
+    return _flag("include_stop_str_in_output", value)
+
+
+def _n(value: Any) -> int:
+    if not _is_int(value) or not 1 <= value <= MAX_N:
+        raise InvalidRequestError(f"n must be an integer from 1 to {MAX_N}, got {value!r}", field="n", value=value)
+    return int(value)
 
 
 @attrs.frozen(kw_only=True)
@@ -239,6 +258,13 @@ class SamplingParams:
     ``grammar``: an :class:`rtpcore.engine.grammar.Grammar` the output must follow (a JSON
     schema); every step samples only the tokens it allows next, and the request ends when it
     is complete. Such a request decodes without speculative proposals.
+
+    The text layer (``Engine.generate`` / ``Engine.chat`` and ``AsyncEngine.generate``, the
+    offline API; the engine core itself runs one sequence and ignores these): ``n`` (1-16)
+    sequences per prompt -- a greedy request runs once and returns it ``n`` times, a sampled
+    one runs ``n`` times, sequence ``i`` seeded with ``seed + i`` when seeded (as ``rtpcore
+    serve`` answers ``n``); ``skip_special_tokens`` leaves special tokens out of the text;
+    ``include_stop_str_in_output`` keeps the stop string that ended the text.
     """
 
     max_tokens: int = attrs.field(default=16, converter=_max_tokens)
@@ -257,6 +283,9 @@ class SamplingParams:
     presence_penalty: float = attrs.field(default=0.0, converter=_presence_penalty)
     frequency_penalty: float = attrs.field(default=0.0, converter=_frequency_penalty)
     grammar: Any = attrs.field(default=None, converter=_grammar, eq=False)
+    n: int = attrs.field(default=1, converter=_n)
+    skip_special_tokens: bool = attrs.field(default=True, converter=_skip_special_tokens)
+    include_stop_str_in_output: bool = attrs.field(default=False, converter=_include_stop_str_in_output)
 
     @classmethod
     def create(

@@ -1,0 +1,247 @@
+"""The input side of the offline API: the forms a prompt takes, and the checkpoint's text
+side (its tokenizer and chat template, loaded once per engine on first use).
+
+A prompt is a string, a sequence of token ids, ``{"prompt": str}`` or
+``{"prompt_token_ids": [...]}`` (vLLM's ``TextPrompt`` and ``TokensPrompt``); a call takes
+one prompt or a list of them. Text is encoded as ``rtpcore serve`` encodes a completion's
+prompt (``add_special_tokens=True``: the checkpoint's BOS rule applies); a chat is
+rendered with the chat template and encoded without adding special tokens (the template
+wrote them), as the server renders ``/v1/chat/completions``. Every bad input is an
+:class:`~rtpcore.errors.InvalidRequestError` naming the argument.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from rtpcore.engine.chat_template import TEMPLATE_FILE, ChatTemplate
+from rtpcore.engine.tokenizer import Tokenizer, read_tokenizer_config
+from rtpcore.errors import ChatTemplateError, InvalidRequestError
+
+__all__ = ["RESERVED_TEMPLATE_KWARGS", "Prompt", "PromptInputs", "PromptType", "TextSide", "conversations", "prompt_items"]
+
+#: Template variables a chat sets itself, refused in ``chat_template_kwargs`` (as the server does).
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools", "documents")
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+#: One prompt: text, token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
+PromptType = str | Sequence[int] | Mapping[str, Any]
+#: What a call takes: one prompt or a list of them.
+PromptInputs = PromptType | Sequence[PromptType]
+
+
+@attrs.frozen
+class Prompt:
+    """One prompt as the model reads it: ``token_ids``, and the ``text`` they came from (None
+    for a token-id prompt)."""
+
+    text: str | None
+    token_ids: tuple[int, ...]
+
+
+def _is_token_ids(value: Any) -> bool:
+    """A non-empty sequence of ints: one token-id prompt (not a list of prompts)."""
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence) or not value:
+        return False
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _one(value: Any, name: str) -> str | list[int]:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in _PROMPT_KEYS]
+        given = [k for k in _PROMPT_KEYS if k in value]
+        if unknown or len(given) != 1:
+            raise InvalidRequestError(
+                f"{name} must hold exactly one of 'prompt' (text) or 'prompt_token_ids', got the keys "
+                f"{sorted(map(str, value))!r}", field="prompts", value=value,
+            )
+        value = value[given[0]]
+        if given[0] == "prompt" and not isinstance(value, str):
+            raise InvalidRequestError(f"{name}['prompt'] must be a string, got {type(value).__name__}",
+                                      field="prompts", value=value)
+        if given[0] == "prompt_token_ids":
+            if isinstance(value, torch.Tensor):
+                value = value.tolist()
+            if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+                raise InvalidRequestError(f"{name}['prompt_token_ids'] must be a sequence of token ids, got "
+                                          f"{type(value).__name__}", field="prompts", value=value)
+            return list(value)  # checked by the core (empty, ids outside the vocabulary)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Sequence) and not isinstance(value, bytes) and (_is_token_ids(value) or not value):
+        return list(value)
+    raise InvalidRequestError(
+        f"{name} must be a string, a sequence of token ids, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
+        f"got {type(value).__name__}", field="prompts", value=value,
+    )
+
+
+def prompt_items(prompts: Any) -> list[str | list[int]]:
+    """The prompts of one call, each text or token ids. ``prompts`` is one prompt (a string,
+    a token-id sequence, a dict) or a list of them; an empty list is no prompt."""
+    if isinstance(prompts, torch.Tensor):
+        prompts = prompts.tolist()
+    if isinstance(prompts, str | Mapping) or _is_token_ids(prompts):
+        return [_one(prompts, "prompt 0")]
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        raise InvalidRequestError(
+            f"prompts must be a prompt (a string, token ids or a dict) or a list of them, got {type(prompts).__name__}",
+            field="prompts", value=prompts,
+        )
+    return [_one(p, f"prompt {i}") for i, p in enumerate(prompts)]
+
+
+def conversations(messages: Any) -> list[list[Mapping[str, Any]]]:
+    """``messages`` as a list of conversations: one conversation (a list of message dicts) or
+    a list of them. Text parts of a list ``content`` are joined (as the server joins them)."""
+    if isinstance(messages, str | bytes | Mapping) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequestError(
+            "messages must be a conversation (a non-empty list of {'role', 'content'} dicts) or a list of them, "
+            f"got {messages!r:.80}", field="messages", value=messages,
+        )
+    convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
+    out = []
+    for i, conv in enumerate(convs):
+        if isinstance(conv, str | bytes | Mapping) or not isinstance(conv, Sequence) or not conv:
+            raise InvalidRequestError(f"conversation {i} must be a non-empty list of message dicts, got {conv!r:.80}",
+                                      field="messages", value=conv)
+        out.append([_message(m, i, j) for j, m in enumerate(conv)])
+    return out
+
+
+def _message(message: Any, i: int, j: int) -> Mapping[str, Any]:
+    if not isinstance(message, Mapping):
+        raise InvalidRequestError(f"conversation {i}, message {j} must be a dict with 'role' and 'content', got "
+                                  f"{type(message).__name__}", field="messages", value=message)
+    content = message.get("content")
+    if isinstance(content, list):
+        for k, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(
+                    f"conversation {i}, message {j}, content part {k}: only text parts "
+                    "({'type': 'text', 'text': str}) are supported", field="messages", value=part,
+                )
+        return {**message, "content": "".join(str(p["text"]) for p in content)}
+    return message
+
+
+_UNSET: Any = object()
+
+
+class TextSide:
+    """The tokenizer and chat template of the checkpoint at ``path``, each loaded on first use
+    (once; thread-safe). ``eos_token_ids``: the engine's stop ids, to which the tokenizer's
+    ``eos_token`` is added as the server adds it (:attr:`tokenizer_eos`)."""
+
+    def __init__(self, path: str | Path, eos_token_ids: Sequence[int]):
+        self.path = Path(path)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._lock = threading.Lock()
+        self._tokenizer: Any = _UNSET
+        self._template: Any = _UNSET
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer; None when it has no ``tokenizer.json``."""
+        with self._lock:
+            if self._tokenizer is _UNSET:
+                has = (self.path / "tokenizer.json").is_file()
+                self._tokenizer = Tokenizer.from_pretrained(self.path) if has else None
+            return self._tokenizer
+
+    @property
+    def tokenizer_eos(self) -> tuple[int, ...]:
+        """The tokenizer's ``eos_token`` id when the engine's stop ids lack it (docs/design.md
+        §15: some checkpoints name it nowhere else), else ()."""
+        tok = self.tokenizer
+        eos = tok.eos_token_id if tok is not None else None
+        return () if eos is None or eos in self.eos_token_ids else (eos,)
+
+    def require_tokenizer(self, what: str, field: str) -> Tokenizer:
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidRequestError(
+                f"{what} needs the checkpoint's tokenizer, {str(self.path / 'tokenizer.json')!r}, which is missing",
+                field=field,
+            )
+        return tok
+
+    def chat_template(self) -> ChatTemplate:
+        with self._lock:
+            if self._template is _UNSET:
+                has = (self.path / TEMPLATE_FILE).is_file() or "chat_template" in read_tokenizer_config(self.path)
+                self._template = ChatTemplate.from_pretrained(self.path) if has else None
+            template = self._template
+        if template is None:
+            raise InvalidRequestError(
+                f"checkpoint {str(self.path)!r} has no chat template ({TEMPLATE_FILE} or tokenizer_config.json's "
+                "chat_template); use generate", field="messages",
+            )
+        return template
+
+    def encode(self, items: Sequence[str | list[int]]) -> list[Prompt]:
+        """Each item as a :class:`Prompt`: text encoded with the checkpoint's BOS rule."""
+        out = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                tok = self.tokenizer
+                if tok is None:  # the message of the token-id-only engine, which predates text prompts
+                    raise InvalidRequestError(
+                        f"prompt {i} must be a sequence of token ids: it is text, and the checkpoint has no "
+                        f"tokenizer ({str(self.path / 'tokenizer.json')!r} is missing) to encode it",
+                        field="prompts", value=item,
+                    )
+                out.append(Prompt(item, tuple(tok.encode(item, add_special_tokens=True))))
+            else:
+                out.append(Prompt(None, tuple(item)))
+        return out
+
+    def render(
+        self,
+        convs: Sequence[Sequence[Mapping[str, Any]]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[Prompt]:
+        """Each conversation rendered by the chat template and encoded (no special tokens
+        added: the template wrote them)."""
+        if not isinstance(add_generation_prompt, bool):
+            raise InvalidRequestError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}",
+                                      field="add_generation_prompt", value=add_generation_prompt)
+        extra = _template_kwargs(chat_template_kwargs)
+        if tools is not None and (isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence)
+                                  or not all(isinstance(t, Mapping) for t in tools)):
+            raise InvalidRequestError(f"tools must be a list of tool dicts, got {tools!r:.80}", field="tools", value=tools)
+        template = self.chat_template()
+        tok = self.require_tokenizer("chat", "messages")
+        out = []
+        for i, conv in enumerate(convs):
+            try:
+                text = template.render(conv, add_generation_prompt=add_generation_prompt,
+                                       tools=list(tools) if tools else None, **extra)
+            except ChatTemplateError as exc:
+                raise InvalidRequestError(f"messages (conversation {i}): {exc}", field="messages") from exc
+            out.append(Prompt(text, tuple(tok.encode(text, add_special_tokens=False))))
+        return out
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise InvalidRequestError(f"chat_template_kwargs must be a dict of names to values, got {value!r:.80}",
+                                  field="chat_template_kwargs", value=value)
+    reserved = [k for k in value if k in RESERVED_TEMPLATE_KWARGS]
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs: {reserved[0]!r} is set by the call itself, not here",
+                                  field="chat_template_kwargs", value=value)
+    return dict(value)

@@ -1,0 +1,234 @@
+"""A checkpoint's tokenizer: ``tokenizer.json`` through the ``tokenizers`` library.
+
+:meth:`Tokenizer.from_pretrained` sets the tokenizer up as transformers'
+``AutoTokenizer`` does for a ``tokenizer.json`` checkpoint, so that ids agree with it:
+
+- the named special tokens of ``tokenizer_config.json`` (``bos_token``, ``eos_token``,
+  ... given as strings or as AddedToken dicts ``{"content": ...}``) and its
+  ``added_tokens_decoder`` are special added tokens (a missing one gets the next id);
+- ``tokenizer.json``'s post-processor alone decides what ``encode(...,
+  add_special_tokens=True)`` adds (Llama 2 and 3 add their BOS that way);
+  ``tokenizer_config.json``'s ``add_bos_token`` / ``add_eos_token`` are ignored, as
+  transformers 5 ignores them whenever ``tokenizer.json`` exists.
+
+``decode`` does not apply ``clean_up_tokenization_spaces``: transformers ignores it for
+BPE tokenizers, which every supported model family uses. ``tokenizers`` is imported
+when a tokenizer is loaded, not with this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rtpcore.errors import CheckpointError, ConfigFieldError
+
+__all__ = ["SPECIAL_TOKEN_NAMES", "Tokenizer", "read_tokenizer_config", "special_tokens"]
+
+#: The named special tokens transformers passes to chat templates, in its order.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def read_tokenizer_config(path: str | Path) -> dict[str, Any]:
+    """``tokenizer_config.json`` of the checkpoint folder ``path`` ({} when it has none)."""
+    file = Path(path) / "tokenizer_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{str(file)!r} is not readable JSON: {exc}", path=file) from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{str(file)!r} must hold a JSON object, found {type(data).__name__}", path=file)
+    return data
+
+
+def special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+    """The named special tokens of a ``tokenizer_config.json`` as strings, e.g.
+    ``{"bos_token": "<s>", "eos_token": "</s>"}``; absent or null ones are left out."""
+    out: dict[str, str] = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        if isinstance(value, dict):  # an AddedToken: {"content": "<s>", "lstrip": false, ...}
+            value = value.get("content")
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ConfigFieldError(
+                f"tokenizer_config.json: {name!r} must be a string or {{'content': str}}, got {value!r}",
+                file="tokenizer_config.json", field=name, value=value,
+            )
+        out[name] = value
+    return out
+
+
+class Tokenizer:
+    """Text <-> token ids of one checkpoint. Build it with :meth:`from_pretrained`.
+
+    ``special_tokens`` maps the named special tokens to their text (what chat templates
+    receive); ``special_ids`` are the ids ``decode(..., skip_special_tokens=True)`` drops.
+    """
+
+    def __init__(self, backend: Any, *, special_tokens: Mapping[str, str] | None = None, path: Path | None = None):
+        self._backend = backend  # a tokenizers.Tokenizer
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        self.path = path
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load ``path/tokenizer.json`` and ``path/tokenizer_config.json`` (optional).
+
+        Raises :class:`~rtpcore.errors.CheckpointError` naming ``tokenizer.json`` when the
+        checkpoint has none or it cannot be read.
+        """
+        from tokenizers import Tokenizer as Backend
+
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no tokenizer: {str(file)!r} not found", path=file
+            )
+        try:
+            backend = Backend.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+            raise CheckpointError(f"{str(file)!r} is not a tokenizer the tokenizers library reads: {exc}", path=file) from exc
+        config = read_tokenizer_config(path)
+        specials = special_tokens(config)
+        _add_declared_tokens(backend, config.get("added_tokens_decoder"), specials.values())
+        return cls(backend, special_tokens=specials, path=path)
+
+    # -- ids ---------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the checkpoint's BOS/EOS rule applies."""
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens are left out unless ``skip_special_tokens`` is False."""
+        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one token's text (``"<|eot_id|>"``), None if the vocabulary lacks it."""
+        found = self._backend.token_to_id(token)
+        return None if found is None else int(found)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of one id as stored (byte-level BPE: ``"Ġworld"``), unique per
+        id unlike decoded pieces (two ids can each decode to half a character); ``"<id N>"``
+        for an id the vocabulary lacks."""
+        found = self._backend.id_to_token(int(token_id))
+        return f"<id {token_id}>" if found is None else str(found)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, even when they are part of a character (decoding
+        it alone would give U+FFFD): a byte-level BPE entry mapped back through its byte
+        alphabet, a byte-fallback entry (``<0xE2>``) as its byte, a SentencePiece entry with
+        ``▁`` as a space; otherwise (added and special tokens, other decoders) the UTF-8 of
+        its decoded text."""
+        entry = self._backend.id_to_token(int(token_id))
+        if entry is not None and int(token_id) not in self._added_ids:
+            if self._byte_level:
+                table = _byte_level_decoder()
+                if all(c in table for c in entry):
+                    return bytes(table[c] for c in entry)
+            m = _BYTE_FALLBACK.fullmatch(entry)
+            if m is not None:
+                return bytes([int(m.group(1), 16)])
+            if self._metaspace:
+                return entry.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    @property
+    def json_path(self) -> Path:
+        """The ``tokenizer.json`` this tokenizer was read from (a grammar library reads it too)."""
+        if self.path is None:
+            raise ValueError("this tokenizer was not read from a checkpoint folder")
+        return self.path / "tokenizer.json"
+
+    @functools.cached_property
+    def _decoder_kinds(self) -> frozenset[str]:
+        """The types of the tokenizer.json decoder (and of a Sequence's parts)."""
+        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+        kinds = {str(d.get("type")) for d in parts if isinstance(d, dict)}
+        if any(d.get("type") == "Replace" and "\u2581" in json.dumps(d, ensure_ascii=False) for d in parts if isinstance(d, dict)):
+            kinds.add("Metaspace")
+        return frozenset(kinds)
+
+    @property
+    def _byte_level(self) -> bool:
+        return "ByteLevel" in self._decoder_kinds
+
+    @property
+    def _metaspace(self) -> bool:
+        return "Metaspace" in self._decoder_kinds
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._backend.get_added_tokens_decoder())
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._named_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of ``tokenizer_config.json``'s ``eos_token`` (the model's stop tokens come
+        from ``generation_config.json`` / ``config.json``; this is the tokenizer's view)."""
+        return self._named_id("eos_token")
+
+    def _named_id(self, name: str) -> int | None:
+        token = self.special_tokens.get(name)
+        return None if token is None else self.token_to_id(token)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet back to bytes: printable Latin-1 bytes stand for themselves,
+    the other 68 byte values for the characters from U+0100 on, in order (GPT-2's mapping)."""
+    direct = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    table = {chr(b): b for b in direct}
+    shifted = 0
+    for b in range(256):
+        if b not in table.values():
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+def _add_declared_tokens(backend: Any, declared: object, named: Iterable[str]) -> None:
+    """Add the tokens ``tokenizer_config.json`` declares that ``tokenizer.json`` lacks (as
+    transformers does), and make every named special token special."""
+    from tokenizers import AddedToken
+
+    existing = {t.content: t for t in backend.get_added_tokens_decoder().values()}
+    if isinstance(declared, dict):
+        for _, spec in sorted(declared.items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0):
+            if not isinstance(spec, dict) or not isinstance(spec.get("content"), str) or spec["content"] in existing:
+                continue
+            options = {k: bool(spec[k]) for k in ("single_word", "lstrip", "rstrip", "normalized", "special") if k in spec}
+            token = AddedToken(spec["content"], **options)
+            (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+            existing[token.content] = token
+    missing = [t for t in dict.fromkeys(named) if t not in existing or not existing[t].special]
+    if missing:
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+
