@@ -32,7 +32,6 @@ PROMPTS = [[5, 9, 33, 7, 81], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 NEW_TOKENS = 6
 INDEX = "model.safetensors.index.json"
 EXTRAS = ["generation_config.json", "tokenizer.json", "tokenizer_config.json"]  # what the llama repos hold
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 # --- the repositories, written once -------------------------------------------------------------
@@ -366,8 +365,9 @@ def test_a_repository_without_safetensors_names_what_was_looked_for(hub: FakeHub
 
 
 def rtpcore(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    # The rtpcore this interpreter imports (installed, or PYTHONPATH as the caller set it): a
+    # source tree's rtpcore_native has no built extension.
     variables = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
-    variables["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])
     return subprocess.run(
         [sys.executable, "-m", "rtpcore", *argv], env={**variables, **env},
         capture_output=True, text=True, timeout=300,

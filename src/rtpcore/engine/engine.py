@@ -402,7 +402,7 @@ class Engine:
                 device=self.device,  # per-request generators and step inputs live there
                 is_broken=lambda: self.failure is not None,
                 prefix_cache_namespace=self._prefix_cache_namespace(),
-                counters=shard.graph_counters,  # rank 0's: it steps every batch
+                counters=self._graph_counters,  # rank 0's: it steps every batch
             )
         except BaseException as exc:
             self._release()  # every rank's model, pools and processes
@@ -697,6 +697,12 @@ class Engine:
         """Running and waiting requests, KV blocks and counters (a snapshot)."""
         self._check_open()
         return self._core.stats()
+
+    def _graph_counters(self) -> dict[str, int]:
+        """Rank 0's CUDA-graph replays and eager decodes (looked up each time: holding the shard
+        would keep its KV pools alive after close)."""
+        group = self._group
+        return group.local.graph_counters() if group is not None and group.local is not None else {}
 
     @property
     def plugin_registry(self) -> Any:
