@@ -111,6 +111,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV blocks of prompts seen before (default: reuse them)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
                    help="share of a GPU's memory the engine fills, weights and KV cache (default: %(default)s)")
+    p.add_argument("--quantization", choices=("int8",), default=None,
+                   help="weight-only quantization of every linear layer at load, on the CPU: int8 (one scale per "
+                   "output channel; the checkpoint stays float) (default: none)")
 
 
 def checkpoint_name(args: argparse.Namespace, path: Path) -> str:
@@ -164,4 +167,5 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.enable_prefix_caching,
         "gpu_memory_utilization": args.gpu_memory_utilization,
+        "quantization": args.quantization,
     }

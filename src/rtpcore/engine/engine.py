@@ -84,6 +84,7 @@ from rtpcore.errors import (
     KVCacheCapacityError,
     RtpcoreError,
 )
+from rtpcore.models.layers import QUANTIZATIONS
 from rtpcore.plugins.resolution import Plan, PlanEntry
 
 __all__ = ["Engine", "EngineConfig"]
@@ -136,6 +137,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
+    # Weight-only quantization of every Linear at load (rtpcore.models.layers): None or "int8" (CPU).
+    quantization: str | None = None
 
     @classmethod
     def create(
@@ -161,6 +164,7 @@ class EngineConfig:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         gpu_memory_utilization: float = 0.9,
+        quantization: str | None = None,
     ) -> EngineConfig:
         """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
         a device torch cannot see raises DeviceError here, before anything loads) and the
@@ -205,6 +209,13 @@ class EngineConfig:
             )
         if max_model_len is not None:
             _positive_int("max_model_len", max_model_len)
+        if quantization is not None and quantization not in QUANTIZATIONS:
+            raise RtpcoreError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        if quantization is not None and resolved_device != "cpu":
+            raise RtpcoreError(
+                f"quantization={quantization!r} runs on the CPU only for now (torch's int8-weight kernel); "
+                f"this engine runs on {resolved_device}"
+            )
         if enable_prefix_caching not in (True, False):
             raise RtpcoreError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if (
@@ -238,6 +249,7 @@ class EngineConfig:
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=float(gpu_memory_utilization),
+            quantization=quantization,
         )
 
     @property
@@ -295,6 +307,7 @@ class Engine:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         gpu_memory_utilization: float = 0.9,
+        quantization: str | None = None,
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
         preallocate the KV cache (see the module docstring for its default size).
@@ -317,7 +330,12 @@ class Engine:
 
         ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching`` and
         ``gpu_memory_utilization``: scheduling and sizing, see the module docstring and
-        docs/design.md §13."""
+        docs/design.md §13.
+
+        ``quantization``: None, or ``"int8"`` (CPU only): every ``rtpcore.models.layers.Linear``
+        keeps its weight as int8 with one scale per output channel, quantized at load (the
+        checkpoint stays float; embeddings and a plugin's own tensors stay float). A weight is
+        off by at most half a step of its row; tests/test_int8.py states the logits bound."""
         config = EngineConfig.create(
             path,
             plugins=plugins,
@@ -339,6 +357,7 @@ class Engine:
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization,
+            quantization=quantization,
         )
         return cls.from_config(config)
 

@@ -32,7 +32,7 @@ import torch
 
 from rtpcore.engine.memory import memory_limit
 from rtpcore.errors import RtpcoreError
-from rtpcore.models.layers import linear_kernels
+from rtpcore.models.layers import linear_kernels, weight_quantization
 from rtpcore.parallel.context import ParallelContext
 from rtpcore.plugins.model_plugin import call_optional, forward_contract_problem
 
@@ -372,7 +372,9 @@ def _load(
         options["parallel"] = ctx
     if target is not None:
         options["target"] = target
-    with linear_kernels(batched_fp32=_fp32_batched_linear(config, weights, ctx.device)):
+    quantization = getattr(config, "quantization", None)
+    with linear_kernels(batched_fp32=_fp32_batched_linear(config, weights, ctx.device)), \
+            weight_quantization(quantization):
         model = plugin.build_model(local_config, weights, **options)
     del weights
     if isinstance(model, torch.nn.Module):

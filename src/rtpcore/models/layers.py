@@ -35,6 +35,12 @@ The kernels, and what each promises (``layer.kernel`` says which one runs):
   only where the host allows it (:func:`linear_kernels`; the Engine's
   ``fp32_batched_linear`` option). Same tolerance as ``"packed"``.
 
+* ``"int8"`` -- **weight-only int8** (the engine's ``quantization="int8"``, on the CPU):
+  built inside :func:`weight_quantization`, the layer stores its weight as int8 with one
+  scale per output channel (``amax / 127`` of that row, rounded to nearest) and multiplies
+  with torch's int8-weight CPU kernel, the input staying in its dtype. A weight element is
+  off by at most half a step (``amax / 254`` of its row); the checkpoint stays float.
+
 The weight and bias are non-persistent buffers (the checkpoint, not the module's
 state dict, is the source of truth); a packed weight is opaque: read
 ``in_features`` / ``out_features``, not ``weight.shape``.
@@ -54,7 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "cpu_has_native_dot", "linear_kernels", "packed_linear_supported"]
+__all__ = ["QUANTIZATIONS", "Linear", "cpu_has_native_dot", "linear_kernels", "packed_linear_supported",
+           "weight_quantization"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +70,8 @@ logger = logging.getLogger(__name__)
 _BATCHED_FP32: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "rtpcore_linear_batched_fp32", default=None
 )
+QUANTIZATIONS = ("int8",)  # weight-only schemes Linear can build (weight_quantization)
+_QUANTIZATION: contextvars.ContextVar[str | None] = contextvars.ContextVar("rtpcore_linear_quantization", default=None)
 
 # cpuinfo flags of native reduced-precision dot products, and the oneDNN ISA names
 # (ONEDNN_MAX_CPU_ISA) below which oneDNN does not use them.
@@ -83,6 +92,7 @@ class Linear(nn.Module):
     weight: torch.Tensor  # (out, in), or oneDNN's packed form of it
     bias: torch.Tensor | None
     weight_fp32: torch.Tensor | None  # oneDNN's packed float32 copy ("packed+fp32")
+    scales: torch.Tensor  # per output channel ("int8" only)
     bias_fp32: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -95,6 +105,9 @@ class Linear(nn.Module):
                 f"got {tuple(bias.shape)}"
             )
         self.out_features, self.in_features = weight.shape
+        if _QUANTIZATION.get() == "int8":
+            self._init_int8(weight, bias)
+            return
         self.packed = weight.device.type == "cpu" and packed_linear_supported(weight.dtype)
         batched_fp32 = False
         if self.packed:
@@ -117,7 +130,31 @@ class Linear(nn.Module):
         self.register_buffer("weight_fp32", fp32_weight, persistent=False)
         self.register_buffer("bias_fp32", fp32_bias, persistent=False)
 
+    def _init_int8(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """Per-output-channel symmetric int8 of ``weight`` (see the module docstring)."""
+        if weight.device.type != "cpu" or not callable(getattr(torch, "_weight_int8pack_mm", None)):
+            raise ValueError(
+                f"int8 weight-only quantization runs on the CPU with torch's int8-weight kernel; "
+                f"this weight is on {weight.device} (torch {torch.__version__})"
+            )
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0  # (out,)
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+        self.packed = False
+        self.kernel = "int8"
+        self.register_buffer("weight", q, persistent=False)
+        self.register_buffer("scales", scale.to(weight.dtype), persistent=False)  # in the input's dtype
+        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("weight_fp32", None, persistent=False)
+        self.register_buffer("bias_fp32", None, persistent=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        if self.kernel == "int8":
+            rows = x.reshape(-1, self.in_features).contiguous()
+            y = torch._weight_int8pack_mm(rows, self.weight, self.scales)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.weight_fp32 is not None and x.numel() > self.in_features:  # several rows
             y = torch.ops.mkldnn._linear_pointwise(x.float(), self.weight_fp32, self.bias_fp32, "none", [], "")
             return y.to(x.dtype)
@@ -139,6 +176,19 @@ def linear_kernels(*, batched_fp32: bool | None) -> Iterator[None]:
         yield
     finally:
         _BATCHED_FP32.reset(token)
+
+
+@contextlib.contextmanager
+def weight_quantization(scheme: str | None) -> Iterator[None]:
+    """Within the block, :class:`Linear` layers built in this thread quantize their weight
+    (``"int8"``: per output channel, see the module docstring); None keeps them float."""
+    if scheme is not None and scheme not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {scheme!r}")
+    token = _QUANTIZATION.set(scheme)
+    try:
+        yield
+    finally:
+        _QUANTIZATION.reset(token)
 
 
 def cpu_has_native_dot(dtype: torch.dtype, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
