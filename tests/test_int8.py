@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rtpcore import Engine  # noqa: E402
-from rtpcore.errors import RtpcoreError  # noqa: E402
-from rtpcore.models.layers import Linear, weight_quantization  # noqa: E402
-from test_llama import make_checkpoint  # noqa: E402
+from rtpcore import Engine
+from rtpcore.errors import RtpcoreError
+from rtpcore.models.layers import Linear, weight_quantization
+from test_llama import make_checkpoint
 
 INT8_LOGIT_TOL = 0.1  # logit units, on tiny models whose logits reach about 6
 PROMPTS = [[5, 9, 33, 7, 81], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [100, 3, 4], [7]]
