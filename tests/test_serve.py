@@ -443,6 +443,11 @@ def test_health_stays_200_after_a_requests_fault_and_is_503_once_the_device_faul
                 assert r.text.rstrip().endswith("data: [DONE]")
                 health = await client.get("/health")
                 assert health.status_code == 503 and "illegal memory access" in health.json()["message"]
+                # the loop thread marks the AsyncEngine broken once the failed step has returned,
+                # which may be just after the stream ended: wait for it (bounded)
+                deadline = time.monotonic() + 60
+                while engine.broken is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
                 assert engine.broken is not None
         finally:
             await engine.aclose()
