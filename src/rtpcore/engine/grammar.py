@@ -100,6 +100,8 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_json: str | Path, *, vocab_size: int, stop_token_ids: Iterable[int]):
         import llguidance
+        import llguidance.torch  # its first import takes a second or more (torch.compile's import): here,
+        # where the server builds the compiler off the event loop, not at a step's first mask
 
         stops = sorted(set(stop_token_ids))
         if not stops:
