@@ -1,7 +1,7 @@
-"""Decode throughput of rtpcore against transformers' ``generate`` on the same checkpoint.
+"""Decode throughput of rtpcore against transformers' ``generate`` (and CTranslate2) on the same checkpoint.
 
-    python benchmarks/bench_decode.py [llama|deepseek] [--dtypes float32,bfloat16]
-        [--batches 1,8] [--prompt-len 32] [--new-tokens 128] [--threads N]
+    python benchmarks/bench_decode.py [llama|smollm2|deepseek] [--dtypes float32,bfloat16,int8,int8-bf16]
+        [--batches 1,8] [--prompt-len 32] [--new-tokens N] [--threads N] [--repeats 3] [--quick]
 
 ``llama`` (default) builds a ~56M-parameter Llama with transformers (hidden 512,
 8 layers, 8 heads, 4 KV heads, vocab 32000, intermediate 1376; seeded), then
@@ -11,6 +11,23 @@ the ratio rtpcore/transformers, whether the greedy tokens are identical, and
 the fraction of the memory-bandwidth bound: weight bytes read per decode step
 times decode steps per second, divided by a measured copy bandwidth.
 
+``smollm2`` builds SmolLM2-135M's shape with seeded random weights (30 layers,
+hidden 576, 9 heads, 3 KV heads, vocabulary 49152, intermediate 1536, tied
+embeddings, rope_theta 100000; saved in float32) and times, for each batch size,
+transformers float32 and bfloat16, rtpcore float32, bfloat16, int8 (weight-only,
+float32 activations) and int8-bf16 (the same int8 weights, bfloat16 activations)
+and, when ``ctranslate2`` is installed (an optional peer of this benchmark only),
+CTranslate2 float32 and int8 (its int8 also quantizes the activations) converted
+from the same checkpoint, with ``intra_threads`` equal to torch's thread count
+(``--threads``). Every engine decodes exactly ``--new-tokens`` greedy tokens
+(no stop token); tokens/s is new tokens over wall time, prefill included, best of
+``--repeats`` rounds after one warm-up, the rounds alternating over all engines. It
+prints a markdown table (ratios vs transformers float32, vs the CTranslate2 row of
+the same weights and vs transformers bfloat16; the share of each row's greedy tokens
+that agree with transformers float32 up to the first difference), then the targets
+of issue 24 as met / not met. ``--dtypes`` picks the rtpcore rows (default all
+four); ``--quick`` is 16 new tokens and one timed round unless given.
+
 ``deepseek`` is provided by ``benchmarks/_bench_deepseek.py`` when present
 (a function ``run(args)`` taking the parsed arguments).
 """
@@ -18,6 +35,7 @@ times decode steps per second, divided by a measured copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -147,21 +165,216 @@ def bench_llama(args: argparse.Namespace) -> None:
                     )
 
 
+# SmolLM2-135M's config (HuggingFaceTB/SmolLM2-135M), weights seeded at random.
+SMOLLM2_CONFIG: dict[str, Any] = dict(
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+    rms_norm_eps=1e-5, hidden_act="silu", initializer_range=0.041666666666666664, bos_token_id=0, eos_token_id=0,
+)
+
+
+# rtpcore rows of the smollm2 benchmark: --dtypes name -> (activation dtype, quantization).
+RTPCORE_ROWS: dict[str, tuple[str, str | None]] = {
+    "float32": ("float32", None), "bfloat16": ("bfloat16", None),
+    "int8": ("float32", "int8"), "int8-bf16": ("bfloat16", "int8"),
+}
+BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "int8": 1, "int8-bf16": 1}
+
+
+def make_smollm2(path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_CONFIG)).float().save_pretrained(path)
+
+
+class _IdVocabulary:
+    """What CTranslate2's converter reads of a tokenizer, for a checkpoint without one: token
+    ``i`` is the string ``t<i>`` (CTranslate2's generator takes token strings)."""
+
+    unk_token = None
+
+    def __init__(self, size: int, eos_id: int):
+        self.size = size
+        self.bos_token = self.eos_token = f"t{eos_id}"
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"t{i}": i for i in range(self.size)}
+
+
+def ct2_generators(model_dir: Path, out_dir: Path, threads: int) -> tuple[dict[str, Any], str]:
+    """CTranslate2 generators of the checkpoint, {"float32": ..., "int8": ...}, and a note
+    (its version, or why there are none)."""
+    try:
+        import ctranslate2
+    except ImportError:
+        return {}, "ctranslate2 is not installed (pip install ctranslate2): CTranslate2 rows skipped"
+
+    class Converter(ctranslate2.converters.TransformersConverter):
+        def load_tokenizer(self, tokenizer_class: Any, model_name_or_path: str, **kwargs: Any) -> Any:
+            return _IdVocabulary(SMOLLM2_CONFIG["vocab_size"], SMOLLM2_CONFIG["eos_token_id"])
+
+    Converter(str(model_dir)).convert(str(out_dir), quantization="float32", force=True)
+    # int8: CTranslate2 quantizes the float32 weights at load (one scale per output row).
+    gens = {
+        ct: ctranslate2.Generator(str(out_dir), device="cpu", compute_type=ct, inter_threads=1, intra_threads=threads)
+        for ct in ("float32", "int8")
+    }
+    return gens, f"ctranslate2 {ctranslate2.__version__}, intra_threads={threads}, compute types float32 and int8"
+
+
+def ct2_generate(generator: Any, tokens: list[list[str]], new: int) -> list[list[int]]:
+    # min_length = max_length: exactly ``new`` tokens, the end token suppressed until then.
+    results = generator.generate_batch(
+        tokens, max_length=new, min_length=new, beam_size=1, sampling_topk=1, include_prompt_in_result=False,
+    )
+    return [r.sequences_ids[0] for r in results]
+
+
+def timed_rounds(fns: list[Any], repeats: int) -> list[tuple[float, Any]]:
+    """``timed_pair`` for any number of calls: one warm-up each, then ``repeats`` rounds
+    calling each in turn; per call its best wall time and last result."""
+    outs = [fn() for fn in fns]
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            outs[i] = fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return list(zip(best, outs, strict=True))
+
+
+def load_line() -> str:
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return "load average unknown"
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
+
+
+def prefix_agreement(got: list[list[int]], ref: list[list[int]]) -> float:
+    """Share of the reference's tokens that ``got`` repeats up to each row's first difference."""
+    same = 0
+    for g, r in zip(got, ref, strict=True):
+        for a, b in zip(g, r, strict=False):
+            if a != b:
+                break
+            same += 1
+    return same / max(1, sum(len(r) for r in ref))
+
+
+def bench_smollm2(args: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from rtpcore import Engine
+
+    hf_logging.disable_progress_bar()
+    threads = torch.get_num_threads()
+    bw = copy_bandwidth()
+    print(f"torch {torch.__version__}, {threads} threads, copy bandwidth {bw / 1e9:.1f} GB/s, {load_line()}")
+    print(f"SmolLM2-135M shape, seeded random weights; prompts of {args.prompt_len} tokens, "
+          f"{args.new_tokens} new tokens (greedy, no stop token), best of {args.repeats} after a warm-up")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        path = Path(tmp) / "smollm2-135m"
+        make_smollm2(path)
+        ct2, note = ct2_generators(path, Path(tmp) / "ct2", threads)
+        print(note)
+        hf = {"float32": AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()}
+        if "bfloat16" in args.dtypes:
+            hf["bfloat16"] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        params = decode_weight_bytes(hf["float32"]) // 4
+        rt = {
+            dt: stack.enter_context(Engine.from_pretrained(
+                path, dtype=RTPCORE_ROWS[dt][0], quantization=RTPCORE_ROWS[dt][1],
+                max_batch_size=max(args.batches), max_model_len=args.prompt_len + args.new_tokens,
+            ))
+            for dt in args.dtypes
+        }
+        print()
+        print("| batch | engine | weights | tok/s | vs transformers fp32 | vs CTranslate2 (same weights) "
+              "| vs transformers bf16 | tokens = transformers fp32 | bw bound |")
+        print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
+        gen = torch.Generator().manual_seed(1)
+        tps: dict[tuple[str, str, int], float] = {}
+        for b in args.batches:
+            ids = torch.randint(3, SMOLLM2_CONFIG["vocab_size"], (b, args.prompt_len), generator=gen)
+            strings = [[f"t{i}" for i in row] for row in ids.tolist()]
+            rows: list[tuple[str, str, Any]] = [("transformers", "float32", partial(hf_generate, hf["float32"], ids, args.new_tokens))]
+            for dt in RTPCORE_ROWS:
+                if dt == "bfloat16" and dt in hf:
+                    rows.append(("transformers", dt, partial(hf_generate, hf[dt], ids, args.new_tokens)))
+                if dt in rt:
+                    rows.append(("rtpcore", dt, partial(
+                        rt[dt].generate, ids.tolist(), max_new_tokens=args.new_tokens, stop_token_ids=[])))
+                if dt in ct2:
+                    rows.append(("CTranslate2", dt, partial(ct2_generate, ct2[dt], strings, args.new_tokens)))
+            results = timed_rounds([fn for *_, fn in rows], args.repeats)
+            for (engine, dt, _), (t, _) in zip(rows, results, strict=True):
+                tps[engine, dt, b] = b * args.new_tokens / t
+            ref = results[0][1]
+            for (engine, dt, _), (t, out) in zip(rows, results, strict=True):
+                mine = tps[engine, dt, b]
+
+                def ratio(key: tuple[str, str, int], mine: float = mine) -> str:
+                    return f"{mine / tps[key]:.2f}x" if key in tps else "-"
+
+                peer = ratio(("CTranslate2", dt.split("-")[0], b)) if engine != "CTranslate2" else "-"
+                vs_bf16 = ratio(("transformers", "bfloat16", b)) if dt == "bfloat16" and engine != "transformers" else "-"
+                frac = params * BYTES_PER_WEIGHT[dt] * (args.new_tokens / t) / bw
+                print(f"| {b} | {engine} | {dt} | {mine:.1f} | {ratio(('transformers', 'float32', b))} | {peer} "
+                      f"| {vs_bf16} | {prefix_agreement(out, ref):.1%} | {frac:.1%} |")
+        print()
+        print("tokens = transformers fp32: share of the greedy tokens equal to transformers float32's up to each "
+              "sequence's first difference (random weights have near-ties; reduced precision diverges early)")
+        print("bw bound: nominal weight bytes per step (4, 2 or 1 per parameter) times steps/s over the copy bandwidth")
+        print(f"after the runs: {load_line()} (a load above the CPU count means other work shared the cores)")
+        print()
+        targets = [(f"float32 batch {b}: rtpcore >= 1.0x CTranslate2 float32", ("rtpcore", "float32", b),
+                    ("CTranslate2", "float32", b), 1.0) for b in args.batches]
+        targets += [(f"int8 batch {b}: rtpcore >= 1.0x CTranslate2 int8", ("rtpcore", "int8", b),
+                     ("CTranslate2", "int8", b), 1.0) for b in args.batches]
+        targets += [(f"bfloat16 batch {b}: rtpcore >= 1.3x transformers bfloat16", ("rtpcore", "bfloat16", b),
+                     ("transformers", "bfloat16", b), 1.3) for b in args.batches]
+        for label, mine_key, other_key, goal in targets:
+            if mine_key in tps and other_key in tps:
+                r = tps[mine_key] / tps[other_key]
+                print(f"target {label}: {r:.2f}x -> {'met' if r >= goal else 'not met'}")
+            else:
+                print(f"target {label}: not measured")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="llama", choices=["llama", "deepseek"])
-    parser.add_argument("--dtypes", default="float32,bfloat16", type=lambda s: s.split(","))
+    parser.add_argument("model", nargs="?", default="llama", choices=["llama", "smollm2", "deepseek"])
+    parser.add_argument("--dtypes", default=None, type=lambda s: s.split(","),
+                        help="float32,bfloat16 (default); smollm2: rtpcore rows among float32,bfloat16,int8,int8-bf16 "
+                        "(weight-only int8 with float32 / bfloat16 activations), default all")
     parser.add_argument("--batches", default="1,8", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (transformers, then rtpcore) after a warm-up; each keeps its best")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 128 (smollm2: 64; --quick: 16)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (each engine in turn) after a warm-up; each keeps its best (default 3; --quick: 1)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice); CTranslate2's intra_threads follow")
+    parser.add_argument("--quick", action="store_true", help="a short check: 16 new tokens and one timed round unless given")
     args = parser.parse_args(argv)
+    if args.dtypes is None:
+        args.dtypes = list(RTPCORE_ROWS) if args.model == "smollm2" else ["float32", "bfloat16"]
+    if args.model == "smollm2" and set(args.dtypes) - set(RTPCORE_ROWS):
+        parser.error(f"--dtypes for smollm2: a subset of {','.join(RTPCORE_ROWS)}")
+    if args.model != "smollm2" and any(d.startswith("int8") for d in args.dtypes):
+        parser.error("--dtypes int8 (rtpcore weight-only int8 rows) is measured by the smollm2 benchmark")
+    if args.new_tokens is None:
+        args.new_tokens = 16 if args.quick else 64 if args.model == "smollm2" else 128
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     if args.threads:
         torch.set_num_threads(args.threads)
     print(cpu_line())
     if args.model == "llama":
         bench_llama(args)
+        return 0
+    if args.model == "smollm2":
+        bench_smollm2(args)
         return 0
     extra = HERE / "_bench_deepseek.py"
     if not extra.is_file():
