@@ -16,6 +16,15 @@ ext_modules = [
         define_macros=[("RTPCORE_NATIVE_VERSION", f'"{VERSION}"')],
         cxx_std=17,
     ),
+    # CPU decode kernels: compiled for AVX-512, AVX2 and the baseline in one file and chosen
+    # at import (src/rtpcore_native/_kernels.cpp); -O3 for the vectorised loops.
+    Pybind11Extension(
+        "rtpcore_native._kernels",
+        ["src/rtpcore_native/_kernels.cpp"],
+        depends=["src/rtpcore_native/_kernels_isa.hpp"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+    ),
 ]
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext})

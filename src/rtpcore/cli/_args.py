@@ -111,6 +111,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not reuse the KV blocks of prompts seen before (default: reuse them)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
                    help="share of a GPU's memory the engine fills, weights and KV cache (default: %(default)s)")
+    p.add_argument("--no-native-decode", dest="native_decode", action="store_false",
+                   help="run CPU decode steps with torch's modules, bit-identical to transformers in float32 "
+                   "(default: rtpcore's native decode step where the model allows it, within float32 rounding)")
     p.add_argument("--quantization", choices=("int8",), default=None,
                    help="weight-only quantization of every linear layer at load, on the CPU: int8 (one scale per "
                    "output channel; the checkpoint stays float) (default: none)")
@@ -168,4 +171,5 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         "enable_prefix_caching": args.enable_prefix_caching,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "quantization": args.quantization,
+        "native_decode": args.native_decode,
     }

@@ -139,6 +139,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # Weight-only quantization of every Linear at load (rtpcore.models.layers): None or "int8" (CPU).
     quantization: str | None = None
+    # CPU decode steps of float32 / int8 Llama-family models in rtpcore_native
+    # (rtpcore.models.native) where they can run; False keeps torch's modules.
+    native_decode: bool = True
 
     @classmethod
     def create(
@@ -165,6 +168,7 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         gpu_memory_utilization: float = 0.9,
         quantization: str | None = None,
+        native_decode: bool = True,
     ) -> EngineConfig:
         """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
         a device torch cannot see raises DeviceError here, before anything loads) and the
@@ -213,9 +217,11 @@ class EngineConfig:
             raise RtpcoreError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
         if quantization is not None and resolved_device != "cpu":
             raise RtpcoreError(
-                f"quantization={quantization!r} runs on the CPU only for now (torch's int8-weight kernel); "
+                f"quantization={quantization!r} runs on the CPU only for now (rtpcore's and torch's int8-weight CPU kernels); "
                 f"this engine runs on {resolved_device}"
             )
+        if native_decode not in (True, False):
+            raise RtpcoreError(f"native_decode must be True or False, got {native_decode!r}")
         if enable_prefix_caching not in (True, False):
             raise RtpcoreError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if (
@@ -250,6 +256,7 @@ class EngineConfig:
             enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=float(gpu_memory_utilization),
             quantization=quantization,
+            native_decode=native_decode,
         )
 
     @property
@@ -308,6 +315,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         gpu_memory_utilization: float = 0.9,
         quantization: str | None = None,
+        native_decode: bool = True,
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
         preallocate the KV cache (see the module docstring for its default size).
@@ -335,7 +343,12 @@ class Engine:
         ``quantization``: None, or ``"int8"`` (CPU only): every ``rtpcore.models.layers.Linear``
         keeps its weight as int8 with one scale per output channel, quantized at load (the
         checkpoint stays float; embeddings and a plugin's own tensors stay float). A weight is
-        off by at most half a step of its row; tests/test_int8.py states the logits bound."""
+        off by at most half a step of its row; tests/test_int8.py states the logits bound.
+
+        ``native_decode``: on the CPU, decode steps of float32 (or int8) Llama-family models
+        run in ``rtpcore_native`` (``rtpcore.models.native``: one call per step), with logits
+        within float32 rounding of transformers'; False keeps torch's modules, whose float32
+        decode is bit-identical to transformers' (docs/design.md §6)."""
         config = EngineConfig.create(
             path,
             plugins=plugins,
@@ -358,6 +371,7 @@ class Engine:
             enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization,
             quantization=quantization,
+            native_decode=native_decode,
         )
         return cls.from_config(config)
 

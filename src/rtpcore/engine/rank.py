@@ -33,6 +33,7 @@ import torch
 from rtpcore.engine.memory import memory_limit
 from rtpcore.errors import RtpcoreError
 from rtpcore.models.layers import linear_kernels, weight_quantization
+from rtpcore.models.native import native_decode
 from rtpcore.parallel.context import ParallelContext
 from rtpcore.plugins.model_plugin import call_optional, forward_contract_problem
 
@@ -374,7 +375,7 @@ def _load(
         options["target"] = target
     quantization = getattr(config, "quantization", None)
     with linear_kernels(batched_fp32=_fp32_batched_linear(config, weights, ctx.device)), \
-            weight_quantization(quantization):
+            weight_quantization(quantization), native_decode(getattr(config, "native_decode", True)):
         model = plugin.build_model(local_config, weights, **options)
     del weights
     if isinstance(model, torch.nn.Module):

@@ -38,8 +38,10 @@ The kernels, and what each promises (``layer.kernel`` says which one runs):
 * ``"int8"`` -- **weight-only int8** (the engine's ``quantization="int8"``, on the CPU):
   built inside :func:`weight_quantization`, the layer stores its weight as int8 with one
   scale per output channel (``amax / 127`` of that row, rounded to nearest) and multiplies
-  with torch's int8-weight CPU kernel, the input staying in its dtype. A weight element is
-  off by at most half a step (``amax / 254`` of its row); the checkpoint stays float.
+  with rtpcore_native's int8 kernel for float32 inputs (the weight widened to float32 in
+  registers, products summed in float32: ``rtpcore.models.native``) and with torch's
+  int8-weight CPU kernel for bf16/fp16 inputs. A weight element is off by at most half a
+  step (``amax / 254`` of its row); the checkpoint stays float.
 
 The weight and bias are non-persistent buffers (the checkpoint, not the module's
 state dict, is the source of truth); a packed weight is opaque: read
@@ -55,6 +57,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -147,10 +150,35 @@ class Linear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("weight_fp32", None, persistent=False)
         self.register_buffer("bias_fp32", None, persistent=False)
+        # The native kernel's operands (float32 activations): scales and bias in float32.
+        self.register_buffer("scales_f32", scale.contiguous(), persistent=False)
+        self.register_buffer("bias_f32", None if bias is None else bias.float().contiguous(), persistent=False)
+        self._native = _native_kernels()
+        self._native_weights = self._native_view()
+
+    def _native_view(self) -> Any:
+        """The native kernel's pointers to this layer's int8 operands (None without the kernel)."""
+        if self._native is None or self.weight.device.type != "cpu":
+            return None
+        return self._native.LinearWeights(
+            self.weight.data_ptr(), True, self.scales_f32.data_ptr(),
+            0 if self.bias_f32 is None else self.bias_f32.data_ptr(), self.out_features, self.in_features,
+        )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:  # .to(), .float(), ...: tensors may move
+        out = super()._apply(fn, recurse)
+        if self.kernel == "int8":
+            self._native_weights = self._native_view()
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if self.kernel == "int8":
             rows = x.reshape(-1, self.in_features).contiguous()
+            if self._native_weights is not None and rows.dtype == torch.float32 and rows.shape[0] > 0:
+                y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+                self._native.set_num_threads(torch.get_num_threads())
+                self._native.linear(self._native_weights, rows.data_ptr(), rows.shape[0], y.data_ptr())
+                return y.reshape(*x.shape[:-1], self.out_features)
             y = torch._weight_int8pack_mm(rows, self.weight, self.scales)
             if self.bias is not None:
                 y = y + self.bias
@@ -164,6 +192,16 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
+
+
+def _native_kernels() -> Any:
+    """``rtpcore_native._kernels`` (the int8 kernel for float32 inputs), or None."""
+    try:
+        from rtpcore_native import _kernels
+    except ImportError as exc:
+        logger.debug("rtpcore_native._kernels unavailable; int8 layers use torch's kernel: %s", exc)
+        return None
+    return _kernels
 
 
 @contextlib.contextmanager

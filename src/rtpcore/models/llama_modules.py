@@ -10,6 +10,7 @@ Shapes: T flat tokens, B sequences, N logits rows, H/Hkv heads, D head_dim, E hi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ from torch import nn
 from rtpcore.models.attention import paged_attention
 from rtpcore.models.layers import Linear
 from rtpcore.models.llama_config import LlamaConfig, rope_inv_freq
+from rtpcore.models.native import NativeLlamaDecode, native_choice, native_problem
+from rtpcore.models.native import kernels as native_kernels
 from rtpcore.parallel.layers import GatherColumns, row_parallel
 
 if TYPE_CHECKING:
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
     from rtpcore.kv.pools import LayerKVCache
 
 __all__ = ["LlamaModel"]
+
+logger = logging.getLogger(__name__)
 
 ROPE_TABLE_START = 4096  # positions precomputed up front; the tables grow on demand
 
@@ -106,6 +111,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         w = {k: t.to(device=device, dtype=dtype or t.dtype) for k, t in weights.items()}
         self.config = config
+        self.parallel = parallel
+        self.native_enabled = native_choice() is not False
         self.dtype = w["model.embed_tokens.weight"].dtype
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)  # (V, E)
         head = w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
@@ -121,6 +128,27 @@ class LlamaModel(nn.Module):
         self.register_buffer("cos", torch.empty(0, config.head_dim, dtype=self.dtype, device=device), persistent=False)
         self.register_buffer("sin", torch.empty(0, config.head_dim, dtype=self.dtype, device=device), persistent=False)
         self._grow_rope(min(config.max_position_embeddings, ROPE_TABLE_START))
+        self._native: NativeLlamaDecode | None = None
+        # Which kernels serve decode steps: "native" or "torch" (decided at the first decode
+        # step, when the KV pools are known; rtpcore.models.native), None before it.
+        self.decode_kernel: str | None = None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:  # .to(), .float(), ...: weights may move
+        self._native, self.decode_kernel = None, None
+        return super()._apply(fn, recurse)
+
+    def _decoder(self, kv_caches: Sequence[LayerKVCache]) -> NativeLlamaDecode | None:
+        """The native decode step, built at the first decode step where it can serve."""
+        if self.decode_kernel is None:
+            problem = "the engine's native_decode is False" if not self.native_enabled else native_problem(self, kv_caches)
+            if problem is None:
+                self._native = NativeLlamaDecode(self)
+                self.decode_kernel = "native"
+                logger.info("decode steps run in rtpcore_native (%s kernels)", native_kernels().isa())
+            else:
+                self.decode_kernel = "torch"
+                logger.info("decode steps run torch's modules: %s", problem)
+        return self._native
 
     def _grow_rope(self, positions: int) -> None:
         """Precompute the RoPE tables for ``positions`` positions, as transformers computes
@@ -135,6 +163,10 @@ class LlamaModel(nn.Module):
         when set)."""
         if batch.max_context_len > self.cos.shape[0]:
             self._grow_rope(max(batch.max_context_len, 2 * self.cos.shape[0]))
+        if NativeLlamaDecode.serves(batch):
+            native = self._decoder(kv_caches)
+            if native is not None:
+                return native(batch, kv_caches)
         x = F.embedding(batch.input_ids, self.embed)  # (T, E)
         cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
         sin = self.sin[batch.positions].unsqueeze(1)

@@ -1,0 +1,541 @@
+// rtpcore_native._kernels: CPU decode kernels for float32 activations.
+//
+// A decode step at small batch sizes reads every weight once and does little else, so its
+// speed is memory bandwidth plus the cost of launching its small operations. This module
+// runs a whole Llama-family decode step (embedding, every layer, the final norm and the
+// head) in one call without the GIL: matrix-vector products over float32 or int8 weights
+// (one scale per output row) tiled for the registers of the CPU it runs on, RMSNorm, RoPE,
+// the KV write, attention read in place from the paged pools, SwiGLU. `linear` exposes the
+// product alone (rtpcore.models.layers.Linear's int8 kernel).
+//
+// Instruction sets: the kernels are compiled three times (AVX-512, AVX2 + FMA, the x86-64
+// baseline; _kernels_isa.hpp) and the best one the CPU and the OS support is chosen at import.
+// ONEDNN_MAX_CPU_ISA caps it the way it caps oneDNN (AVX2* -> AVX2, SSE41 / AVX -> baseline),
+// so one variable makes a machine behave as a CPU without AVX-512 for torch and for us;
+// `set_isa` chooses one for tests. Other architectures get the baseline code only.
+//
+// Threads: a pool of its own (std::thread), sized by `set_num_threads` (rtpcore passes
+// torch's thread count). Workers spin briefly between the parallel regions of a step and
+// then sleep; a pool inherited through fork is rebuilt in the child.
+//
+// Pointers cross the boundary as integers (torch's data_ptr()); the Python caller
+// (rtpcore.models.native) checks dtypes, shapes and contiguity and keeps the tensors alive.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace py = pybind11;
+
+#if defined(__x86_64__) || defined(__i386__)
+#define RTPCORE_X86 1
+#endif
+
+#ifdef RTPCORE_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own _mm512_cvtepi32_ps
+namespace isa_avx512 {
+#define RTPCORE_VBYTES 64
+#define RTPCORE_MT 4
+#include "_kernels_isa.hpp"
+#undef RTPCORE_VBYTES
+#undef RTPCORE_MT
+}  // namespace isa_avx512
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+#define RTPCORE_VBYTES 32
+#define RTPCORE_MT 2
+#include "_kernels_isa.hpp"
+#undef RTPCORE_VBYTES
+#undef RTPCORE_MT
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#endif
+
+namespace isa_base {
+#define RTPCORE_VBYTES 16
+#define RTPCORE_MT 2
+#include "_kernels_isa.hpp"
+#undef RTPCORE_VBYTES
+#undef RTPCORE_MT
+}  // namespace isa_base
+
+namespace {
+
+// ---- instruction sets
+
+struct Kernels {
+    const char* name;
+    void (*linear_f32)(const float*, int64_t, int64_t, const float*, const float*, float*, int64_t, bool, int64_t,
+                       int64_t);
+    void (*linear_i8)(const float*, int64_t, int64_t, const int8_t*, const float*, const float*, float*, int64_t,
+                      bool, int64_t, int64_t);
+    void (*rms_norm)(const float*, const float*, float, float*, int64_t);
+    void (*silu_mul)(const float*, const float*, float*, int64_t);
+    void (*rope)(float*, int64_t, int64_t, const float*, const float*);
+    void (*attend_one)(const float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*,
+                       int64_t, int64_t, int64_t, float, float*, float*);
+};
+
+#define RTPCORE_KERNELS(ns, label) \
+    Kernels{label, ns::linear_f32, ns::linear_i8, ns::rms_norm, ns::silu_mul, ns::rope, ns::attend_one}
+
+const Kernels kBase = RTPCORE_KERNELS(isa_base, "baseline");
+#ifdef RTPCORE_X86
+const Kernels kAvx2 = RTPCORE_KERNELS(isa_avx2, "avx2");
+const Kernels kAvx512 = RTPCORE_KERNELS(isa_avx512, "avx512");
+#endif
+
+bool supported(const std::string& isa) {
+    if (isa == "baseline") return true;
+#ifdef RTPCORE_X86
+    __builtin_cpu_init();
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == "avx2") return avx2;
+    if (isa == "avx512")
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#endif
+    return false;
+}
+
+const Kernels* by_name(const std::string& isa) {
+#ifdef RTPCORE_X86
+    if (isa == "avx512") return &kAvx512;
+    if (isa == "avx2") return &kAvx2;
+#endif
+    if (isa == "baseline") return &kBase;
+    throw std::invalid_argument("unknown instruction set '" + isa + "' (known: 'avx512', 'avx2', 'baseline')");
+}
+
+// The best supported set at or below ONEDNN_MAX_CPU_ISA (unset, DEFAULT, ALL or an AVX-512 /
+// AVX10 / AMX name: no cap).
+std::string default_isa() {
+    std::string cap;
+    if (const char* env = std::getenv("ONEDNN_MAX_CPU_ISA")) {
+        for (const char* p = env; *p; ++p) cap.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(*p))));
+    }
+    bool allow512 = true, allow2 = true;
+    if (cap.rfind("AVX2", 0) == 0) {
+        allow512 = false;
+    } else if (cap.rfind("SSE", 0) == 0 || cap == "AVX") {
+        allow512 = allow2 = false;
+    }
+    if (allow512 && supported("avx512")) return "avx512";
+    if (allow2 && supported("avx2")) return "avx2";
+    return "baseline";
+}
+
+const Kernels* g_kernels = nullptr;
+
+const Kernels& kernels() {
+    if (!g_kernels) g_kernels = by_name(default_isa());
+    return *g_kernels;
+}
+
+// ---- the thread pool
+
+class Pool {
+  public:
+    explicit Pool(int threads) : threads_(threads < 1 ? 1 : threads), pid_(getpid()) {
+        for (int t = 1; t < threads_; ++t) workers_.emplace_back([this, t] { work(t); });
+    }
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            stop_ = true;
+            epoch_.fetch_add(1, std::memory_order_release);
+        }
+        cv_.notify_all();
+        for (auto& w : workers_) w.join();
+    }
+    int threads() const { return threads_; }
+    pid_t pid() const { return pid_; }
+
+    // Runs fn(t) for t in [0, threads) and returns when all have.
+    void run(const std::function<void(int)>& fn) {
+        if (threads_ == 1) {
+            fn(0);
+            return;
+        }
+        job_ = &fn;
+        pending_.store(threads_ - 1, std::memory_order_relaxed);
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            epoch_.fetch_add(1, std::memory_order_release);
+        }
+        if (sleeping_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+        fn(0);
+        while (pending_.load(std::memory_order_acquire) != 0) pause();
+    }
+
+  private:
+    static void pause() {
+#ifdef RTPCORE_X86
+        __builtin_ia32_pause();
+#endif
+    }
+
+    void work(int t) {
+        uint64_t seen = 0;
+        for (;;) {
+            // Spin a while for the next region of the same step, then sleep.
+            uint64_t now = epoch_.load(std::memory_order_acquire);
+            for (int i = 0; now == seen && i < 4000; ++i) {
+                pause();
+                now = epoch_.load(std::memory_order_acquire);
+            }
+            if (now == seen) {
+                std::unique_lock<std::mutex> lock(mutex_);
+                sleeping_.fetch_add(1, std::memory_order_acq_rel);
+                cv_.wait(lock, [&] { return epoch_.load(std::memory_order_acquire) != seen; });
+                sleeping_.fetch_sub(1, std::memory_order_acq_rel);
+                now = epoch_.load(std::memory_order_acquire);
+            }
+            seen = now;
+            if (stop_) return;
+            (*job_)(t);
+            pending_.fetch_sub(1, std::memory_order_acq_rel);
+        }
+    }
+
+    const int threads_;
+    const pid_t pid_;
+    std::vector<std::thread> workers_;
+    std::atomic<uint64_t> epoch_{0};
+    std::atomic<int> pending_{0};
+    std::atomic<int> sleeping_{0};
+    const std::function<void(int)>* job_ = nullptr;
+    bool stop_ = false;
+    std::mutex mutex_;
+    std::condition_variable cv_;
+};
+
+int g_threads = 1;
+Pool* g_pool = nullptr;
+// One native call at a time (engines in several threads take turns; they would share the
+// cores anyway): the pool, its size and the kernel choice change only between calls.
+std::mutex g_call_mutex;
+
+Pool& pool() {
+    if (g_pool && g_pool->pid() != getpid()) g_pool = nullptr;  // inherited through fork: its threads are gone
+    if (!g_pool || g_pool->threads() != g_threads) {
+        if (g_pool && g_pool->pid() == getpid()) delete g_pool;
+        g_pool = new Pool(g_threads);
+    }
+    return *g_pool;
+}
+
+// [begin, end) of `total` items for thread t of n, in multiples of `align`.
+inline void split(int64_t total, int t, int n, int64_t align, int64_t& begin, int64_t& end) {
+    int64_t units = (total + align - 1) / align;
+    int64_t per = units / n, extra = units % n;
+    int64_t u0 = t * per + (t < extra ? t : extra);
+    int64_t u1 = u0 + per + (t < extra ? 1 : 0);
+    begin = u0 * align < total ? u0 * align : total;
+    end = u1 * align < total ? u1 * align : total;
+}
+
+// ---- linear layers
+
+struct LinearW {
+    const void* w = nullptr;  // (N, K) float32 or int8
+    bool int8 = false;
+    const float* scale = nullptr;  // (N,) int8 only
+    const float* bias = nullptr;   // (N,) or null
+    int64_t N = 0, K = 0;
+};
+
+void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool accumulate) {
+    const Kernels& k = kernels();
+    Pool& p = pool();
+    // Small products do not pay for waking the pool.
+    int n = (M * l.N * l.K < (1 << 15)) ? 1 : p.threads();
+    auto body = [&](int t) {
+        int64_t n0, n1;
+        split(l.N, t, n, 16, n0, n1);
+        if (n0 >= n1) return;
+        if (l.int8)
+            k.linear_i8(x, M, l.K, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
+        else
+            k.linear_f32(x, M, l.K, static_cast<const float*>(l.w), l.bias, y, l.N, accumulate, n0, n1);
+    };
+    if (n == 1)
+        body(0);
+    else
+        p.run(body);
+}
+
+template <typename T>
+T* as_ptr(uintptr_t p) {
+    return reinterpret_cast<T*>(p);
+}
+
+LinearW make_linear(uintptr_t w, bool int8, uintptr_t scale, uintptr_t bias, int64_t N, int64_t K) {
+    if (!w) throw std::invalid_argument("linear weight pointer is null");
+    if (N <= 0 || K <= 0) throw std::invalid_argument("linear shape must be positive, got (" + std::to_string(N) + ", " + std::to_string(K) + ")");
+    if (int8 && !scale) throw std::invalid_argument("an int8 linear needs its per-row scales");
+    LinearW l;
+    l.w = as_ptr<const void>(w);
+    l.int8 = int8;
+    l.scale = as_ptr<const float>(scale);
+    l.bias = as_ptr<const float>(bias);
+    l.N = N;
+    l.K = K;
+    return l;
+}
+
+// ---- the Llama-family decode step
+
+struct Layer {
+    const float* norm1 = nullptr;
+    LinearW qkv, o;
+    const float* norm2 = nullptr;
+    LinearW gate_up, down;
+    int64_t window = 0;  // 0: none
+    float* k_pool = nullptr;  // (slots, Hkv, D)
+    float* v_pool = nullptr;
+    int64_t slots = 0;  // the pools' rows
+};
+
+class LlamaDecoder {
+  public:
+    LlamaDecoder(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate,
+                 int64_t vocab, double eps, int64_t num_layers)
+        : E_(hidden), H_(heads), Hkv_(kv_heads), D_(head_dim), I_(intermediate), V_(vocab),
+          eps_(static_cast<float>(eps)), layers_(num_layers) {
+        if (hidden <= 0 || heads <= 0 || kv_heads <= 0 || head_dim <= 0 || intermediate <= 0 || vocab <= 0 ||
+            num_layers <= 0)
+            throw std::invalid_argument("LlamaDecoder sizes must be positive");
+        if (heads % kv_heads != 0)
+            throw std::invalid_argument("heads (" + std::to_string(heads) + ") must be a multiple of kv_heads (" +
+                                        std::to_string(kv_heads) + ")");
+        if (head_dim % 2 != 0) throw std::invalid_argument("head_dim must be even for RoPE, got " + std::to_string(head_dim));
+    }
+
+    void set_layer(int64_t i, uintptr_t norm1, const LinearW& qkv, const LinearW& o, uintptr_t norm2,
+                   const LinearW& gate_up, const LinearW& down, int64_t window) {
+        Layer& l = at(i);
+        expect(qkv, (H_ + 2 * Hkv_) * D_, E_, "qkv");
+        expect(o, E_, H_ * D_, "o");
+        expect(gate_up, 2 * I_, E_, "gate_up");
+        expect(down, E_, I_, "down");
+        l.norm1 = as_ptr<const float>(norm1);
+        l.norm2 = as_ptr<const float>(norm2);
+        l.qkv = qkv;
+        l.o = o;
+        l.gate_up = gate_up;
+        l.down = down;
+        l.window = window;
+    }
+
+    void set_head(uintptr_t embed, int64_t vocab_rows, uintptr_t norm, const LinearW& head) {
+        expect(head, V_, E_, "lm_head");
+        vocab_rows_ = vocab_rows;
+        embed_ = as_ptr<const float>(embed);
+        norm_ = as_ptr<const float>(norm);
+        head_ = head;
+    }
+
+    void set_pools(int64_t i, uintptr_t k, uintptr_t v, int64_t slots) {
+        if (slots <= 0) throw std::invalid_argument("a KV pool needs at least one slot");
+        Layer& l = at(i);
+        l.k_pool = as_ptr<float>(k);
+        l.v_pool = as_ptr<float>(v);
+        l.slots = slots;
+    }
+
+    // One decode step of B sequences (one new token each): ids, positions, slots (B,) int64;
+    // tables (B, width) int64; ctx (B,) int64 context lengths after the step; cos/sin (P, D)
+    // float32 tables covering every position; logits (B, V) float32 out.
+    void decode(int64_t B, uintptr_t ids_p, uintptr_t pos_p, uintptr_t slots_p, uintptr_t tables_p, int64_t width,
+                uintptr_t ctx_p, int64_t tpb, uintptr_t cos_p, uintptr_t sin_p, int64_t positions, uintptr_t logits_p) {
+        if (tpb <= 0 || width <= 0) throw std::invalid_argument("decode needs positive tokens_per_block and table width");
+        if (B <= 0) throw std::invalid_argument("decode needs at least one sequence");
+        for (const Layer& l : layers_)
+            if (!l.norm1 || !l.k_pool) throw std::logic_error("LlamaDecoder: a layer's weights or pools are not set");
+        if (!embed_) throw std::logic_error("LlamaDecoder: the head is not set");
+        const Kernels& k = kernels();
+        const auto* ids = as_ptr<const int64_t>(ids_p);
+        const auto* pos = as_ptr<const int64_t>(pos_p);
+        const auto* slots = as_ptr<const int64_t>(slots_p);
+        const auto* tables = as_ptr<const int64_t>(tables_p);
+        const auto* ctx = as_ptr<const int64_t>(ctx_p);
+        const auto* cos = as_ptr<const float>(cos_p);
+        const auto* sin = as_ptr<const float>(sin_p);
+        auto* logits = as_ptr<float>(logits_p);
+        const int64_t Q = H_ * D_, KV = Hkv_ * D_, G = H_ / Hkv_;
+        // Every index this step dereferences, checked once (the torch modules would raise too).
+        int64_t longest = 0, slots_n = layers_[0].slots;
+        for (const Layer& l : layers_) slots_n = l.slots < slots_n ? l.slots : slots_n;
+        for (int64_t b = 0; b < B; ++b) {
+            std::string row = "sequence " + std::to_string(b);
+            if (ids[b] < 0 || ids[b] >= vocab_rows_) throw std::out_of_range(row + ": token id " + std::to_string(ids[b]) + " outside the embedding's " + std::to_string(vocab_rows_) + " rows");
+            if (pos[b] < 0 || pos[b] >= positions) throw std::out_of_range(row + ": position " + std::to_string(pos[b]) + " outside the RoPE table's " + std::to_string(positions) + " rows");
+            if (slots[b] < 0 || slots[b] >= slots_n) throw std::out_of_range(row + ": slot " + std::to_string(slots[b]) + " outside the KV pools' " + std::to_string(slots_n) + " slots");
+            if (ctx[b] < 1 || (ctx[b] + tpb - 1) / tpb > width) throw std::out_of_range(row + ": context length " + std::to_string(ctx[b]) + " does not fit its block table of " + std::to_string(width) + " blocks of " + std::to_string(tpb));
+            for (int64_t j = 0; j < (ctx[b] + tpb - 1) / tpb; ++j) {
+                int64_t blk = tables[b * width + j];
+                if (blk < 0 || (blk + 1) * tpb > slots_n) throw std::out_of_range(row + ": block " + std::to_string(blk) + " outside the KV pools");
+            }
+            longest = ctx[b] > longest ? ctx[b] : longest;
+        }
+        x_.resize(B * E_);
+        h_.resize(B * E_);
+        qkv_.resize(B * (Q + 2 * KV));
+        attn_.resize(B * Q);
+        gu_.resize(B * 2 * I_);
+        act_.resize(B * I_);
+        for (int64_t b = 0; b < B; ++b) std::memcpy(&x_[b * E_], embed_ + ids[b] * E_, sizeof(float) * E_);
+        Pool& p = pool();
+        const int nt = p.threads();
+        for (Layer& l : layers_) {
+            for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm1, eps_, &h_[b * E_], E_);
+            linear_parallel(l.qkv, h_.data(), B, qkv_.data(), false);
+            for (int64_t b = 0; b < B; ++b) {
+                float* row = &qkv_[b * (Q + 2 * KV)];
+                const float* c = cos + pos[b] * D_;
+                const float* s = sin + pos[b] * D_;
+                k.rope(row, H_ + Hkv_, D_, c, s);  // q and k are adjacent
+                std::memcpy(l.k_pool + slots[b] * KV, row + Q, sizeof(float) * KV);
+                std::memcpy(l.v_pool + slots[b] * KV, row + Q + KV, sizeof(float) * KV);
+            }
+            const int64_t tasks = B * Hkv_;
+            auto attend = [&](int t) {
+                int64_t t0, t1;
+                split(tasks, t, nt, 1, t0, t1);
+                std::vector<float>& scores = scratch();
+                for (int64_t task = t0; task < t1; ++task) {
+                    int64_t b = task / Hkv_, kvh = task % Hkv_;
+                    int64_t start = (l.window > 0 && ctx[b] > l.window) ? ctx[b] - l.window : 0;
+                    if (static_cast<int64_t>(scores.size()) < G * (ctx[b] - start)) scores.resize(G * longest);
+                    const float* q = &qkv_[b * (Q + 2 * KV) + kvh * G * D_];
+                    k.attend_one(q, G, D_, l.k_pool, l.v_pool, kvh, Hkv_, tables + b * width, tpb, start, ctx[b],
+                                 scale(), scores.data(), &attn_[b * Q + kvh * G * D_]);
+                }
+            };
+            if (nt == 1 || tasks == 1)
+                for (int t = 0; t < nt; ++t) attend(t);
+            else
+                p.run(attend);
+            linear_parallel(l.o, attn_.data(), B, x_.data(), true);
+            for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm2, eps_, &h_[b * E_], E_);
+            linear_parallel(l.gate_up, h_.data(), B, gu_.data(), false);
+            for (int64_t b = 0; b < B; ++b) k.silu_mul(&gu_[b * 2 * I_], &gu_[b * 2 * I_ + I_], &act_[b * I_], I_);
+            linear_parallel(l.down, act_.data(), B, x_.data(), true);
+        }
+        for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], norm_, eps_, &h_[b * E_], E_);
+        linear_parallel(head_, h_.data(), B, logits, false);
+    }
+
+  private:
+    Layer& at(int64_t i) {
+        if (i < 0 || i >= static_cast<int64_t>(layers_.size()))
+            throw std::out_of_range("layer " + std::to_string(i) + " of " + std::to_string(layers_.size()));
+        return layers_[i];
+    }
+    static void expect(const LinearW& l, int64_t N, int64_t K, const char* what) {
+        if (l.N != N || l.K != K)
+            throw std::invalid_argument(std::string(what) + " must be (" + std::to_string(N) + ", " + std::to_string(K) +
+                                        "), got (" + std::to_string(l.N) + ", " + std::to_string(l.K) + ")");
+    }
+    float scale() const { return 1.0f / std::sqrt(static_cast<float>(D_)); }
+    static std::vector<float>& scratch() {
+        thread_local std::vector<float> s;
+        return s;
+    }
+
+    const int64_t E_, H_, Hkv_, D_, I_, V_;
+    const float eps_;
+    std::vector<Layer> layers_;
+    const float* embed_ = nullptr;
+    int64_t vocab_rows_ = 0;
+    const float* norm_ = nullptr;
+    LinearW head_;
+    std::vector<float> x_, h_, qkv_, attn_, gu_, act_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_kernels, m) {
+    m.doc() = "CPU decode kernels for float32 activations (rtpcore.models.native drives them)";
+
+    m.def("isa", [] { return std::string(kernels().name); }, "The instruction set the kernels run with.");
+    m.def("default_isa", &default_isa, "The best supported instruction set at or below ONEDNN_MAX_CPU_ISA.");
+    m.def("supported_isas", [] {
+        std::vector<std::string> out;
+        for (const char* n : {"avx512", "avx2", "baseline"})
+            if (supported(n)) out.emplace_back(n);
+        return out;
+    }, "The instruction sets this CPU (and OS) can run, best first.");
+    m.def("set_isa", [](const std::string& isa) {
+        const Kernels* k = by_name(isa);
+        if (!supported(isa)) throw std::invalid_argument("this CPU cannot run the '" + isa + "' kernels");
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        g_kernels = k;
+    }, py::arg("isa"), "Use the named instruction set's kernels ('avx512', 'avx2', 'baseline').");
+    m.def("set_num_threads", [](int n) {
+        if (n < 1) throw std::invalid_argument("threads must be >= 1, got " + std::to_string(n));
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        g_threads = n;
+    }, py::arg("threads"));
+    m.def("num_threads", [] { return g_threads; });
+
+    py::class_<LinearW>(m, "LinearWeights")
+        .def(py::init(&make_linear), py::arg("weight"), py::arg("int8"), py::arg("scale"), py::arg("bias"),
+             py::arg("out_features"), py::arg("in_features"))
+        .def_readonly("out_features", &LinearW::N)
+        .def_readonly("in_features", &LinearW::K)
+        .def_readonly("int8", &LinearW::int8);
+
+    m.def("linear", [](const LinearW& l, uintptr_t x, int64_t rows, uintptr_t y, bool accumulate) {
+        if (rows <= 0) throw std::invalid_argument("linear needs at least one row, got " + std::to_string(rows));
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        linear_parallel(l, as_ptr<const float>(x), rows, as_ptr<float>(y), accumulate);
+    }, py::arg("weights"), py::arg("x"), py::arg("rows"), py::arg("y"), py::arg("accumulate") = false,
+       "y (rows, N) (+)= x (rows, K) @ W.T (* scale) + bias, float32.");
+
+    py::class_<LlamaDecoder>(m, "LlamaDecoder")
+        .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("hidden"),
+             py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("vocab"),
+             py::arg("eps"), py::arg("num_layers"))
+        .def("set_layer", &LlamaDecoder::set_layer, py::arg("index"), py::arg("norm1"), py::arg("qkv"), py::arg("o"),
+             py::arg("norm2"), py::arg("gate_up"), py::arg("down"), py::arg("window"))
+        .def("set_head", &LlamaDecoder::set_head, py::arg("embed"), py::arg("vocab_rows"), py::arg("norm"),
+             py::arg("head"))
+        .def("set_pools", &LlamaDecoder::set_pools, py::arg("index"), py::arg("k"), py::arg("v"), py::arg("slots"))
+        .def("decode", [](LlamaDecoder& d, int64_t B, uintptr_t ids, uintptr_t pos, uintptr_t slots, uintptr_t tables,
+                          int64_t width, uintptr_t ctx, int64_t tpb, uintptr_t cos, uintptr_t sin, int64_t positions,
+                          uintptr_t logits) {
+            py::gil_scoped_release release;
+            std::lock_guard<std::mutex> lock(g_call_mutex);
+            d.decode(B, ids, pos, slots, tables, width, ctx, tpb, cos, sin, positions, logits);
+        }, py::arg("batch"), py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("tables"),
+           py::arg("width"), py::arg("context_lens"), py::arg("tokens_per_block"), py::arg("cos"), py::arg("sin"),
+           py::arg("rope_positions"), py::arg("logits"),
+           "One decode step (see LlamaDecoder::decode); IndexError for an index outside its table.");
+}

@@ -1,0 +1,234 @@
+// The float32-activation decode kernels of rtpcore_native._kernels, written once for every
+// instruction set. _kernels.cpp includes this file three times, each time inside its own
+// namespace and under its own `#pragma GCC target`, with RTPCORE_VBYTES set to the vector
+// width in bytes (64: AVX-512, 32: AVX2 + FMA, 16: the x86-64 baseline) and RTPCORE_MT to
+// the most activation rows one tile holds (the register file bounds it: 16 vector registers
+// before AVX-512, 32 with it). GCC's vector extensions lower to that target's instructions.
+//
+// Every function here runs single-threaded over the range it is given; _kernels.cpp splits
+// the work over its thread pool. Shapes: M activation rows, K inputs, N outputs; W is (N, K),
+// float32 or int8 with one float32 scale per output row.
+
+typedef float V __attribute__((vector_size(RTPCORE_VBYTES)));
+typedef int32_t I __attribute__((vector_size(RTPCORE_VBYTES)));
+constexpr int kLanes = RTPCORE_VBYTES / 4;
+constexpr int kNT = 4;  // weight rows per tile
+
+static inline V load(const float* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+// int8 lanes widened to float32: one sign-extending load and one conversion (GCC lowers a
+// generic char-to-float vector conversion element by element, so the x86 sets say it).
+static inline V load(const int8_t* p) {
+#if RTPCORE_VBYTES == 64
+    return (V)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif RTPCORE_VBYTES == 32
+    return (V)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+    V v;
+    for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+    return v;
+#endif
+}
+static inline void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+static inline V splat(float s) { return V{} + s; }
+
+static inline float hsum(V v) {
+    float s = 0.0f;
+    for (int i = 0; i < kLanes; ++i) s += v[i];
+    return s;
+}
+
+// exp(x) for float32 lanes: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for
+// e^r, n added to the exponent. Relative error under 2e-7 on [-87, 88]; below -87 it
+// returns 0, above 88 +inf (as expf does).
+static inline V vexp(V x) {
+    const V hi = splat(88.3762626647949f), lo = splat(-87.3365478515625f);
+    x = x > hi ? hi + 1.0f : x;
+    V n = x * 1.44269504088896341f;
+    n = n + (n >= 0 ? splat(0.5f) : splat(-0.5f));
+    I ni = __builtin_convertvector(n, I);  // rounds toward zero after the +-0.5: nearest
+    V nf = __builtin_convertvector(ni, V);
+    V r = x - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    V p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    I bits = (ni + 127) << 23;
+    V scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    V out = p * scale;
+    out = x > hi ? splat(__builtin_inff()) : out;
+    out = x < lo ? splat(0.0f) : out;
+    return out;
+}
+
+static inline float sexp(float x) {
+    V v = splat(x);
+    return vexp(v)[0];
+}
+
+// out[i][j] = dot(x row i, w row j) for MT x NT rows (NT <= kNT), K inputs.
+template <int MT, int NT, typename W>
+static inline __attribute__((always_inline)) void dot_tile(
+    const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float (&out)[MT][kNT]) {
+    V acc[MT][NT];
+    for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < NT; ++j) acc[i][j] = V{};
+    int64_t k = 0;
+    for (; k + kLanes <= K; k += kLanes) {
+        V wv[NT];
+        for (int j = 0; j < NT; ++j) wv[j] = load(w + j * ldw + k);
+        for (int i = 0; i < MT; ++i) {
+            V xv = load(x + i * ldx + k);
+            for (int j = 0; j < NT; ++j) acc[i][j] += xv * wv[j];
+        }
+    }
+    for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < NT; ++j) {
+            float s = hsum(acc[i][j]);
+            for (int64_t t = k; t < K; ++t) s += x[i * ldx + t] * static_cast<float>(w[j * ldw + t]);
+            out[i][j] = s;
+        }
+}
+
+template <int MT, int NT, typename W>
+static inline __attribute__((always_inline)) void tile_rows(
+    const float* x, int64_t K, const W* w, const float* scale, const float* bias, float* y, int64_t N,
+    bool accumulate, int64_t n, int64_t m) {
+    float out[MT][kNT];
+    dot_tile<MT, NT>(x + m * K, K, w + n * K, K, K, out);
+    for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < NT; ++j) {
+            float v = out[i][j];
+            if (scale) v *= scale[n + j];
+            if (bias) v += bias[n + j];
+            float* dst = y + (m + i) * N + n + j;
+            *dst = accumulate ? *dst + v : v;
+        }
+}
+
+// y[:, n0:n1] (+)= x @ w[n0:n1].T * scale + bias; x (M, K), y (M, N).
+template <typename W>
+static void linear_range(const float* x, int64_t M, int64_t K, const W* w, const float* scale, const float* bias,
+                         float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + kNT <= n1; n += kNT) {
+        int64_t m = 0;
+        if constexpr (RTPCORE_MT >= 4)
+            for (; m + 4 <= M; m += 4) tile_rows<4, kNT>(x, K, w, scale, bias, y, N, accumulate, n, m);
+        for (; m + 2 <= M; m += 2) tile_rows<2, kNT>(x, K, w, scale, bias, y, N, accumulate, n, m);
+        for (; m < M; ++m) tile_rows<1, kNT>(x, K, w, scale, bias, y, N, accumulate, n, m);
+    }
+    for (; n < n1; ++n)
+        for (int64_t m = 0; m < M; ++m) tile_rows<1, 1>(x, K, w, scale, bias, y, N, accumulate, n, m);
+}
+
+static void linear_f32(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y,
+                       int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    linear_range(x, M, K, w, nullptr, bias, y, N, accumulate, n0, n1);
+}
+
+static void linear_i8(const float* x, int64_t M, int64_t K, const int8_t* w, const float* scale, const float* bias,
+                      float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    linear_range(x, M, K, w, scale, bias, y, N, accumulate, n0, n1);
+}
+
+// out = w * x / sqrt(mean(x^2) + eps), one row of E.
+static void rms_norm(const float* x, const float* w, float eps, float* out, int64_t E) {
+    V acc = V{};
+    int64_t k = 0;
+    for (; k + kLanes <= E; k += kLanes) {
+        V v = load(x + k);
+        acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; k < E; ++k) ss += x[k] * x[k];
+    float inv = 1.0f / std::sqrt(ss / static_cast<float>(E) + eps);
+    k = 0;
+    for (; k + kLanes <= E; k += kLanes) store(out + k, load(w + k) * (load(x + k) * inv));
+    for (; k < E; ++k) out[k] = w[k] * (x[k] * inv);
+}
+
+// out[i] = silu(gate[i]) * up[i] = gate / (1 + exp(-gate)) * up, I values.
+static void silu_mul(const float* gate, const float* up, float* out, int64_t I_) {
+    int64_t k = 0;
+    for (; k + kLanes <= I_; k += kLanes) {
+        V g = load(gate + k);
+        store(out + k, g / (1.0f + vexp(-g)) * load(up + k));
+    }
+    for (; k < I_; ++k) out[k] = gate[k] / (1.0f + sexp(-gate[k])) * up[k];
+}
+
+// Rotate-half RoPE of `heads` heads of D values in place, with this position's cos/sin rows.
+static void rope(float* x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; ++h) {
+        float* v = x + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+            float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+// Attention of the G query heads of one KV head of one sequence over its context positions
+// [start, ctx), read in place from the pools (slot rows of Hkv x D) through its block table.
+// q (G, D) -> out (G, D); scores: scratch of G * (ctx - start) floats.
+static void attend_one(const float* q, int64_t G, int64_t D, const float* kc, const float* vc, int64_t kvh,
+                       int64_t Hkv, const int64_t* table, int64_t tpb, int64_t start, int64_t ctx, float scale,
+                       float* scores, float* out) {
+    const int64_t L = ctx - start;
+    for (int64_t t = 0; t < L; ++t) {
+        int64_t pos = start + t;
+        int64_t slot = table[pos / tpb] * tpb + pos % tpb;
+        const float* krow = kc + (slot * Hkv + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) {
+            const float* qg = q + g * D;
+            V acc = V{};
+            int64_t k = 0;
+            for (; k + kLanes <= D; k += kLanes) acc += load(qg + k) * load(krow + k);
+            float s = hsum(acc);
+            for (; k < D; ++k) s += qg[k] * krow[k];
+            scores[g * L + t] = s * scale;
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores + g * L;
+        float mx = -__builtin_inff();
+        for (int64_t t = 0; t < L; ++t) mx = sg[t] > mx ? sg[t] : mx;
+        float sum = 0.0f;
+        int64_t t = 0;
+        for (; t + kLanes <= L; t += kLanes) {
+            V e = vexp(load(sg + t) - mx);
+            store(sg + t, e);
+            sum += hsum(e);
+        }
+        for (; t < L; ++t) {
+            sg[t] = sexp(sg[t] - mx);
+            sum += sg[t];
+        }
+        float inv = 1.0f / sum;
+        for (t = 0; t < L; ++t) sg[t] *= inv;
+        std::memset(out + g * D, 0, sizeof(float) * D);
+    }
+    for (int64_t t = 0; t < L; ++t) {
+        int64_t pos = start + t;
+        int64_t slot = table[pos / tpb] * tpb + pos % tpb;
+        const float* vrow = vc + (slot * Hkv + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) {
+            float p = scores[g * L + t];
+            float* og = out + g * D;
+            int64_t k = 0;
+            for (; k + kLanes <= D; k += kLanes) store(og + k, load(og + k) + load(vrow + k) * p);
+            for (; k < D; ++k) og[k] += vrow[k] * p;
+        }
+    }
+}
