@@ -1,0 +1,224 @@
+"""The native CPU decode step (rtpcore.models.native, rtpcore_native._kernels).
+
+The contract (docs/design.md §6): decode logits within float32 rounding of transformers' and
+greedy tokens equal to transformers' up to the first near-tie (two logits within
+NEAR_TIE of each other at the step where the tokens part). Every kernel variant this CPU can
+run is checked against torch on the same operands; the instruction-set cap is checked in a
+fresh process, as a CPU without AVX-512 would run it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("transformers")
+kernels = pytest.importorskip("rtpcore_native._kernels")
+
+from rtpcore import Engine  # noqa: E402
+from rtpcore.engine.batch import ForwardBatch  # noqa: E402
+from rtpcore.models.layers import Linear, weight_quantization  # noqa: E402
+from test_llama import PROMPTS, VARIANTS, hf_greedy, make_checkpoint, teacher_forced_logits  # noqa: E402
+
+NEAR_TIE = 1e-3  # logit units: float32 rounding moves these tiny models' logits by about 1e-6
+ISAS = kernels.supported_isas()
+
+
+@pytest.fixture
+def isa(request: pytest.FixtureRequest) -> Any:
+    """Runs the test with one instruction set's kernels, then restores the default."""
+    kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa(kernels.default_isa())
+
+
+def greedy_until_near_tie(model: Any, prompt: list[int], got: list[int]) -> int:
+    """How many of ``got`` equal transformers' greedy tokens before the first position where
+    transformers' own best two logits are within NEAR_TIE (teacher-forced on ``got``); fails
+    on a difference that is not such a near-tie."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1 : -1]  # (n, V)
+    for i, row in enumerate(logits):
+        top2 = row.topk(2).values
+        if int(row.argmax()) != got[i]:
+            assert float(top2[0] - top2[1]) <= NEAR_TIE, (
+                f"token {i}: transformers picks {int(row.argmax())} by {float(top2[0] - row[got[i]]):.3g} "
+                f"over our {got[i]}, not a near-tie")
+            return i
+    return len(got)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize(("rows", "out", "inp"), [(1, 96, 64), (3, 577, 33), (8, 40, 1536), (5, 13, 7), (17, 130, 100)])
+def test_linear_matches_torch_for_float32_and_int8_weights(isa: str, rows: int, out: int, inp: int) -> None:
+    """Every tile shape and tail (rows not a multiple of the tile, in_features not a multiple
+    of the vector width, a row count above the pool's split size) against F.linear."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out)
+    x, w, bias = torch.randn(rows, inp, generator=gen), torch.randn(out, inp, generator=gen), torch.randn(out, generator=gen)
+    kernels.set_num_threads(2)
+    y = torch.full((rows, out), float("nan"))
+    kernels.linear(kernels.LinearWeights(w.data_ptr(), False, 0, bias.data_ptr(), out, inp), x.data_ptr(), rows, y.data_ptr())
+    torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-5 * inp**0.5)
+    q = torch.randint(-127, 128, (out, inp), dtype=torch.int8, generator=gen)
+    scale = torch.rand(out, generator=gen) + 0.01
+    acc = torch.randn(rows, out, generator=gen)
+    y = acc.clone()
+    weights = kernels.LinearWeights(q.data_ptr(), True, scale.data_ptr(), 0, out, inp)
+    kernels.linear(weights, x.data_ptr(), rows, y.data_ptr(), accumulate=True)
+    ref = acc + F.linear(x, q.float() * scale[:, None])
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4 * inp**0.5)
+
+
+def test_int8_layers_use_the_native_kernel_for_float32_inputs() -> None:
+    """The native product and torch's int8-weight kernel agree on the same quantized layer."""
+    gen = torch.Generator().manual_seed(3)
+    with weight_quantization("int8"):
+        layer = Linear(torch.randn(70, 48, generator=gen), torch.randn(70, generator=gen))
+    x = torch.randn(2, 3, 48, generator=gen)
+    y = layer(x)
+    ref = torch._weight_int8pack_mm(x.reshape(6, 48), layer.weight, layer.scales).reshape(2, 3, 70) + layer.bias
+    assert layer._native_weights is not None
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_native_decode_logits_match_transformers(tmp_path: Path, variant: str) -> None:
+    """Teacher-forced ragged prefill, then one-token decode steps that the native step serves:
+    every logit within 1e-4 of transformers' (as the torch modules are held to)."""
+    hf = make_checkpoint(tmp_path, variant)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (40, 31, 20)]
+    engine = Engine.from_pretrained(tmp_path, tokens_per_block=4)
+    ours = teacher_forced_logits(engine.model, engine.kv_caches, seqs, prefill=[13, 7, 20])
+    assert engine.model.decode_kernel == "native" and engine.model._native.steps > 0
+    for s, got, n in zip(seqs, ours, [13, 7, 20], strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([s])).logits[0, n - 1 :]
+        assert (got - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["llama-gqa", "mistral-window", "qwen2-bias", "llama-tied"])
+def test_native_greedy_tokens_equal_transformers_up_to_a_near_tie(tmp_path: Path, variant: str) -> None:
+    """Batched greedy decoding of ragged prompts (a 12-token window shorter than the outputs
+    in mistral-window): tokens equal transformers' up to the first near-tie, and here there is
+    none, so all 48 of every prompt."""
+    hf = make_checkpoint(tmp_path, variant)
+    with Engine.from_pretrained(tmp_path, max_batch_size=4) as engine:
+        got = engine.generate(PROMPTS, max_new_tokens=48, stop_token_ids=[])
+        assert engine.model.decode_kernel == "native"
+    for prompt, tokens in zip(PROMPTS, got, strict=True):
+        assert len(set(tokens)) >= 8, f"degenerate output, the test would prove little: {tokens}"
+        assert greedy_until_near_tie(hf, prompt, tokens) == 48
+        assert tokens == hf_greedy(hf, prompt, 48)
+
+
+def test_native_decode_false_keeps_the_torch_modules_and_both_agree(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "llama-bias")
+    with Engine.from_pretrained(tmp_path, native_decode=False) as torch_engine:
+        want = torch_engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[])
+        assert torch_engine.model.decode_kernel == "torch"
+    with Engine.from_pretrained(tmp_path) as native_engine:
+        assert native_engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[]) == want
+        assert native_engine.model.decode_kernel == "native"
+
+
+@pytest.mark.parametrize(("options", "reason"), [
+    ({"dtype": "bfloat16"}, "computes in torch.bfloat16"),
+    ({"kv_cache_dtype": "fp8"}, "KV pool is PackedLayerKVCache"),
+    ({"native_decode": False}, "native_decode is False"),
+])
+def test_steps_the_native_decode_cannot_serve_run_torch_and_say_why(
+    tmp_path: Path, options: dict[str, Any], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    make_checkpoint(tmp_path)
+    with caplog.at_level("INFO", logger="rtpcore.models.llama_modules"), \
+            Engine.from_pretrained(tmp_path, **options) as engine:
+        engine.generate([PROMPTS[0]], max_new_tokens=3, stop_token_ids=[])
+        assert engine.model.decode_kernel == "torch"
+    assert reason in caplog.text
+
+
+def test_native_decode_rejects_an_index_outside_its_tables(tmp_path: Path) -> None:
+    """A token id past the embedding, a slot past the pools and a block past them raise
+    IndexError naming the sequence, instead of reading or writing out of bounds."""
+    make_checkpoint(tmp_path)
+    engine = Engine.from_pretrained(tmp_path, tokens_per_block=4)
+    slots = engine.kv_caches[0].k.shape[0]
+
+    def step(ids: int, slot: int, block: int) -> None:
+        batch = ForwardBatch(
+            input_ids=torch.tensor([ids]), positions=torch.tensor([2]), slots=torch.tensor([slot]),
+            query_lens=(1,), context_lens=torch.tensor([3]), block_tables=torch.tensor([[block]]), tokens_per_block=4,
+        )
+        with torch.inference_mode():
+            engine.model(batch, engine.kv_caches)
+
+    step(5, 2, 0)
+    assert engine.model.decode_kernel == "native"
+    with pytest.raises(IndexError, match="sequence 0: token id 128 outside the embedding's 128 rows"):
+        step(128, 2, 0)
+    with pytest.raises(IndexError, match=f"sequence 0: slot {slots} outside"):
+        step(5, slots, 0)
+    with pytest.raises(IndexError, match="sequence 0: block -1 outside the KV pools"):
+        step(5, 2, -1)
+
+
+def test_the_instruction_set_honours_onednn_max_cpu_isa(tmp_path: Path) -> None:
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes a fresh process use the AVX2 kernels (as on a CPU without
+    AVX-512) and the same greedy tokens as transformers; SSE41 the baseline."""
+    hf = make_checkpoint(tmp_path, "llama-gqa")
+    code = (
+        "import json, sys, rtpcore_native._kernels as k\n"
+        "from rtpcore import Engine\n"
+        "with Engine.from_pretrained(sys.argv[1]) as e:\n"
+        "    out = e.generate([[5, 9, 33, 7, 81]], max_new_tokens=24, stop_token_ids=[])[0]\n"
+        "    print(json.dumps({'isa': k.isa(), 'kernel': e.model.decode_kernel, 'tokens': out}))\n"
+    )
+    want = hf_greedy(hf, [5, 9, 33, 7, 81], 24)
+    for cap, isa in (("AVX2", "avx2"), ("SSE41", "baseline")):
+        if isa not in ISAS:
+            continue
+        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": cap}
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True, check=True)
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got == {"isa": isa, "kernel": "native", "tokens": want}
+
+
+def test_a_forked_child_runs_the_kernels_on_a_pool_of_its_own() -> None:
+    """The parent's thread pool does not survive fork (its workers are gone in the child); the
+    child builds its own and computes the same product (a stale pool would hang or crash).
+    The child runs the native kernel only: torch's own OpenMP pool is not fork-safe."""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 256, generator=gen), torch.randn(4096, 256, generator=gen)
+    weights = kernels.LinearWeights(w.data_ptr(), False, 0, 0, 4096, 256)
+    kernels.set_num_threads(2)
+    want = torch.empty(2, 4096)
+    kernels.linear(weights, x.data_ptr(), 2, want.data_ptr())  # the pool starts here
+    y = torch.zeros(2, 4096)
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # Python 3.12+ warns about fork in a threaded process: the point here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            kernels.linear(weights, x.data_ptr(), 2, y.data_ptr())
+            os.write(write, y.numpy().tobytes())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    got = torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(2, 4096) if data else None
+    assert got is not None and torch.equal(got, want)
