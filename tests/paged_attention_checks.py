@@ -1,7 +1,7 @@
 """Checks of the Triton paged decode and prefill kernels, run by tests/test_paged_attention.py
 and tests/test_paged_attention_split.py in a child process with ``TRITON_INTERPRET=1`` (set
 before Triton is imported: Triton then runs the kernel on CPU tensors).
-``python paged_attention_checks.py kernel|split|mla|prefill|atom|engine`` prints one JSON
+``python paged_attention_checks.py kernel|split|mla|prefill|atom|engine|graphs`` prints one JSON
 line of results; a failed check raises (exit status 1)."""
 
 from __future__ import annotations
@@ -305,6 +305,61 @@ def engine() -> dict[str, object]:
     return result
 
 
+def graphs() -> dict[str, object]:
+    """Decode steps of tiny Llama-family models through DecodeGraphs' static buffers
+    (``capture=False``) as wide as 1024 positions need: the rule takes the split kernel (the
+    12-token window the per-block one); the logits equal the gather path's on each batch."""
+    import tempfile
+
+    from rtpcore import Engine
+    from rtpcore.engine.graphs import DecodeGraphs
+    from rtpcore.kv import paged_attention
+    from rtpcore.kv.pools import allocate_kv_caches
+    from test_graphs import TPB, _batch
+    from test_llama import make_checkpoint
+
+    split_calls = 0
+    split_decode_attention = paged_attention.split_decode_attention
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal split_calls
+        split_calls += 1
+        return split_decode_attention(*args, **kwargs)
+
+    paged_attention.split_decode_attention = counted
+    result: dict[str, object] = {}
+    for variant in ("llama-gqa", "mistral-window"):
+        split_calls = 0
+        with tempfile.TemporaryDirectory() as tmp:
+            make_checkpoint(Path(tmp), variant)
+            with Engine.from_pretrained(tmp, tokens_per_block=TPB, max_batch_size=4, kv_cache_memory=1 << 20) as e:
+                blocks = 24
+                caches = allocate_kv_caches(e.kv_cache_specs, blocks + 1, compute_dtype=torch.float32)
+                graphs = DecodeGraphs(
+                    e.model, caches, max_batch_size=4, max_positions=1024,
+                    tokens_per_block=TPB, scratch_block=blocks, device="cpu", capture=False,
+                )
+                prompts = [[5, 9, 33, 7, 81, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [100]]
+                tables = torch.tensor([[7, 2, 19, 11, 0, 0, 0], [3, 14, 5, 9, 21, 16, 8], [12, 0, 0, 0, 0, 0, 0]])
+                with torch.inference_mode():
+                    tokens = e.model(_batch(tables, [0, 0, 0], prompts), caches).argmax(-1).tolist()
+                lens = [len(p) for p in prompts]
+                for _ in range(4):
+                    batch = _batch(tables, lens, [[t] for t in tokens])
+                    with paged_attention.use_backend("triton"):
+                        got = graphs.run(batch)  # the bucket of 4: a padding row
+                    with paged_attention.use_backend("gather"), torch.inference_mode():
+                        want = e.model(batch, caches)
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                    tokens = want.argmax(-1).tolist()
+                    lens = [n + 1 for n in lens]
+        result[variant] = ["same", "split" if split_calls else "per-block"]
+    return result
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps({"kernel": kernel, "split": split, "mla": mla, "prefill": prefill, "atom": atom, "engine": engine}[sys.argv[1]]()))
+    checks = {
+        "kernel": kernel, "split": split, "mla": mla, "prefill": prefill, "atom": atom, "engine": engine, "graphs": graphs,
+    }
+    print(json.dumps(checks[sys.argv[1]]()))

@@ -40,6 +40,15 @@ def test_mla_kernel_equals_absorbed_latent_attention() -> None:
     assert set(interpreted("mla")) == {"float32", "bfloat16", "float16"}
 
 
+@needs_triton
+def test_static_decode_batches_take_the_split_kernel() -> None:
+    """Tiny Llama-family models decoding through DecodeGraphs' padded static buffers, as wide
+    as 1024 positions need (what a CUDA graph replays): the split kernel serves the plain
+    model, the per-block one the 12-token window, and the logits equal the gather path's."""
+    pytest.importorskip("transformers")
+    assert interpreted("graphs") == {"llama-gqa": ["same", "split"], "mistral-window": ["same", "per-block"]}
+
+
 def test_short_contexts_take_the_per_block_kernel() -> None:
     """Below LONG_CONTEXT addressable positions, the per-block kernel (0 parts); a window
     shorter than that keeps it whatever the tables' width."""
