@@ -5,6 +5,7 @@ child process, tests/paged_attention_checks.py) and on a GPU; the rule that pick
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from rtpcore.kv.paged_decode_split import (
 )
 from test_paged_attention import interpreted
 
+HERE = Path(__file__).resolve().parent
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
 
@@ -142,3 +144,14 @@ def test_split_kernel_replays_in_a_cuda_graph() -> None:
     torch.cuda.synchronize()
     want = reference(*cpu, 16, scale, None)
     assert float((out.float().cpu() - want).abs().max()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_the_gpu_benchmark_times_the_decode_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/bench_gpu.py's kernel table runs (a short context, one batch size)."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", HERE.parent / "benchmarks" / "bench_gpu.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.decode_kernels(1024, [2], 1)
+    assert len(capsys.readouterr().out.splitlines()) == 3
