@@ -119,6 +119,28 @@ def test_long_contexts_on_the_gpu(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.gpu
+def test_long_mla_contexts_on_the_gpu() -> None:
+    """DeepSeek-V3's latent (512 + 64) under 16 heads, bf16, 4k-token contexts next to a
+    short one: the rule's parts equal absorbed latent attention."""
+    from paged_attention_checks import paged_pool
+    from rtpcore.kv.paged_attention import paged_mla_decode
+
+    gen = torch.Generator().manual_seed(5)
+    ctx, r = [4096, 3000, 17], 512
+    rows, _, tables, lens = paged_pool(16, ctx, 1, r + 64, gen, blocks=256 * 3)
+    latent, roped = rows[:, 0, :r].bfloat16(), rows[:, 0, r:].bfloat16()
+    q_lat, q_rope = torch.randn(3, 16, r, generator=gen) / 8, torch.randn(3, 16, 64, generator=gen) / 8
+    on = [t.cuda() for t in (q_lat, q_rope, latent, roped, tables, lens)]
+    got = paged_mla_decode(*on, tokens_per_block=16, scale=0.07).cpu()
+    for i, n in enumerate(ctx):
+        pos = torch.arange(n)
+        slots = tables[i, pos // 16] * 16 + pos % 16
+        c, k = latent[slots].float(), roped[slots].float()
+        want = ((q_lat[i] @ c.T + q_rope[i] @ k.T) * 0.07).softmax(-1) @ c
+        assert float((got[i] - want).abs().max()) < 2e-2, n
+
+
+@pytest.mark.gpu
 def test_split_kernel_replays_in_a_cuda_graph() -> None:
     """Captured once over static buffers as wide as 4096 positions, a step replays for other
     lengths and block tables (the grid reads no length from the device)."""
