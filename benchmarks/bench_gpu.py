@@ -1,7 +1,7 @@
 """Decode throughput on a CUDA/ROCm GPU: rtpcore against transformers and a CUDA-graph decode step.
 
     python benchmarks/bench_gpu.py [--layers 16] [--batches 1,8,64] [--prompt-len 32]
-        [--new-tokens 128] [--repeats 3] [--parity-tokens 32] [--no-fp8]
+        [--new-tokens 128] [--repeats 3] [--parity-tokens 32] [--no-fp8] [--kernel-context 4096]
 
 Builds a random, seeded model of Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads,
 8 KV heads, head_dim 64, intermediate 8192, vocab 128256, tied embeddings; plain RoPE)
@@ -20,7 +20,10 @@ tokens/s and the ratios rtpcore / graph step and rtpcore / transformers; per rtp
 the GPU time of its forward (CUDA events around each forward) and the host time (the step's
 wall time less that); the CUDA-graph replays each run made (``EngineStats``); then a float32
 greedy parity check (same weights, TF32 off) of rtpcore against transformers on the GPU,
-and the throughput of an fp8 (e4m3) KV cache at the largest batch.
+and the throughput of an fp8 (e4m3) KV cache at the largest batch. Last, one layer's decode
+attention at ``--kernel-context`` tokens (0: skipped) per batch size: the per-block paged
+kernel and the split-context one (``rtpcore.kv.paged_decode_split``, the parts the rule
+picks), each against torch's sdpa over a contiguous cache of the same context (the baseline).
 
 Exit status: 0; 1 when the parity check fails; 3 when rtpcore is below ``--min-ratio``
 (0.75) of the graph step at any batch size, or its decode steps did not replay CUDA graphs;
@@ -269,6 +272,52 @@ def throughput(args: argparse.Namespace, path: Path) -> list[str]:
     return problems
 
 
+def decode_kernels(context: int, batches: list[int], repeats: int) -> None:
+    """Print one layer's decode attention time at ``context`` tokens per batch size (Llama-3.2-1B's
+    32 query / 8 KV heads of 64, bfloat16, 16-token blocks in random order): torch's sdpa over
+    a contiguous (B, Hkv, L, D) cache, the per-block paged kernel, the split-context kernel,
+    and the time ratios to the split kernel (above 1: the split kernel is faster)."""
+    from rtpcore.kv.paged_attention import decode_kernel_splits, paged_decode_attention
+
+    h, hkv, d, tpb, calls = 32, 8, 64, 16, 20
+    print(f"decode attention, one layer, {context}-token contexts, bfloat16, best of {repeats} x {calls} calls")
+    print(f"{'batch':>5} {'sdpa ms':>8} {'per-block ms':>12} {'split ms':>9} {'parts':>5} {'sdpa/split':>10}"
+          f" {'per-block/split':>15}")
+    for b in batches:
+        width = -(-context // tpb)
+        k = torch.randn(b * width * tpb, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables = torch.randperm(b * width, device="cuda").view(b, width)
+        lens = torch.full((b,), context, device="cuda")
+        q = torch.randn(b, h, d, device="cuda", dtype=torch.bfloat16)
+        kc = torch.randn(b, hkv, context, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        parts = decode_kernel_splits(b, hkv, width * tpb)
+        paged = partial(paged_decode_attention, q, k, v, tables, lens, tokens_per_block=tpb, scale=d**-0.5)
+        runs = {
+            "sdpa": partial(F.scaled_dot_product_attention, q[:, :, None], kc, vc, enable_gqa=True),
+            "per-block": partial(paged, splits=0),
+            "split": partial(paged, splits=None),
+        }
+        ms: dict[str, float] = {}
+        for name, fn in runs.items():
+            fn()  # compile
+            best = float("inf")
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                best = min(best, start.elapsed_time(end) / calls)
+            ms[name] = best
+        print(f"{b:5d} {ms['sdpa']:8.3f} {ms['per-block']:12.3f} {ms['split']:9.3f} {parts:5d}"
+              f" {ms['sdpa'] / ms['split']:9.2f}x {ms['per-block'] / ms['split']:14.2f}x")
+        del k, v, kc, vc
+        torch.cuda.empty_cache()
+
+
 def parity(args: argparse.Namespace, path: Path) -> bool:
     """rtpcore's float32 greedy tokens equal transformers' on the GPU (same weights, TF32 off)."""
     from transformers import AutoModelForCausalLM
@@ -305,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after a warm-up; each figure keeps its best")
     parser.add_argument("--parity-tokens", type=int, default=32, help="new tokens of the float32 parity check (0: skip it)")
     parser.add_argument("--no-fp8", dest="fp8", action="store_false", help="skip the fp8 KV cache line")
+    parser.add_argument("--kernel-context", type=int, default=4096,
+                        help="time one layer's decode attention kernels at this context (0: skip)")
     parser.add_argument("--min-ratio", type=float, default=0.75,
                         help="exit 3 when rtpcore is below this fraction of the graph step at any batch size")
     args = parser.parse_args(argv)
@@ -319,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         make_model(path, args.layers, max(2048, args.prompt_len + max(args.new_tokens, args.parity_tokens)))
         problems = throughput(args, path)
         ok = parity(args, path) if args.parity_tokens > 0 else True
+    if args.kernel_context > 0:
+        decode_kernels(args.kernel_context, args.batches, args.repeats)
     for problem in problems:
         print(f"bench_gpu: FAIL: {problem}", file=sys.stderr)
     return 1 if not ok else 3 if problems else 0

@@ -1,7 +1,8 @@
 """Checks of the Triton paged decode and prefill kernels, run by tests/test_paged_attention.py
-in a child process with ``TRITON_INTERPRET=1`` (set before Triton is imported: Triton then runs
-the kernel on CPU tensors). ``python paged_attention_checks.py kernel|mla|prefill|atom|engine``
-prints one JSON line of results; a failed check raises (exit status 1)."""
+and tests/test_paged_attention_split.py in a child process with ``TRITON_INTERPRET=1`` (set
+before Triton is imported: Triton then runs the kernel on CPU tensors).
+``python paged_attention_checks.py kernel|split|mla|prefill|atom|engine|graphs`` prints one JSON
+line of results; a failed check raises (exit status 1)."""
 
 from __future__ import annotations
 
@@ -57,34 +58,111 @@ def kernel() -> dict[str, float]:
     return worst
 
 
-def mla() -> dict[str, float]:
-    """The latent kernel against softmax(scale * (q_lat . c + q_rope . k_pe)) @ c per sequence."""
+def paged_pool(tpb, ctx, hkv, d, gen, *, blocks, window=None):  # type: ignore[no-untyped-def]
+    """Pools of ``blocks`` blocks holding each sequence's context in scattered blocks (a
+    context of 0: a padding row, its table all one spare block whose first slot holds the
+    row's one visible key); every slot no query sees is NaN. Returns k, v, tables, lens."""
+    used = [-(-max(n, 1) // tpb) for n in ctx]
+    width = max(used)
+    ids = torch.randperm(blocks, generator=gen)[: sum(used)]
+    tables = torch.full((len(ctx), width), -1)  # entries past a sequence's blocks: never read
+    k = torch.full((blocks * tpb, hkv, d), float("nan"))
+    v = torch.full((blocks * tpb, hkv, d), float("nan"))
+    lens = torch.tensor([max(n, 1) for n in ctx])
+    for b, part in enumerate(ids.split(used)):
+        if ctx[b] == 0:
+            tables[b] = part[0]  # graph padding: every entry names the scratch block
+        else:
+            tables[b, : len(part)] = part
+        n = int(lens[b])
+        pos = torch.arange(max(0, n - window) if window else 0, n)
+        slots = tables[b, pos // tpb] * tpb + pos % tpb
+        k[slots] = torch.randn(len(pos), hkv, d, generator=gen)
+        v[slots] = torch.randn(len(pos), hkv, d, generator=gen)
+    return k, v, tables, lens
+
+
+SPLIT_CASES = [  # (tokens per block, H, Hkv, D, window, context lengths, splits, tile)
+    (4, 4, 2, 16, None, (5,), 1, 16),  # shorter than one tile, one part
+    (4, 4, 2, 16, None, (5,), 3, 16),  # shorter than one tile: parts 1 and 2 empty
+    (16, 2, 2, 16, None, (16,), 2, 16),  # exactly one tile
+    (16, 2, 2, 16, None, (71,), 3, 16),  # five tiles, the last partial: parts of 32, 32, 7
+    (4, 8, 2, 24, None, (70, 3, 33, 0), 4, 16),  # GQA 4:1, lengths apart, empty parts, a padding row
+    (3, 2, 2, 24, 19, (70, 20, 9), 3, 16),  # a window across blocks of 3 and tiles of 16
+    (5, 6, 1, 16, 40, (23, 97), 2, 16),  # GQA 6:1, a window longer than a context
+    (16, 4, 2, 64, None, (300, 129, 1), 2, None),  # the default tile (128 positions for D 64)
+    (16, 4, 2, 64, None, (300, 129, 1), 1, None),  # one part over several tiles: no combining
+]
+
+
+def split_errors(device: str) -> dict[str, float]:
+    """The tiled (split-context) decode kernel on ``device`` against each sequence's dense
+    attention (torch's sdpa on its gathered visible keys, on the CPU). Worst error per dtype."""
+    from rtpcore.kv.paged_attention import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(3)
+    worst: dict[str, float] = {}
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        for tpb, h, hkv, d, window, ctx, splits, tile in SPLIT_CASES:
+            k, v, tables, lens = paged_pool(tpb, ctx, hkv, d, gen, blocks=48, window=window)
+            k, v = k.to(dtype), v.to(dtype)
+            q = torch.randn(len(ctx), h, d, generator=gen).to(dtype)
+            on = [t.to(device) for t in (q, k, v, tables, lens)]
+            got = paged_decode_attention(
+                *on, tokens_per_block=tpb, scale=d**-0.5, window=window, splits=splits, tile=tile
+            ).cpu()
+            assert got.dtype == dtype and got.shape == q.shape
+            err = float((got.float() - reference(q, k, v, tables, lens, tpb, d**-0.5, window)).abs().max())
+            assert err < tol, (dtype, tpb, h, hkv, d, window, ctx, splits, tile, err)
+            key = str(dtype).removeprefix("torch.")
+            worst[key] = max(worst.get(key, 0.0), err)
+    return worst
+
+
+def split() -> dict[str, float]:
+    return split_errors("cpu")
+
+
+MLA_CASES = [  # (H, r, R, tokens per block, context lengths, splits, tile)
+    (5, 24, 8, 4, (5, 30, 17), None, None),  # the rule's parts (one here), one 64-position tile
+    (16, 128, 32, 16, (100, 7), 3, 16),  # the short sequence's parts 1 and 2 are empty
+    (20, 64, 16, 3, (64,), 2, 16),  # two programs of heads, whole tiles
+    (4, 32, 32, 1, (1, 9, 16, 40, 0), 4, 16),  # one-token blocks, a padding row
+    (16, 512, 64, 16, (70, 33), 2, None),  # DeepSeek-V3's latent and rope sizes: 32-position tiles
+]
+
+
+def mla_errors(device: str) -> dict[str, float]:
+    """The latent kernel on ``device`` against softmax(scale * (q_lat . c + q_rope . k_pe)) @ c
+    per sequence (float32 on the CPU, the float32 queries); slots no query sees are NaN."""
     from rtpcore.kv.paged_attention import paged_mla_decode
 
     gen = torch.Generator().manual_seed(1)
     worst: dict[str, float] = {}
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-5), (torch.float16, 1e-5)):
-        for b, h, r, rope, tpb in ((3, 5, 24, 8, 4), (2, 16, 128, 32, 16), (1, 20, 64, 16, 3), (4, 4, 32, 32, 1)):
-            blocks = 60
-            latent = torch.randn(blocks * tpb, r, generator=gen).to(dtype)
-            roped = torch.randn(blocks * tpb, rope, generator=gen).to(dtype)
-            lens = torch.randint(1, 8 * tpb, (b,), generator=gen)
-            width = int(-(-lens.max() // tpb))
-            tables = torch.randperm(blocks, generator=gen)[: b * width].view(b, width)
-            q_lat = torch.randn(b, h, r, generator=gen)
-            q_rope = torch.randn(b, h, rope, generator=gen)
-            got = paged_mla_decode(q_lat, q_rope, latent, roped, tables, lens, tokens_per_block=tpb, scale=0.2)
+    # half pools: the queries are rounded to the pool's dtype for the dots (512-wide latents)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 4e-2), (torch.float16, 5e-3)):
+        for h, r, rope, tpb, ctx, splits, tile in MLA_CASES:
+            rows, _, tables, lens = paged_pool(tpb, ctx, 1, r + rope, gen, blocks=80)
+            latent, roped = rows[:, 0, :r].to(dtype), rows[:, 0, r:].to(dtype)
+            q_lat = torch.randn(len(ctx), h, r, generator=gen)
+            q_rope = torch.randn(len(ctx), h, rope, generator=gen)
+            on = [t.to(device) for t in (q_lat, q_rope, latent, roped, tables, lens)]
+            got = paged_mla_decode(*on, tokens_per_block=tpb, scale=0.2, splits=splits, tile=tile).cpu()
             want = []
-            for i in range(b):
+            for i in range(len(ctx)):
                 pos = torch.arange(int(lens[i]))
                 slots = tables[i, pos // tpb] * tpb + pos % tpb
                 c, k = latent[slots].float(), roped[slots].float()
                 want.append(((q_lat[i] @ c.T + q_rope[i] @ k.T) * 0.2).softmax(-1) @ c)
             err = float((got - torch.stack(want)).abs().max())
-            assert got.dtype == torch.float32 and err < tol, (dtype, b, h, r, rope, tpb, err)
+            assert got.dtype == torch.float32 and err < tol, (dtype, h, r, rope, tpb, ctx, splits, tile, err)
             key = str(dtype).removeprefix("torch.")
             worst[key] = max(worst.get(key, 0.0), err)
     return worst
+
+
+def mla() -> dict[str, float]:
+    return mla_errors("cpu")
 
 
 def prefill_reference(q, k, v, tables, lens, starts, tpb, scale, window):  # type: ignore[no-untyped-def]
@@ -227,6 +305,61 @@ def engine() -> dict[str, object]:
     return result
 
 
+def graphs() -> dict[str, object]:
+    """Decode steps of tiny Llama-family models through DecodeGraphs' static buffers
+    (``capture=False``) as wide as 1024 positions need: the rule takes the split kernel (the
+    12-token window the per-block one); the logits equal the gather path's on each batch."""
+    import tempfile
+
+    from rtpcore import Engine
+    from rtpcore.engine.graphs import DecodeGraphs
+    from rtpcore.kv import paged_attention
+    from rtpcore.kv.pools import allocate_kv_caches
+    from test_graphs import TPB, _batch
+    from test_llama import make_checkpoint
+
+    split_calls = 0
+    split_decode_attention = paged_attention.split_decode_attention
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal split_calls
+        split_calls += 1
+        return split_decode_attention(*args, **kwargs)
+
+    paged_attention.split_decode_attention = counted
+    result: dict[str, object] = {}
+    for variant in ("llama-gqa", "mistral-window"):
+        split_calls = 0
+        with tempfile.TemporaryDirectory() as tmp:
+            make_checkpoint(Path(tmp), variant)
+            with Engine.from_pretrained(tmp, tokens_per_block=TPB, max_batch_size=4, kv_cache_memory=1 << 20) as e:
+                blocks = 24
+                caches = allocate_kv_caches(e.kv_cache_specs, blocks + 1, compute_dtype=torch.float32)
+                graphs = DecodeGraphs(
+                    e.model, caches, max_batch_size=4, max_positions=1024,
+                    tokens_per_block=TPB, scratch_block=blocks, device="cpu", capture=False,
+                )
+                prompts = [[5, 9, 33, 7, 81, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [100]]
+                tables = torch.tensor([[7, 2, 19, 11, 0, 0, 0], [3, 14, 5, 9, 21, 16, 8], [12, 0, 0, 0, 0, 0, 0]])
+                with torch.inference_mode():
+                    tokens = e.model(_batch(tables, [0, 0, 0], prompts), caches).argmax(-1).tolist()
+                lens = [len(p) for p in prompts]
+                for _ in range(4):
+                    batch = _batch(tables, lens, [[t] for t in tokens])
+                    with paged_attention.use_backend("triton"):
+                        got = graphs.run(batch)  # the bucket of 4: a padding row
+                    with paged_attention.use_backend("gather"), torch.inference_mode():
+                        want = e.model(batch, caches)
+                    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+                    tokens = want.argmax(-1).tolist()
+                    lens = [n + 1 for n in lens]
+        result[variant] = ["same", "split" if split_calls else "per-block"]
+    return result
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps({"kernel": kernel, "mla": mla, "prefill": prefill, "atom": atom, "engine": engine}[sys.argv[1]]()))
+    checks = {
+        "kernel": kernel, "split": split, "mla": mla, "prefill": prefill, "atom": atom, "engine": engine, "graphs": graphs,
+    }
+    print(json.dumps(checks[sys.argv[1]]()))

@@ -41,13 +41,6 @@ def test_kernel_equals_dense_attention_over_scattered_blocks() -> None:
 
 
 @needs_triton
-def test_mla_kernel_equals_absorbed_latent_attention() -> None:
-    """fp32/bf16/fp16 latent pools, head counts that are not multiples of the kernel's 16,
-    latent and rope sizes, block sizes down to one token; blocks in random order."""
-    assert set(interpreted("mla")) == {"float32", "bfloat16", "float16"}
-
-
-@needs_triton
 def test_prefill_kernel_equals_causal_attention_per_sequence() -> None:
     """Varlen queries over scattered blocks of 1/3/4/16 tokens: a mixed batch (a decode, a
     7-token prompt, a 33-token later chunk of a longer context), grouped heads, head sizes

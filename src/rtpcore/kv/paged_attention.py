@@ -1,4 +1,4 @@
-"""Paged decode attention that reads KV blocks in place: a Triton kernel.
+"""Paged decode attention that reads KV blocks in place: Triton kernels.
 
 A decode step (one new token per sequence) attends over each sequence's cached keys and
 values straight from the layer's pool, block by block through its block table, with an
@@ -17,6 +17,16 @@ per sequence, chunked prefill, decodes among them) over an unquantized MHA/GQA p
 :func:`paged_prefill_attention` (``rtpcore.kv.paged_prefill``, re-exported here): varlen
 causal attention of flat queries over the cache, in place, no padding.
 
+Two MHA/GQA decode kernels, chosen per step by :func:`decode_kernel_splits` from host-side
+shapes only (so a CUDA graph replays the same launches for any context): while the
+positions a query can address (the block tables' width times the block size -- under CUDA
+graphs ``max_positions`` -- or a shorter sliding window) stay under ``LONG_CONTEXT`` (1024),
+the per-block kernel here (one program per (sequence, KV head), one KV block per
+iteration); from there on, the tiled split-context kernel of
+``rtpcore.kv.paged_decode_split`` (64-128-position tiles through ``tl.dot``, each context
+split into parts run side by side and combined by log-sum-exp). MLA decode always takes
+that module's tiled kernel.
+
 :func:`decode_backend` picks the path of one layer's decode, :func:`prefill_backend` that
 of a prefill or mixed step: ``"auto"`` (the default) uses the kernel on CUDA tensors when it
 can; :func:`use_backend` forces ``"triton"`` or ``"gather"`` for both, for a block of code
@@ -33,11 +43,17 @@ from typing import Any
 
 import torch
 
+from rtpcore.kv.paged_decode_split import (
+    LONG_CONTEXT,
+    decode_splits,
+    split_decode_attention,
+    split_mla_decode,
+)
 from rtpcore.kv.paged_prefill import paged_prefill_attention
 from rtpcore.kv.triton_support import interpreted, launch_on, pow2, triton_available
 
 __all__ = [
-    "BACKENDS", "decode_backend", "paged_decode_attention", "paged_mla_decode", "paged_prefill_attention",
+    "BACKENDS", "decode_backend", "decode_kernel_splits", "paged_decode_attention", "paged_mla_decode", "paged_prefill_attention",
     "prefill_backend", "triton_available", "use_backend",
 ]
 
@@ -93,6 +109,17 @@ def _choose(eligible: bool, x: torch.Tensor, kernel: str, needs: str) -> str:
     return "triton" if eligible and runnable and x.is_cuda else "gather"
 
 
+def decode_kernel_splits(num_seqs: int, kv_heads: int, addressable: int, window: int | None = None) -> int:
+    """Which kernel an MHA/GQA decode step takes: 0, the per-block kernel, while the
+    positions a query can see -- ``addressable`` (the block tables' width times the block
+    size; under CUDA graphs ``max_positions``, whatever the contexts' lengths), or the window
+    when shorter -- stay under ``LONG_CONTEXT`` (1024); else the tiled kernel in
+    :func:`decode_splits` parts. Host integers only, so a captured graph replays the same
+    launches for any context."""
+    visible = min(addressable, window) if window else addressable
+    return 0 if visible < LONG_CONTEXT else decode_splits(num_seqs, kv_heads, visible)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -103,6 +130,8 @@ def paged_decode_attention(
     tokens_per_block: int,
     scale: float,
     window: int | None = None,
+    splits: int | None = None,
+    tile: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached context, read in place.
 
@@ -110,12 +139,24 @@ def paged_decode_attention(
     block_tables (B, max_blocks) int; context_lens (B,) int, the new token included (its keys
     are already written). A query sees positions ``context_len - window .. context_len - 1``
     with a window, else all. Returns (B, H, D) in q's dtype; softmax in float32.
+
+    ``splits``: 0, the per-block kernel; n >= 1, the tiled kernel of
+    :mod:`rtpcore.kv.paged_decode_split` in n parts of each context; None (the default),
+    :func:`decode_kernel_splits`'s choice by the step's shapes. ``tile``: the tiled kernel's
+    positions per tile (None: 128 for heads up to 64 wide, else 64).
     """
-    kernel = _kernel()
     b, h, d = q.shape
     hkv = k_pool.shape[1]
     if h % hkv:
         raise ValueError(f"{h} query heads do not group over {hkv} KV heads")
+    if splits is None:
+        splits = decode_kernel_splits(b, hkv, block_tables.shape[1] * tokens_per_block, window)
+    if splits:
+        return split_decode_attention(
+            q, k_pool, v_pool, block_tables, context_lens,
+            tokens_per_block=tokens_per_block, scale=scale, window=window, splits=splits, tile=tile,
+        )
+    kernel = _kernel()
     g = h // hkv
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -141,6 +182,8 @@ def paged_mla_decode(
     *,
     tokens_per_block: int,
     scale: float,
+    splits: int | None = None,
+    tile: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode over a paged latent cache, read in place.
 
@@ -148,24 +191,18 @@ def paged_mla_decode(
     (slots, r) the cached normalised latents (the spec's k part), rope_pool (slots, R) the
     roped shared keys (its v part); context_lens count the new token (already written).
     score = scale * (q_latent . latent + q_rope . rope); returns softmax(score) @ latent,
-    (B, H, r) float32 (multiply by W_UV afterwards).
+    (B, H, r) float32 (multiply by W_UV afterwards). The tiled kernel of
+    :mod:`rtpcore.kv.paged_decode_split` (programs of 16 heads), in ``splits`` parts of each
+    context (None: :func:`decode_splits` by the block tables' width, whatever the length),
+    ``tile`` positions per tile (None: 64, or 32 for latents wider than 256).
     """
-    kernel = _mla_kernel()
-    b, h, r = q_latent.shape
-    rope = q_rope.shape[-1]
-    q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
-    out = torch.empty(b, h, r, dtype=torch.float32, device=q_latent.device)
-    block_h, block_n = 16, 16
-    with launch_on(q_latent.device):
-        kernel[(b, -(-h // block_h))](
-            q_latent, q_rope, latent_pool, rope_pool, block_tables, context_lens, out,
-            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-            latent_pool.stride(0), rope_pool.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
-            float(scale), h,
-            R_LAT=r, R_ROPE=rope, TPB=tokens_per_block,
-            BLOCK_H=block_h, BLOCK_L=max(16, pow2(r)), BLOCK_R=max(16, pow2(rope)), BLOCK_N=block_n,
-        )
-    return out
+    b, h = q_latent.shape[:2]
+    if splits is None:
+        splits = decode_splits(b, -(-h // 16), block_tables.shape[1] * tokens_per_block)
+    return split_mla_decode(
+        q_latent, q_rope, latent_pool, rope_pool, block_tables, context_lens,
+        tokens_per_block=tokens_per_block, scale=scale, splits=splits, tile=tile,
+    )
 
 
 @functools.cache
@@ -222,62 +259,3 @@ def _kernel() -> Any:
         )
 
     return decode_kernel
-
-
-@functools.cache
-def _mla_kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def mla_kernel(
-        ql_ptr, qr_ptr, lat_ptr, rope_ptr, tables_ptr, lens_ptr, out_ptr,
-        stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_ls, stride_rs, stride_tb, stride_ob, stride_oh,
-        scale, H,
-        R_LAT: tl.constexpr, R_ROPE: tl.constexpr, TPB: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # one program per (sequence, 16 heads); BLOCK_N positions per iteration, any block size
-        seq = tl.program_id(0)
-        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        lat = tl.arange(0, BLOCK_L)
-        rot = tl.arange(0, BLOCK_R)
-        n = tl.arange(0, BLOCK_N)
-        h_ok = h < H
-        lat_ok = lat < R_LAT
-        rot_ok = rot < R_ROPE
-        q_lat = tl.load(
-            ql_ptr + seq * stride_qlb + h[:, None] * stride_qlh + lat[None, :], mask=h_ok[:, None] & lat_ok[None, :], other=0.0
-        ).to(tl.float32)  # (H, r)
-        q_rot = tl.load(
-            qr_ptr + seq * stride_qrb + h[:, None] * stride_qrh + rot[None, :], mask=h_ok[:, None] & rot_ok[None, :], other=0.0
-        ).to(tl.float32)  # (H, R)
-        length = tl.load(lens_ptr + seq).to(tl.int32)
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        total = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-        for start in range(0, length, BLOCK_N):
-            pos = start + n
-            visible = pos < length
-            block = tl.load(tables_ptr + seq * stride_tb + pos // TPB, mask=visible, other=0).to(tl.int64)
-            slots = block * TPB + pos % TPB
-            latent = tl.load(
-                lat_ptr + slots[:, None] * stride_ls + lat[None, :], mask=visible[:, None] & lat_ok[None, :], other=0.0
-            ).to(tl.float32)  # (N, r)
-            rope = tl.load(
-                rope_ptr + slots[:, None] * stride_rs + rot[None, :], mask=visible[:, None] & rot_ok[None, :], other=0.0
-            ).to(tl.float32)  # (N, R)
-            scores = tl.dot(q_lat, tl.trans(latent), input_precision="ieee")
-            scores = (scores + tl.dot(q_rot, tl.trans(rope), input_precision="ieee")) * scale  # (H, N)
-            scores = tl.where(visible[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            total = total * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, latent, input_precision="ieee")
-            m = m_new
-        out = acc / total[:, None]
-        tl.store(
-            out_ptr + seq * stride_ob + h[:, None] * stride_oh + lat[None, :], out, mask=h_ok[:, None] & lat_ok[None, :]
-        )
-
-    return mla_kernel

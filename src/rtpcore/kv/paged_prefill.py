@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rtpcore.kv.triton_support import interpreted, launch_on, pow2
+from rtpcore.kv.triton_support import float32_dots, launch_on, pow2
 
 __all__ = ["paged_prefill_attention"]
 
@@ -76,17 +76,10 @@ def paged_prefill_attention(
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
             float(scale), int(window or 0),
-            G=h // hkv, D=d, TPB=tokens_per_block, F32=_float32_dots(k_pool.dtype),
+            G=h // hkv, D=d, TPB=tokens_per_block, F32=float32_dots(k_pool.dtype),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         )
     return out
-
-
-def _float32_dots(dtype: torch.dtype) -> bool:
-    """IEEE float32 dots for fp32 pools; and for bf16 ones under Triton's interpreter, whose
-    ``tl.dot`` misreads bf16 operands (fp16 ones it multiplies right)."""
-
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreted())
 
 
 @functools.cache
