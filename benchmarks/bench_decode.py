@@ -1,6 +1,6 @@
 """Decode throughput of rtpcore against transformers' ``generate`` (and CTranslate2) on the same checkpoint.
 
-    python benchmarks/bench_decode.py [llama|smollm2|deepseek] [--dtypes float32,bfloat16,int8,int8-bf16]
+    python benchmarks/bench_decode.py [llama|smollm2|deepseek] [--dtypes float32,float32-torch,bfloat16,int8,int8-bf16]
         [--batches 1,8] [--prompt-len 32] [--new-tokens N] [--threads N] [--repeats 3] [--quick]
 
 ``llama`` (default) builds a ~56M-parameter Llama with transformers (hidden 512,
@@ -14,7 +14,8 @@ times decode steps per second, divided by a measured copy bandwidth.
 ``smollm2`` builds SmolLM2-135M's shape with seeded random weights (30 layers,
 hidden 576, 9 heads, 3 KV heads, vocabulary 49152, intermediate 1536, tied
 embeddings, rope_theta 100000; saved in float32) and times, for each batch size,
-transformers float32 and bfloat16, rtpcore float32, bfloat16, int8 (weight-only,
+transformers float32 and bfloat16, rtpcore float32 (the native decode step),
+float32-torch (torch's modules, ``native_decode=False``), bfloat16, int8 (weight-only,
 float32 activations) and int8-bf16 (the same int8 weights, bfloat16 activations)
 and, when ``ctranslate2`` is installed (an optional peer of this benchmark only),
 CTranslate2 float32 and int8 (its int8 also quantizes the activations) converted
@@ -26,7 +27,7 @@ prints a markdown table (ratios vs transformers float32, vs the CTranslate2 row 
 the same weights and vs transformers bfloat16; the share of each row's greedy tokens
 that agree with transformers float32 up to the first difference), then the targets
 of issue 24 as met / not met. ``--dtypes`` picks the rtpcore rows (default all
-four); ``--quick`` is 16 new tokens and one timed round unless given.
+five); ``--quick`` is 16 new tokens and one timed round unless given.
 
 ``deepseek`` is provided by ``benchmarks/_bench_deepseek.py`` when present
 (a function ``run(args)`` taking the parsed arguments).
@@ -69,10 +70,15 @@ def cpu_line() -> str:
     feats = [f for f in ("avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16") if f in flags]
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA")
     kernel = Linear(torch.zeros(8, 8, dtype=torch.bfloat16)).kernel
+    try:
+        from rtpcore_native import _kernels
+        native = _kernels.isa()
+    except ImportError:
+        native = "not built"
     return (
         f"CPU: {model}; features: {' '.join(feats) or 'none of avx512/bf16/amx'}; "
         f"native bf16 dot: {'yes' if cpu_has_native_dot(torch.bfloat16) else 'no'}"
-        f"{f' (ONEDNN_MAX_CPU_ISA={isa})' if isa else ''}; bf16 Linear kernel: {kernel}"
+        f"{f' (ONEDNN_MAX_CPU_ISA={isa})' if isa else ''}; bf16 Linear kernel: {kernel}; native decode kernels: {native}"
     )
 
 
@@ -173,12 +179,14 @@ SMOLLM2_CONFIG: dict[str, Any] = dict(
 )
 
 
-# rtpcore rows of the smollm2 benchmark: --dtypes name -> (activation dtype, quantization).
-RTPCORE_ROWS: dict[str, tuple[str, str | None]] = {
-    "float32": ("float32", None), "bfloat16": ("bfloat16", None),
-    "int8": ("float32", "int8"), "int8-bf16": ("bfloat16", "int8"),
+# rtpcore rows of the smollm2 benchmark: --dtypes name -> (activation dtype, quantization,
+# native_decode). "float32-torch" is the float32 engine on torch's modules (bit-identical to
+# transformers), the path the native decode step replaces.
+RTPCORE_ROWS: dict[str, tuple[str, str | None, bool]] = {
+    "float32": ("float32", None, True), "float32-torch": ("float32", None, False), "bfloat16": ("bfloat16", None, True),
+    "int8": ("float32", "int8", True), "int8-bf16": ("bfloat16", "int8", True),
 }
-BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "int8": 1, "int8-bf16": 1}
+BYTES_PER_WEIGHT = {"float32": 4, "float32-torch": 4, "bfloat16": 2, "int8": 1, "int8-bf16": 1}
 
 
 def make_smollm2(path: Path) -> None:
@@ -286,7 +294,7 @@ def bench_smollm2(args: argparse.Namespace) -> None:
         params = decode_weight_bytes(hf["float32"]) // 4
         rt = {
             dt: stack.enter_context(Engine.from_pretrained(
-                path, dtype=RTPCORE_ROWS[dt][0], quantization=RTPCORE_ROWS[dt][1],
+                path, dtype=RTPCORE_ROWS[dt][0], quantization=RTPCORE_ROWS[dt][1], native_decode=RTPCORE_ROWS[dt][2],
                 max_batch_size=max(args.batches), max_model_len=args.prompt_len + args.new_tokens,
             ))
             for dt in args.dtypes
@@ -348,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="llama", choices=["llama", "smollm2", "deepseek"])
     parser.add_argument("--dtypes", default=None, type=lambda s: s.split(","),
-                        help="float32,bfloat16 (default); smollm2: rtpcore rows among float32,bfloat16,int8,int8-bf16 "
+                        help="float32,bfloat16 (default); smollm2: rtpcore rows among float32,float32-torch,bfloat16,int8,int8-bf16 "
                         "(weight-only int8 with float32 / bfloat16 activations), default all")
     parser.add_argument("--batches", default="1,8", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompt-len", type=int, default=32)

@@ -158,10 +158,16 @@ const Kernels& kernels() {
 
 // ---- the thread pool
 
+// A region is cut into chunks that the caller and the workers claim one at a time, so a
+// worker the OS has not scheduled (a core shared with another process) delays nothing: the
+// caller claims what is left and waits only for chunks already running. A claim is a
+// compare-and-swap of (region, next chunk) packed in one word, so a worker arriving late
+// cannot claim a chunk of a region that has ended; a region's job and size sit in one of two
+// slots, which stay put while their region may still be claimed from.
 class Pool {
   public:
     explicit Pool(int threads) : threads_(threads < 1 ? 1 : threads), pid_(getpid()) {
-        for (int t = 1; t < threads_; ++t) workers_.emplace_back([this, t] { work(t); });
+        for (int t = 1; t < threads_; ++t) workers_.emplace_back([this] { work(); });
     }
     ~Pool() {
         {
@@ -175,31 +181,56 @@ class Pool {
     int threads() const { return threads_; }
     pid_t pid() const { return pid_; }
 
-    // Runs fn(t) for t in [0, threads) and returns when all have.
-    void run(const std::function<void(int)>& fn) {
-        if (threads_ == 1) {
-            fn(0);
+    // Runs fn(c) for every chunk c in [0, chunks) and returns when all have.
+    void run(int64_t chunks, const std::function<void(int64_t)>& fn) {
+        if (threads_ == 1 || chunks <= 1) {
+            for (int64_t c = 0; c < chunks; ++c) fn(c);
             return;
         }
-        job_ = &fn;
-        pending_.store(threads_ - 1, std::memory_order_relaxed);
+        const uint64_t region = ++regions_;
+        Slot& slot = slots_[region & 1];
+        slot.job = &fn;
+        slot.chunks = chunks;
+        done_.store(0, std::memory_order_relaxed);
+        state_.store(region << 32, std::memory_order_release);
         {
             std::lock_guard<std::mutex> lock(mutex_);
             epoch_.fetch_add(1, std::memory_order_release);
         }
         if (sleeping_.load(std::memory_order_acquire) > 0) cv_.notify_all();
-        fn(0);
-        while (pending_.load(std::memory_order_acquire) != 0) pause();
+        drain(region);
+        while (done_.load(std::memory_order_acquire) != chunks) pause();
     }
 
   private:
+    struct Slot {
+        const std::function<void(int64_t)>* job = nullptr;
+        int64_t chunks = 0;
+    };
+
     static void pause() {
 #ifdef RTPCORE_X86
         __builtin_ia32_pause();
 #endif
     }
 
-    void work(int t) {
+    // Claims and runs chunks of `region` until none is left (or another region began).
+    void drain(uint64_t region) {
+        const Slot& slot = slots_[region & 1];
+        uint64_t v = state_.load(std::memory_order_acquire);
+        for (;;) {
+            if ((v >> 32) != region) return;
+            const int64_t chunk = static_cast<int64_t>(v & 0xffffffffu);
+            if (chunk >= slot.chunks) return;
+            if (!state_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+                continue;
+            (*slot.job)(chunk);
+            done_.fetch_add(1, std::memory_order_acq_rel);
+            v = state_.load(std::memory_order_acquire);
+        }
+    }
+
+    void work() {
         uint64_t seen = 0;
         for (;;) {
             // Spin a while for the next region of the same step, then sleep.
@@ -217,18 +248,19 @@ class Pool {
             }
             seen = now;
             if (stop_) return;
-            (*job_)(t);
-            pending_.fetch_sub(1, std::memory_order_acq_rel);
+            drain(state_.load(std::memory_order_acquire) >> 32);
         }
     }
 
     const int threads_;
     const pid_t pid_;
     std::vector<std::thread> workers_;
-    std::atomic<uint64_t> epoch_{0};
-    std::atomic<int> pending_{0};
+    std::atomic<uint64_t> epoch_{0};     // bumped per region: wakes the workers
+    std::atomic<uint64_t> state_{0};     // (region << 32) | next unclaimed chunk
+    std::atomic<int64_t> done_{0};       // chunks of the current region finished
     std::atomic<int> sleeping_{0};
-    const std::function<void(int)>* job_ = nullptr;
+    uint64_t regions_ = 0;               // the caller's count (one caller at a time)
+    Slot slots_[2];
     bool stop_ = false;
     std::mutex mutex_;
     std::condition_variable cv_;
@@ -249,14 +281,11 @@ Pool& pool() {
     return *g_pool;
 }
 
-// [begin, end) of `total` items for thread t of n, in multiples of `align`.
-inline void split(int64_t total, int t, int n, int64_t align, int64_t& begin, int64_t& end) {
-    int64_t units = (total + align - 1) / align;
-    int64_t per = units / n, extra = units % n;
-    int64_t u0 = t * per + (t < extra ? t : extra);
-    int64_t u1 = u0 + per + (t < extra ? 1 : 0);
-    begin = u0 * align < total ? u0 * align : total;
-    end = u1 * align < total ? u1 * align : total;
+// Chunks of `total` items, in multiples of `align`, a few per thread.
+inline int64_t chunk_size(int64_t total, int threads, int64_t align) {
+    int64_t per = (total + 4 * threads - 1) / (4 * threads);
+    per = (per + align - 1) / align * align;
+    return per < align ? align : per;
 }
 
 // ---- linear layers
@@ -273,20 +302,14 @@ void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool
     const Kernels& k = kernels();
     Pool& p = pool();
     // Small products do not pay for waking the pool.
-    int n = (M * l.N * l.K < (1 << 15)) ? 1 : p.threads();
-    auto body = [&](int t) {
-        int64_t n0, n1;
-        split(l.N, t, n, 16, n0, n1);
-        if (n0 >= n1) return;
+    const int64_t size = (M * l.N * l.K < (1 << 15)) ? l.N : chunk_size(l.N, p.threads(), 16);
+    p.run((l.N + size - 1) / size, [&](int64_t c) {
+        const int64_t n0 = c * size, n1 = n0 + size < l.N ? n0 + size : l.N;
         if (l.int8)
             k.linear_i8(x, M, l.K, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
         else
             k.linear_f32(x, M, l.K, static_cast<const float*>(l.w), l.bias, y, l.N, accumulate, n0, n1);
-    };
-    if (n == 1)
-        body(0);
-    else
-        p.run(body);
+    });
 }
 
 template <typename T>
@@ -411,7 +434,6 @@ class LlamaDecoder {
         act_.resize(B * I_);
         for (int64_t b = 0; b < B; ++b) std::memcpy(&x_[b * E_], embed_ + ids[b] * E_, sizeof(float) * E_);
         Pool& p = pool();
-        const int nt = p.threads();
         for (Layer& l : layers_) {
             for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm1, eps_, &h_[b * E_], E_);
             linear_parallel(l.qkv, h_.data(), B, qkv_.data(), false);
@@ -423,24 +445,15 @@ class LlamaDecoder {
                 std::memcpy(l.k_pool + slots[b] * KV, row + Q, sizeof(float) * KV);
                 std::memcpy(l.v_pool + slots[b] * KV, row + Q + KV, sizeof(float) * KV);
             }
-            const int64_t tasks = B * Hkv_;
-            auto attend = [&](int t) {
-                int64_t t0, t1;
-                split(tasks, t, nt, 1, t0, t1);
+            p.run(B * Hkv_, [&](int64_t task) {
                 std::vector<float>& scores = scratch();
-                for (int64_t task = t0; task < t1; ++task) {
-                    int64_t b = task / Hkv_, kvh = task % Hkv_;
-                    int64_t start = (l.window > 0 && ctx[b] > l.window) ? ctx[b] - l.window : 0;
-                    if (static_cast<int64_t>(scores.size()) < G * (ctx[b] - start)) scores.resize(G * longest);
-                    const float* q = &qkv_[b * (Q + 2 * KV) + kvh * G * D_];
-                    k.attend_one(q, G, D_, l.k_pool, l.v_pool, kvh, Hkv_, tables + b * width, tpb, start, ctx[b],
-                                 scale(), scores.data(), &attn_[b * Q + kvh * G * D_]);
-                }
-            };
-            if (nt == 1 || tasks == 1)
-                for (int t = 0; t < nt; ++t) attend(t);
-            else
-                p.run(attend);
+                const int64_t b = task / Hkv_, kvh = task % Hkv_;
+                const int64_t start = (l.window > 0 && ctx[b] > l.window) ? ctx[b] - l.window : 0;
+                if (static_cast<int64_t>(scores.size()) < G * (ctx[b] - start)) scores.resize(G * longest);
+                const float* q = &qkv_[b * (Q + 2 * KV) + kvh * G * D_];
+                k.attend_one(q, G, D_, l.k_pool, l.v_pool, kvh, Hkv_, tables + b * width, tpb, start, ctx[b], scale(),
+                             scores.data(), &attn_[b * Q + kvh * G * D_]);
+            });
             linear_parallel(l.o, attn_.data(), B, x_.data(), true);
             for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm2, eps_, &h_[b * E_], E_);
             linear_parallel(l.gate_up, h_.data(), B, gu_.data(), false);
