@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 kernels = pytest.importorskip("rtpcore_native._kernels")
@@ -76,6 +78,48 @@ def test_linear_matches_torch_for_float32_and_int8_weights(isa: str, rows: int, 
     kernels.linear(weights, x.data_ptr(), rows, y.data_ptr(), accumulate=True)
     ref = acc + F.linear(x, q.float() * scale[:, None])
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4 * inp**0.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 12), out=st.integers(1, 80), inp=st.integers(1, 90), int8=st.booleans(),
+       bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_linear_equals_the_reference_formula_for_any_shape(
+    rows: int, out: int, inp: int, int8: bool, bias: bool, threads: int, seed: int
+) -> None:
+    """y = x @ (W * scale).T + bias, summed in float64 as the reference, for any shape, with
+    1-3 pool threads and the instruction set chosen at import."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inp, generator=gen)
+    w = torch.randint(-127, 128, (out, inp), dtype=torch.int8, generator=gen) if int8 else torch.randn(out, inp, generator=gen)
+    scale = torch.rand(out, generator=gen) + 0.01
+    b = torch.randn(out, generator=gen) if bias else None
+    kernels.set_num_threads(threads)
+    y = torch.full((rows, out), float("nan"))
+    weights = kernels.LinearWeights(w.data_ptr(), int8, scale.data_ptr() if int8 else 0,
+                                    0 if b is None else b.data_ptr(), out, inp)
+    kernels.linear(weights, x.data_ptr(), rows, y.data_ptr())
+    dense = w.double() * (scale.double()[:, None] if int8 else 1.0)
+    ref = x.double() @ dense.T + (0.0 if b is None else b.double())
+    bound = 1e-5 * (x.double().abs() @ dense.abs().T + 1.0)
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+def test_stubs_match_the_kernels_extension() -> None:
+    """_kernels.pyi agrees with the compiled module (mypy.stubtest)."""
+    out = subprocess.run([sys.executable, "-m", "mypy.stubtest", "rtpcore_native._kernels"],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_bad_arguments_are_value_errors_naming_them() -> None:
+    with pytest.raises(ValueError, match="unknown instruction set 'sse9'"):
+        kernels.set_isa("sse9")
+    with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
+        kernels.set_num_threads(0)
+    with pytest.raises(ValueError, match="an int8 linear needs its per-row scales"):
+        kernels.LinearWeights(1, True, 0, 0, 4, 4)
+    with pytest.raises(ValueError, match="heads .6. must be a multiple of kv_heads .4."):
+        kernels.LlamaDecoder(8, 6, 4, 8, 16, 32, 1e-5, 1)
 
 
 def test_int8_layers_use_the_native_kernel_for_float32_inputs() -> None:
