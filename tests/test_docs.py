@@ -30,9 +30,9 @@ FILE_PATH = re.compile(r"(?<![\w./~-])((?:src|docs|benchmarks|tests|plugins_exam
 
 
 def module_file(dotted: str) -> Path | None:
-    """The source file of module ``dotted`` under src/, or None."""
+    """The source file of module ``dotted`` under src/ (a compiled module's stub), or None."""
     base = SRC.joinpath(*dotted.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+    for candidate in (base.with_suffix(".py"), base / "__init__.py", base.with_suffix(".pyi")):
         if candidate.is_file():
             return candidate
     return None
