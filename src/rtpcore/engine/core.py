@@ -113,6 +113,7 @@ class EngineStats:
     kv_blocks_cached: int = 0  # blocks in the prefix cache, held by a request or not
     cuda_graph_replays_total: int = 0  # decode steps a captured CUDA graph served (rtpcore.engine.graphs)
     eager_decode_steps_total: int = 0  # decode steps run eagerly (on a GPU with graphs on: a fallback)
+    greedy_picked_steps_total: int = 0  # steps whose rows were all plain greedy: picked on the device, no sampler
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)
@@ -151,6 +152,7 @@ class EngineCore:
         is_broken: Callable[[], bool] = lambda: False,
         prefix_cache_namespace: bytes | None = None,
         counters: Callable[[], dict[str, int]] = dict,
+        greedy_forward: Callable[[ForwardBatch], torch.Tensor] | None = None,
     ):
         """``max_model_len``: the longest prompt + output a request may ask for (the engine
         checked that the pool holds one). ``draft_forward`` and ``num_speculative_tokens`` > 0:
@@ -161,7 +163,9 @@ class EngineCore:
         ``is_broken()``: whether the worker group can no longer step (a fault is then not a
         request's). ``prefix_cache_namespace``: the root key of prefix caching
         (``rtpcore.engine.prefix_cache.namespace_key``), None to turn it off. ``counters()``:
-        more EngineStats fields the model runner keeps (CUDA graph replays, eager decodes)."""
+        more EngineStats fields the model runner keeps (CUDA graph replays, eager decodes).
+        ``greedy_forward``: the forward that returns the greedy picks of a step whose rows are all
+        plain greedy (``StepRunner``), None to sample every step."""
         k = num_speculative_tokens if draft_forward is not None else 0
         self.num_speculative_tokens = k
         self.allocator = allocator
@@ -187,6 +191,7 @@ class EngineCore:
             is_broken=is_broken,
             draft_forward=draft_forward if k else None,
             shift=draft_shift,
+            greedy_forward=greedy_forward,
         )
         self.step_observers: list[Callable[[StepReport], None]] = []  # called after each step, on its thread
         self._counters = counters
@@ -429,6 +434,7 @@ class EngineCore:
                 prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
                 prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
                 kv_blocks_cached=self.allocator.num_cached,
+                greedy_picked_steps_total=self.runner.greedy_steps,
                 **self._counters(),
             )
 

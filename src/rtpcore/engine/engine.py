@@ -406,6 +406,7 @@ class Engine:
             self._allocator = BlockAllocator(self.num_kv_blocks)
             self._core = EngineCore(
                 forward=self._forward,
+                greedy_forward=self._greedy_forward,
                 allocator=self._allocator,
                 tokens_per_block=config.tokens_per_block,
                 max_batch_size=config.max_batch_size,
@@ -694,6 +695,10 @@ class Engine:
     def _forward(self, batch: Any) -> Any:
         """(B, vocab) logits of one step; every rank steps."""
         return self._group.run("forward", batch, sync=False)
+
+    def _greedy_forward(self, batch: Any) -> Any:
+        """(B,) greedy picks of one step whose rows are all plain greedy; every rank steps."""
+        return self._group.run("forward_greedy", batch, sync=False)
 
     def _draft_forward(self, batch: Any) -> Any:
         """The draft's logits for one proposal step; every rank steps."""
