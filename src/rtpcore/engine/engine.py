@@ -97,6 +97,15 @@ DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}  # max_num_batched_tokens by
 DEFAULT_MAX_BATCH_SIZE = 256
 
 
+def _async_scheduling(config: EngineConfig, shard: Any) -> bool:
+    """``config.async_scheduling``, or when None: whether rank 0's decode steps replay captured
+    CUDA graphs (a single-rank GPU engine), where the host's work is worth hiding."""
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    graphs = shard.graphs
+    return bool(config.tensor_parallel_size == 1 and graphs is not None and graphs.capture and graphs.failure is None)
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise RtpcoreError(f"{name} must be a positive integer, got {value!r}")
@@ -139,6 +148,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # Weight-only quantization of every Linear at load (rtpcore.models.layers): None or "int8" (CPU).
     quantization: str | None = None
+    # Outputs one step behind (rtpcore.engine.core, docs/design.md §13): None = on for a
+    # single-rank engine whose decode steps replay CUDA graphs, off otherwise.
+    async_scheduling: bool | None = None
 
     @classmethod
     def create(
@@ -165,6 +177,7 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         gpu_memory_utilization: float = 0.9,
         quantization: str | None = None,
+        async_scheduling: bool | None = None,
     ) -> EngineConfig:
         """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
         a device torch cannot see raises DeviceError here, before anything loads) and the
@@ -216,6 +229,13 @@ class EngineConfig:
                 f"quantization={quantization!r} runs on the CPU only for now (torch's int8-weight kernel); "
                 f"this engine runs on {resolved_device}"
             )
+        if async_scheduling not in (None, True, False):
+            raise RtpcoreError(f"async_scheduling must be None (automatic), True or False, got {async_scheduling!r}")
+        if async_scheduling and tensor_parallel_size > 1:
+            raise RtpcoreError(
+                f"async_scheduling=True needs tensor_parallel_size=1, got {tensor_parallel_size}: the next step's "
+                "input ids stay on rank 0's device"
+            )
         if enable_prefix_caching not in (True, False):
             raise RtpcoreError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if (
@@ -250,6 +270,7 @@ class EngineConfig:
             enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=float(gpu_memory_utilization),
             quantization=quantization,
+            async_scheduling=async_scheduling,
         )
 
     @property
@@ -308,6 +329,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         gpu_memory_utilization: float = 0.9,
         quantization: str | None = None,
+        async_scheduling: bool | None = None,
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
         preallocate the KV cache (see the module docstring for its default size).
@@ -335,7 +357,13 @@ class Engine:
         ``quantization``: None, or ``"int8"`` (CPU only): every ``rtpcore.models.layers.Linear``
         keeps its weight as int8 with one scale per output channel, quantized at load (the
         checkpoint stays float; embeddings and a plugin's own tensors stay float). A weight is
-        off by at most half a step of its row; tests/test_int8.py states the logits bound."""
+        off by at most half a step of its row; tests/test_int8.py states the logits bound.
+
+        ``async_scheduling``: outputs one step behind (docs/design.md §13): the next step is
+        planned and launched while the current one runs, for steps whose rows are all plain
+        greedy; other steps run synchronously (counted in ``stats().async_fallback_steps_total``).
+        None (the default) turns it on where it helps, a single-rank engine whose decode steps
+        replay CUDA graphs; True forces it on (on the CPU it gains nothing: for tests)."""
         config = EngineConfig.create(
             path,
             plugins=plugins,
@@ -358,6 +386,7 @@ class Engine:
             enable_prefix_caching=enable_prefix_caching,
             gpu_memory_utilization=gpu_memory_utilization,
             quantization=quantization,
+            async_scheduling=async_scheduling,
         )
         return cls.from_config(config)
 
@@ -423,6 +452,7 @@ class Engine:
                 is_broken=lambda: self.failure is not None,
                 prefix_cache_namespace=self._prefix_cache_namespace(),
                 counters=self._graph_counters,  # rank 0's: it steps every batch
+                async_scheduling=_async_scheduling(config, shard),
             )
         except BaseException as exc:
             self._release()  # every rank's model, pools and processes

@@ -33,10 +33,12 @@ __all__ = ["BatchBuilder", "TargetBatch"]
 @attrs.frozen(eq=False)
 class TargetBatch:
     """A target forward's batch and, for each scheduled sequence in order, its first logits
-    row and how many rows it has (0: a prompt chunk that samples nothing)."""
+    row and how many rows it has (0: a prompt chunk that samples nothing); ``extra``: the
+    caller's extra integers on the device, carried in the batch's copy (None when not asked)."""
 
     batch: ForwardBatch
     rows: tuple[tuple[int, int], ...]
+    extra: torch.Tensor | None = None
 
 
 class BatchBuilder:
@@ -48,9 +50,11 @@ class BatchBuilder:
         self.staging = HostStaging(self.device)  # one host-to-device copy per batch
 
     def target_batch(
-        self, seqs: Sequence[ScheduledSeq], proposals: Mapping[Request, Sequence[int]] | None = None
+        self, seqs: Sequence[ScheduledSeq], proposals: Mapping[Request, Sequence[int]] | None = None,
+        extra: Sequence[int] | None = None,
     ) -> TargetBatch:
-        """The target's batch for ``seqs``: each one's scheduled tokens, then its proposals."""
+        """The target's batch for ``seqs``: each one's scheduled tokens, then its proposals;
+        ``extra`` integers travel to the device in the same copy (``TargetBatch.extra``)."""
         spans: list[tuple[int, list[int]]] = []
         logits: list[int] = []
         rows: list[tuple[int, int]] = []
@@ -68,8 +72,10 @@ class BatchBuilder:
             else:
                 rows.append((len(logits), 0))
         every_last = len(logits) == len(seqs) and all(n == 1 for _, n in rows)
-        batch = self._make([s.request for s in seqs], spans, logits_rows=None if every_last else logits)
-        return TargetBatch(batch, tuple(rows))
+        extras: dict[str, torch.Tensor] = {}
+        batch = self._make([s.request for s in seqs], spans, logits_rows=None if every_last else logits,
+                           extra=extra, extras=extras)
+        return TargetBatch(batch, tuple(rows), extras.get("extra"))
 
     def draft_batch(
         self,
@@ -136,8 +142,11 @@ class BatchBuilder:
         logits_rows: Sequence[int] | None = None,
         hidden_rows: Sequence[int] | None = None,
         hidden_source: str = "target",
+        extra: Sequence[int] | None = None,
+        extras: dict[str, torch.Tensor] | None = None,
     ) -> ForwardBatch:
-        """A batch of ``spans`` (first position, token ids) of ``seqs``, one each."""
+        """A batch of ``spans`` (first position, token ids) of ``seqs``, one each; ``extra``
+        travels in the same copy and lands in ``extras["extra"]``."""
         tpb = self.tpb
         ids: list[int] = []
         positions: list[int] = []
@@ -163,8 +172,12 @@ class BatchBuilder:
             parts["hidden_rows"] = list(hidden_rows)
         width = max((len(s.blocks) for s in seqs), default=0)  # block tables: (B, width), rows padded with 0
         parts["block_tables"] = [b for s in seqs for b in (*s.blocks, *(0,) * (width - len(s.blocks)))]
+        if extra is not None:
+            parts["extra"] = list(extra)
         views = dict(zip(parts, self.staging.stage(list(parts.values())), strict=True))
         views["block_tables"] = views["block_tables"].view(len(seqs), width)
+        if extra is not None and extras is not None:
+            extras["extra"] = views.pop("extra")
         return ForwardBatch(
             query_lens=tuple(lens),
             tokens_per_block=tpb,

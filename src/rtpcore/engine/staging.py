@@ -12,7 +12,8 @@ CPU "the device copy" is the host tensor itself (a fresh one per call: the views
 batch stay valid as long as the batch lives).
 
 :attr:`HostStaging.copies` counts the calls, one per batch built: how tests see that a
-step issues one input copy, on any device.
+step issues one input copy, on any device. :class:`Readback` is the other direction: a
+step's greedy picks queued for the host, read when the next step has been launched.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HostStaging"]
+__all__ = ["HostStaging", "Readback"]
 
 RING = 4  # pinned buffers in turn: a step builds at most a few batches (target, draft proposals)
 
@@ -69,3 +70,23 @@ class HostStaging:
             self._events[i] = torch.cuda.Event()
         self._events[i].record(torch.cuda.current_stream(self.device))
         return out
+
+
+class Readback:
+    """A device tensor's values on their way to the host: the copy is queued at once (into
+    pinned memory, without blocking, on a GPU) and :meth:`tolist` waits for that copy alone,
+    not for work queued on the device after it (the next step's forward)."""
+
+    def __init__(self, values: torch.Tensor):
+        if values.device.type == "cpu":
+            self._host, self._event = values, None
+            return
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self._host.copy_(values, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(values.device))
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()

@@ -192,6 +192,42 @@ class StepRunner:
             results[i] = SeqResult(tuple(verdict.tokens), verdict.accepted, k)
         return results
 
+    def overlap_problem(self, seqs: Sequence[ScheduledSeq]) -> str | None:
+        """Why ``seqs`` cannot be launched by :meth:`launch_greedy` (one pick per sequence, read
+        later), or None when they can."""
+        if self.draft_forward is not None:
+            return "speculative decoding verifies proposals on the host"
+        if self.greedy_forward is None:
+            return "the engine has no greedy forward"
+        for s in seqs:
+            if not s.samples:
+                return "a prompt chunk samples nothing"
+            if not plain_greedy(_row(s.request)):
+                return "a row needs the sampler (sampling, logprobs, a grammar, a penalty, logit_bias or min_tokens)"
+        return None
+
+    def launch_greedy(
+        self, seqs: Sequence[ScheduledSeq], previous: torch.Tensor | None = None, rows: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Queue the forward of ``seqs`` (each samples, every row plain greedy, no draft) and
+        return its greedy picks on the device, without waiting for them (one per sequence, -1
+        for a row that is not finite: :meth:`greedy_results` turns them into results).
+        ``previous``: the picks of the step before, which the host has not read yet: sequence
+        i's input id is ``previous[rows[i]]`` (``previous[i]`` when ``rows`` is None), gathered
+        on the device (the index rides in the batch's one copy) instead of its last token."""
+        assert self.greedy_forward is not None and self.draft_forward is None
+        built = self.builder.target_batch(seqs, extra=rows)
+        batch = built.batch
+        if previous is not None:
+            ids = previous if built.extra is None else previous.index_select(0, built.extra)
+            batch = attrs.evolve(batch, input_ids=ids.clamp(min=0))  # a failed row's -1 feeds a wasted row
+        with torch.inference_mode():
+            return self.greedy_forward(batch)
+
+    def greedy_results(self, seqs: Sequence[ScheduledSeq], picks: Sequence[int]) -> list[SeqResult]:
+        """The results of a step launched by :meth:`launch_greedy`, from its picks on the host."""
+        return self._greedy(seqs, picks)
+
     def _greedy(self, seqs: Sequence[ScheduledSeq], picks: Sequence[int]) -> list[SeqResult]:
         """The results of a step whose sampling rows (one per sequence that samples, in order)
         were picked greedily on the device: -1 is a row that was not finite."""
