@@ -291,3 +291,42 @@ def test_greedy_steps_pick_on_the_device_and_one_sampled_row_takes_the_sampler(
         outs = engine.generate([*PROMPTS[:3], PROMPTS[3]], [greedy] * 3 + [seeded])
         assert [o.outputs[0].token_ids for o in outs] == [*alone, sampled_alone]
         assert engine.stats().greedy_picked_steps_total == before and graphs.greedy_runs == runs
+
+
+def test_async_scheduling_through_the_static_graph_path_keeps_the_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs one step behind with decode steps served by the static buffers (capture=False): each
+    step's input ids are the previous step's picks, copied on the device into the graph's buffers;
+    the tokens are the plain engine's, and most decode steps were launched ahead."""
+    make_checkpoint(tmp_path)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=3) as engine:
+        want = engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[])
+    _graphs_on(monkeypatch)
+    monkeypatch.setattr("rtpcore.engine.graphs.DecodeGraphs", _Counting)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=3, async_scheduling=True) as engine:
+        graphs: Any = engine._group.local.graphs
+        assert engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[]) == want
+        stats = engine.stats()
+        assert stats.overlapped_steps_total > 20 and graphs.greedy_runs == graphs.static_runs > 20
+        assert engine.num_free_kv_blocks == engine.num_kv_blocks
+
+
+def test_async_scheduling_defaults_to_captured_graphs_on_one_rank() -> None:
+    """None turns it on only for a single rank whose decode graphs were captured (a GPU); never
+    where capture failed, graphs are off (the CPU) or run eagerly (capture=False)."""
+    from types import SimpleNamespace
+
+    from rtpcore.engine.engine import _async_scheduling
+
+    def decide(graphs: Any, tp: int = 1, choice: bool | None = None) -> bool:
+        config: Any = SimpleNamespace(async_scheduling=choice, tensor_parallel_size=tp)
+        return _async_scheduling(config, SimpleNamespace(graphs=graphs))
+
+    captured = SimpleNamespace(capture=True, failure=None)
+    assert decide(captured)
+    assert not decide(captured, tp=2)
+    assert not decide(SimpleNamespace(capture=True, failure="RuntimeError: no"))
+    assert not decide(SimpleNamespace(capture=False, failure=None))
+    assert not decide(None)
+    assert decide(None, choice=True) and not decide(captured, choice=False)
