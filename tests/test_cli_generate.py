@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -277,6 +278,25 @@ def test_generate_with_a_draft_checkpoint_gives_the_same_tokens(capsys: pytest.C
     assert spec["speculative"]["proposed"] == spec["speculative"]["accepted"] > 0
     code, _, err = run(capsys, "--demo", "llama", "--prompt-ids", "1", "--draft-model", "mtp")
     assert code == 1 and "offers no multi-token-prediction draft" in err
+
+
+def test_no_async_scheduling_reaches_the_engine(capsys: pytest.CaptureFixture[str], cache: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-async-scheduling is async_scheduling=False; without it the engine decides (None)."""
+    from rtpcore import Engine
+
+    seen: list[Any] = []
+    real = Engine.from_pretrained.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: Any, path: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("async_scheduling", "missing"))
+        return real(cls, path, **kwargs)
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(spy))
+    for flags in (["--no-async-scheduling"], []):
+        code, out, _ = run(capsys, "--demo", "llama", *flags, "--prompt-ids", "256,72", "--max-new-tokens", "2", "--json")
+        assert code == 0 and len(json.loads(out)["output_ids"]) == 2
+    assert seen == [False, None]
 
 
 def test_no_cuda_graphs_is_accepted_on_the_cpu(capsys: pytest.CaptureFixture[str], cache: Path) -> None:

@@ -78,7 +78,7 @@ def hold_first_forward(e: Engine, monkeypatch: pytest.MonkeyPatch, until: thread
     run = e._group.run
 
     def holding_run(method: str, *args: Any, **kwargs: Any) -> Any:
-        if method == "forward" and not held.is_set():
+        if method in ("forward", "forward_greedy") and not held.is_set():  # the greedy steps pick on the device
             held.set()
             until.wait(PATIENCE_S)
         return run(method, *args, **kwargs)

@@ -207,7 +207,7 @@ def test_decode_steps_replay_cuda_graphs(llama: tuple[Path, Any], no_tf32: None)
     with Engine.from_pretrained(path, device="cuda", max_batch_size=4, cuda_graphs=False) as engine:
         eager = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
         assert engine._group.local.graphs is None
-    with Engine.from_pretrained(path, device="cuda", max_batch_size=4) as engine:
+    with Engine.from_pretrained(path, device="cuda", max_batch_size=4, async_scheduling=False) as engine:
         graphs = engine._group.local.graphs
         assert graphs is not None and graphs.failure is None
         assert sorted(graphs.graphs) == buckets(4)
@@ -216,6 +216,29 @@ def test_decode_steps_replay_cuda_graphs(llama: tuple[Path, Any], no_tf32: None)
         stats = engine.stats()
         # every decode step replayed a graph: (NEW_TOKENS - 1) steps per call, none eager
         assert stats.cuda_graph_replays_total == 2 * (NEW_TOKENS - 1) and stats.eager_decode_steps_total == 0
+
+
+def test_async_scheduling_is_on_with_graphs_and_keeps_the_tokens(llama: tuple[Path, Any], no_tf32: None) -> None:
+    """With graphs the engine runs outputs one step behind by default (the next step launched from
+    the running one's picks on the device); greedy tokens, stop tokens and max_tokens as the
+    synchronous engine's, and every block back."""
+    from rtpcore.engine.sampling import SamplingParams
+
+    path, _ = llama
+    prompts = [*PROMPTS, [7, 7], [3, 1, 4, 1, 5, 9]]
+    with Engine.from_pretrained(path, device="cuda", max_batch_size=4, async_scheduling=False) as engine:
+        plain = engine.generate(prompts, max_new_tokens=NEW_TOKENS, stop_token_ids=[])
+    stops = sorted({toks[3] for toks in plain[::2]})
+    params = [SamplingParams(max_tokens=NEW_TOKENS - i, stop_token_ids=stops, ignore_eos=True) for i in range(len(prompts))]
+    outs = []
+    for on in (False, None):
+        with Engine.from_pretrained(path, device="cuda", max_batch_size=4, async_scheduling=on) as engine:
+            assert engine._core.async_scheduling is (on is None)
+            outs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in engine.generate(prompts, params)])
+            assert engine.num_free_kv_blocks == engine.num_kv_blocks
+            stats = engine.stats()
+    assert outs[1] == outs[0]
+    assert stats.overlapped_steps_total > 0 and stats.cuda_graph_replays_total > 0
 
 
 @two_gpus

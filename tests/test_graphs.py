@@ -117,9 +117,9 @@ class _Counting(DecodeGraphs):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **{**kwargs, "capture": False})
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def _replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:  # run and run_greedy
         type(self).steps += 1
-        return super().run(batch)
+        return super()._replay(batch)
 
 
 def _graphs_on(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,3 +227,106 @@ def test_the_metrics_expose_graph_replays_and_eager_decodes() -> None:
     text = ServerMetrics(lambda: {"kv_blocks_total": 1, "kv_blocks_free": 1, "kv_blocks_cached": 0, "running": 0,
                                   "waiting": 0, "cuda_graph_replays_total": 7, "eager_decode_steps_total": 2}).render().decode()
     assert "rtpcore_cuda_graph_replays_total 7.0" in text and "rtpcore_eager_decode_steps_total 2.0" in text
+
+
+# -- greedy picks inside the graph --------------------------------------------------------------
+
+
+def test_the_graph_greedy_picks_equal_the_eager_argmax_and_the_sampler(tmp_path: Path) -> None:
+    """Three ragged sequences through the bucket of 4 (capture=False): the picks the graph holds
+    equal the argmax of the model's own logits on the same batch and the sampler's greedy tokens."""
+    from rtpcore.engine.sampler import SamplingRow, sample
+    from rtpcore.engine.sampling import SamplingParams
+
+    make_checkpoint(tmp_path)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=6, kv_cache_memory=1 << 20) as engine:
+        blocks = 24
+        caches = allocate_kv_caches(engine.kv_cache_specs, blocks + 1, compute_dtype=torch.float32)
+        graphs = DecodeGraphs(
+            engine.model, caches, max_batch_size=6, max_positions=engine.max_positions,
+            tokens_per_block=TPB, scratch_block=blocks, device="cpu", capture=False,
+        )
+        prompts = [[5, 9, 33, 7, 81, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [100]]
+        tables = torch.tensor([[7, 2, 19, 11, 0], [3, 14, 5, 9, 21], [12, 0, 0, 0, 0]])
+        with torch.inference_mode():
+            tokens = engine.model(_batch(tables, [0, 0, 0], prompts), caches).argmax(-1).tolist()
+        lens = [len(p) for p in prompts]
+        for _ in range(5):
+            batch = _batch(tables, lens, [[t] for t in tokens])
+            picks = graphs.run_greedy(batch).tolist()
+            with torch.inference_mode():
+                logits = engine.model(batch, caches)
+            drawn = sample(logits, [SamplingRow(SamplingParams())] * 3)
+            assert picks == logits.argmax(-1).tolist() == [t.token_id for t in drawn.tokens if t is not None]
+            tokens = picks
+            lens = [n + 1 for n in lens]
+        assert graphs.greedy_runs == graphs.static_runs == 5
+
+
+def test_greedy_steps_pick_on_the_device_and_one_sampled_row_takes_the_sampler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the static graph path: plain greedy requests alone are picked on the device (every
+    decode step from the graph's picks); with one seeded sampled request among them the steps go
+    through the sampler, and each request still gets its own tokens (greedy: as alone; seeded: as
+    alone)."""
+    from rtpcore.engine.sampling import SamplingParams
+
+    make_checkpoint(tmp_path)
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=7)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=4) as engine:
+        alone = [engine.generate([p], greedy)[0].outputs[0].token_ids for p in PROMPTS[:3]]
+        sampled_alone = engine.generate([PROMPTS[3]], seeded)[0].outputs[0].token_ids
+    _graphs_on(monkeypatch)
+    monkeypatch.setattr("rtpcore.engine.graphs.DecodeGraphs", _Counting)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=4) as engine:
+        graphs: Any = engine._group.local.graphs
+        outs = engine.generate(PROMPTS[:3], greedy)
+        assert [o.outputs[0].token_ids for o in outs] == alone
+        stats = engine.stats()
+        assert stats.greedy_picked_steps_total == stats.steps_total  # no step needed the sampler
+        assert graphs.greedy_runs == graphs.static_runs >= 9  # every decode step: the graph's picks
+        before, runs = stats.greedy_picked_steps_total, graphs.greedy_runs
+        outs = engine.generate([*PROMPTS[:3], PROMPTS[3]], [greedy] * 3 + [seeded])
+        assert [o.outputs[0].token_ids for o in outs] == [*alone, sampled_alone]
+        assert engine.stats().greedy_picked_steps_total == before and graphs.greedy_runs == runs
+
+
+def test_async_scheduling_through_the_static_graph_path_keeps_the_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs one step behind with decode steps served by the static buffers (capture=False): each
+    step's input ids are the previous step's picks, copied on the device into the graph's buffers;
+    the tokens are the plain engine's, and most decode steps were launched ahead."""
+    make_checkpoint(tmp_path)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=3) as engine:
+        want = engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[])
+    _graphs_on(monkeypatch)
+    monkeypatch.setattr("rtpcore.engine.graphs.DecodeGraphs", _Counting)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=3, async_scheduling=True) as engine:
+        graphs: Any = engine._group.local.graphs
+        assert engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[]) == want
+        stats = engine.stats()
+        assert stats.overlapped_steps_total > 20 and graphs.greedy_runs == graphs.static_runs > 20
+        assert engine.num_free_kv_blocks == engine.num_kv_blocks
+
+
+def test_async_scheduling_defaults_to_captured_graphs_on_one_rank() -> None:
+    """None turns it on only for a single rank whose decode graphs were captured (a GPU); never
+    where capture failed, graphs are off (the CPU) or run eagerly (capture=False)."""
+    from types import SimpleNamespace
+
+    from rtpcore.engine.engine import _async_scheduling
+
+    def decide(graphs: Any, tp: int = 1, choice: bool | None = None) -> bool:
+        config: Any = SimpleNamespace(async_scheduling=choice, tensor_parallel_size=tp)
+        return _async_scheduling(config, SimpleNamespace(graphs=graphs))
+
+    captured = SimpleNamespace(capture=True, failure=None)
+    assert decide(captured)
+    assert not decide(captured, tp=2)
+    assert not decide(SimpleNamespace(capture=True, failure="RuntimeError: no"))
+    assert not decide(SimpleNamespace(capture=False, failure=None))
+    assert not decide(None)
+    assert decide(None, choice=True) and not decide(captured, choice=False)

@@ -563,3 +563,41 @@ def test_on_the_device_one_transfer_and_seeded_rows_as_alone() -> None:
     for b in (1, 3, 5):
         assert sample(logits[b : b + 1], [again[b]]).tokens[0] == step.tokens[b]
     assert sample(logits.cpu(), [attrs.evolve(r, generator=None) for r in rows]).failed == []
+
+
+# -- the greedy picks a decode graph holds (rtpcore.engine.sampler.greedy_pick) ---------------------
+
+
+def test_greedy_picks_equal_the_samplers_tokens_and_failed_rows() -> None:
+    """Plain greedy rows, some not finite (a NaN, +inf, every entry -inf), some with tied maxima:
+    the device's picks are the sampler's tokens, and -1 exactly on its failed rows."""
+    from rtpcore.engine.sampler import greedy_pick
+
+    for seed in range(20):
+        logits = _logits(9, seed=seed).round()  # rounding makes ties
+        logits[1, 7] = float("nan")
+        logits[4, 3] = float("inf")
+        logits[6] = float("-inf")
+        for dtype in (torch.float32, torch.bfloat16):
+            x = logits.to(dtype)
+            drawn = sample(x, [SamplingRow(SamplingParams())] * 9)
+            picks = greedy_pick(x).tolist()
+            assert [-1 if t is None else t.token_id for t in drawn.tokens] == picks
+            assert drawn.failed == [b for b, t in enumerate(picks) if t == -1] == [1, 4, 6]
+
+
+@pytest.mark.parametrize("change", [
+    {"temperature": 0.7}, {"logprobs": 0}, {"logit_bias": {3: 1.0}}, {"repetition_penalty": 1.2},
+    {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"min_tokens": 3},
+])
+def test_a_row_with_any_processor_is_not_plain_greedy(change: dict[str, Any]) -> None:
+    """Each setting that can move a greedy token or asks for more than the token keeps the row off
+    the device's greedy path; min_tokens only while it masks the stop ids."""
+    from rtpcore.engine.sampler import plain_greedy
+
+    assert plain_greedy(SamplingRow(SamplingParams(), stop_ids=frozenset({2}), output_ids=[1]))
+    row = SamplingRow(SamplingParams(**change), stop_ids=frozenset({2}), output_ids=[1])
+    assert not plain_greedy(row)
+    if "min_tokens" in change:
+        assert plain_greedy(attrs.evolve(row, output_ids=[1, 5, 6]))  # reached: the mask is off
+        assert plain_greedy(attrs.evolve(row, stop_ids=frozenset()))  # nothing to mask

@@ -107,6 +107,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: 8192 on a GPU, 256 on the CPU)")
     p.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
                    help="longest prompt + output a request may ask for (default: the checkpoint's context)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
+                   help="read each step's tokens before planning the next (default: with CUDA graphs, plan and "
+                   "launch the next step while the current one runs, outputs one step behind)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse the KV blocks of prompts seen before (default: reuse them)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
@@ -169,6 +172,7 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "async_scheduling": args.async_scheduling,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "quantization": args.quantization,
         "native_decode": args.native_decode,

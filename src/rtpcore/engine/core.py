@@ -9,6 +9,19 @@ sampler), commits what was computed, retires the requests that reached a stop to
 the request's own ``on_output`` callback (called on the stepping thread, outside every lock;
 it must not block).
 
+Async scheduling (``async_scheduling=True``, docs/design.md §13): outputs run one step
+behind. A step whose rows are all plain greedy is launched and left running; the next
+:meth:`~EngineCore.step` plans and launches the step after it -- its input ids are the first
+step's picks, still on the device -- and only then reads the first step's tokens and commits
+them (stop checks, outputs, retiring), so the host's work overlaps the device's. A request
+that finished in the first step gets one wasted row in the second, which is discarded
+(``EngineStats.async_discarded_tokens_total``); its blocks are freed when it finishes, and the
+device's queue order keeps the wasted row's write ahead of any later owner's. A step that
+cannot be planned ahead safely -- a sampled row, a draft, a grammar, a prompt chunk, a
+request to admit into a free slot, an abort, too few free blocks to grow every request by
+one token -- is run synchronously after the pending one is committed, logged and counted
+(``async_fallback_steps_total``). The tokens are the synchronous engine's.
+
 Steps are not reentrant: the caller serializes them (``Engine`` holds its step lock).
 Adding and aborting only take the core's short lock, so they never wait for a step.
 An abort of a request in the middle of a step takes effect when the step ends (its
@@ -38,8 +51,9 @@ import torch
 from rtpcore.engine.batch import ForwardBatch
 from rtpcore.engine.runner import BatchBuilder
 from rtpcore.engine.sampling import SampledToken, SamplingParams
-from rtpcore.engine.scheduler import BlockAllocator, Request, Scheduler, StepPlan
+from rtpcore.engine.scheduler import BlockAllocator, Request, Scheduler, StepPlan, blocks_for
 from rtpcore.engine.speculative import SpeculativeStats
+from rtpcore.engine.staging import Readback
 from rtpcore.engine.step import SeqResult, StepRunner, as_rtpcore_error
 from rtpcore.errors import EngineClosedError, InvalidRequestError, QueueFullError, RtpcoreError
 
@@ -48,6 +62,8 @@ __all__ = ["EngineCore", "EngineStats", "RequestOutput", "StepReport"]
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+PLACEHOLDER = -1  # a request's newest token while the step that picks it still runs (async scheduling)
 
 
 @attrs.frozen
@@ -113,9 +129,25 @@ class EngineStats:
     kv_blocks_cached: int = 0  # blocks in the prefix cache, held by a request or not
     cuda_graph_replays_total: int = 0  # decode steps a captured CUDA graph served (rtpcore.engine.graphs)
     eager_decode_steps_total: int = 0  # decode steps run eagerly (on a GPU with graphs on: a fallback)
+    greedy_picked_steps_total: int = 0  # steps whose rows were all plain greedy: picked on the device, no sampler
+    overlapped_steps_total: int = 0  # steps launched before the previous step's tokens were read (async scheduling)
+    async_fallback_steps_total: int = 0  # with async scheduling on, steps run synchronously (a batch it does not cover)
+    async_discarded_tokens_total: int = 0  # tokens computed for requests that had finished a step earlier, dropped
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)
+
+
+@attrs.define(eq=False)
+class InFlight:
+    """A launched step whose tokens the host has not read: its plan, its picks on the device
+    (the next step's input ids) and their copy on the way to the host; ``ahead`` once the
+    next step was planned with a placeholder for each request's newest token."""
+
+    plan: StepPlan
+    picks: torch.Tensor
+    readback: Readback
+    ahead: bool = False
 
 
 @attrs.frozen
@@ -151,6 +183,8 @@ class EngineCore:
         is_broken: Callable[[], bool] = lambda: False,
         prefix_cache_namespace: bytes | None = None,
         counters: Callable[[], dict[str, int]] = dict,
+        greedy_forward: Callable[[ForwardBatch], torch.Tensor] | None = None,
+        async_scheduling: bool = False,
     ):
         """``max_model_len``: the longest prompt + output a request may ask for (the engine
         checked that the pool holds one). ``draft_forward`` and ``num_speculative_tokens`` > 0:
@@ -161,7 +195,10 @@ class EngineCore:
         ``is_broken()``: whether the worker group can no longer step (a fault is then not a
         request's). ``prefix_cache_namespace``: the root key of prefix caching
         (``rtpcore.engine.prefix_cache.namespace_key``), None to turn it off. ``counters()``:
-        more EngineStats fields the model runner keeps (CUDA graph replays, eager decodes)."""
+        more EngineStats fields the model runner keeps (CUDA graph replays, eager decodes).
+        ``greedy_forward``: the forward that returns the greedy picks of a step whose rows are all
+        plain greedy (``StepRunner``), None to sample every step. ``async_scheduling``: outputs
+        one step behind (the module docstring); it needs ``greedy_forward``."""
         k = num_speculative_tokens if draft_forward is not None else 0
         self.num_speculative_tokens = k
         self.allocator = allocator
@@ -187,6 +224,7 @@ class EngineCore:
             is_broken=is_broken,
             draft_forward=draft_forward if k else None,
             shift=draft_shift,
+            greedy_forward=greedy_forward,
         )
         self.step_observers: list[Callable[[StepReport], None]] = []  # called after each step, on its thread
         self._counters = counters
@@ -201,6 +239,12 @@ class EngineCore:
         self._proposed = 0
         self._accepted = 0
         self._request_errors = 0
+        self.async_scheduling = async_scheduling and greedy_forward is not None
+        self._pending: InFlight | None = None  # the launched step not committed yet (async scheduling)
+        self._overlapped = 0
+        self._async_fallbacks = 0
+        self._discarded = 0
+        self._fallback_reasons: set[str] = set()
 
     # -- requests --------------------------------------------------------------------------
 
@@ -341,7 +385,12 @@ class EngineCore:
 
     def step(self) -> bool:
         """Plan, run, commit and hand out one step. False when there was nothing to run.
-        Callers serialize steps."""
+        Callers serialize steps. With async scheduling a step may be left running: its
+        outputs come with the next call (the module docstring)."""
+        pending = self._pending
+        if pending is not None:
+            self._step_behind(pending)
+            return True
         with self._cv:
             if self._closed:
                 return False
@@ -349,6 +398,19 @@ class EngineCore:
             if not plan.seqs:
                 return bool(plan.preempted)
             self._in_step_requests = {s.request for s in plan.seqs}
+        if self.async_scheduling:
+            why = self.runner.overlap_problem(plan.seqs)
+            if why is None:
+                self._pending = self._launch(plan, None)
+                if self._pending is not None:
+                    return True
+                why = "launching the step failed"
+            self._fallback(why)
+        self._run(plan)
+        return True
+
+    def _run(self, plan: StepPlan) -> None:
+        """Run ``plan`` synchronously: forward, sample, commit, hand out."""
         error: RtpcoreError | None = None
         results: list[SeqResult] = []
         try:
@@ -356,7 +418,9 @@ class EngineCore:
         except Exception as exc:  # not a request's fault: the worker group is broken
             error = as_rtpcore_error(exc)
             logger.error("engine step of %d requests failed: %s", len(plan.seqs), error)
-        outputs = self._commit(plan, results, error)
+        self._hand_out(plan, self._commit(plan, results, error))
+
+    def _hand_out(self, plan: StepPlan, outputs: list[tuple[Request, RequestOutput]]) -> None:
         for r, out in outputs:
             _deliver(r, out)
         report = StepReport(plan.num_tokens, len(plan.seqs), len(plan.preempted))
@@ -365,22 +429,119 @@ class EngineCore:
                 observe(report)
             except Exception:  # an observer must not break the engine
                 logger.exception("a step observer failed")
-        return True
+
+    # -- async scheduling ----------------------------------------------------------------------
+
+    def _launch(self, plan: StepPlan, previous: InFlight | None, rows: Sequence[int] | None = None) -> InFlight | None:
+        """Launch ``plan``; with ``previous``, sequence i's input id is ``previous``'s pick of
+        row ``rows[i]`` (row i when None). None when the launch raised (the caller runs the
+        plan synchronously, which keeps a fault with its request)."""
+        try:
+            picks = self.runner.launch_greedy(plan.seqs, None if previous is None else previous.picks, rows)
+        except Exception as exc:
+            logger.warning("launching a step of %d requests failed (%s: %s); it runs synchronously",
+                           len(plan.seqs), type(exc).__name__, exc)
+            return None
+        return InFlight(plan, picks, Readback(picks))
+
+    def _step_behind(self, pending: InFlight) -> None:
+        """Plan and launch the step after ``pending`` when that is safe, then read ``pending``'s
+        tokens and commit them; otherwise commit ``pending`` alone (the next call plans anew)."""
+        with self._cv:
+            ahead = self._plan_ahead(pending)
+        plan, rows = ahead if ahead is not None else (None, None)
+        launched = None if plan is None else self._launch(plan, pending, rows)
+        self._pending = launched
+        if launched is not None:
+            self._overlapped += 1
+        error: RtpcoreError | None = None
+        results: list[SeqResult] = []
+        try:
+            results = self.runner.greedy_results(pending.plan.seqs, pending.readback.tolist())
+        except Exception as exc:  # the device failed: not a request's fault
+            error = as_rtpcore_error(exc)
+            logger.error("engine step of %d requests failed: %s", len(pending.plan.seqs), error)
+        keep = {s.request for s in launched.plan.seqs} if launched is not None else set()
+        self._hand_out(pending.plan, self._commit(
+            pending.plan, results, error, keep=keep, placeholders=pending.ahead, launched=True))
+        if plan is not None and launched is None:  # the tokens are known now: run it as a synchronous step
+            self._fallback("launching the step failed")
+            with self._cv:
+                seqs = tuple(s for s in plan.seqs if s.request.finish_reason is None)
+                self._in_step_requests = {s.request for s in seqs}
+            if seqs:
+                self._run(StepPlan(seqs))
+        elif launched is not None and all(s.request.finish_reason is not None for s in launched.plan.seqs):
+            with self._cv:  # every request of the launched step has finished: nothing of it is read
+                self._pending = None
+                self._in_step_requests = set()
+                self._discarded += len(launched.plan.seqs)
+
+    def _plan_ahead(self, pending: InFlight) -> tuple[StepPlan, list[int] | None] | None:
+        """Under the lock: the plan of the step after ``pending`` -- its requests that have not
+        finished decoding once more, each with a placeholder for the token ``pending`` picks --
+        and the rows of ``pending`` they take their input ids from (None: every row, in order);
+        None when it cannot be planned before ``pending``'s tokens are known."""
+        if self._closed:
+            return None
+        live = [(i, s) for i, s in enumerate(pending.plan.seqs) if s.request.finish_reason is None]
+        requests = [s.request for _, s in live]
+        sched = self.scheduler
+        problem = None
+        if not live:
+            problem = "every request of the running step has finished"
+        elif sched.running != requests:
+            problem = "the running batch is not the running step's"
+        elif sched.waiting and len(sched.running) < sched.max_running:
+            problem = "a waiting request may be admitted"
+        elif sum(max(0, blocks_for(s.end + 1, sched.tpb) - len(s.request.blocks)) for _, s in live) > self.allocator.num_free:
+            problem = "too few free blocks to grow every request by a token"
+        if problem is not None:
+            logger.debug("the next step is planned after the running one's tokens are read: %s", problem)
+            return None
+        for _, s in live:
+            s.request.tokens.append(PLACEHOLDER)
+            sched.commit(s)
+        pending.ahead = True
+        plan = sched.schedule()
+        # Nothing is admitted into a free slot and every request has its block: the same decodes, in order.
+        assert [s.request for s in plan.seqs] == requests and not plan.preempted and not plan.admitted
+        assert all(s.num_tokens == 1 and s.samples and not s.num_proposals for s in plan.seqs)
+        self._in_step_requests = set(requests)
+        rows = [i for i, _ in live]
+        return plan, None if len(rows) == len(pending.plan.seqs) else rows
+
+    def _fallback(self, why: str) -> None:
+        """Count a step run synchronously although async scheduling is on, and say why."""
+        self._async_fallbacks += 1
+        if why not in self._fallback_reasons:
+            self._fallback_reasons.add(why)
+            logger.info("async scheduling: a step runs synchronously (%s); such steps are counted in "
+                        "async_fallback_steps_total", why)
+        else:
+            logger.debug("async scheduling: a step runs synchronously (%s)", why)
 
     def _commit(
-        self, plan: StepPlan, results: Sequence[SeqResult], error: RtpcoreError | None
+        self, plan: StepPlan, results: Sequence[SeqResult], error: RtpcoreError | None, *,
+        keep: set[Request] | None = None, placeholders: bool = False, launched: bool = False,
     ) -> list[tuple[Request, RequestOutput]]:
         """Apply a step's results under the lock: cache what was computed, record tokens,
-        end finished, failed and aborted requests; the outputs to hand out."""
+        end finished, failed and aborted requests; the outputs to hand out. ``keep``: the
+        requests of a step launched meanwhile (still in a step); ``placeholders``: each
+        request's last token is a placeholder for this step's pick; ``launched``: the step was
+        left running (async scheduling): a request that ended before its commit wasted a row."""
         now = time.monotonic()
         outputs: list[tuple[Request, RequestOutput]] = []
         with self._cv:
-            self._in_step_requests = set()
+            self._in_step_requests = keep or set()
             self._steps += 1
             self._mixed += plan.is_mixed
             for i, seq in enumerate(plan.seqs):
                 r = seq.request
-                if r.finish_reason is not None:  # ended while the step ran (closed)
+                if placeholders and r.tokens and r.tokens[-1] == PLACEHOLDER:
+                    r.tokens.pop()  # the pick is recorded below, or the request ends without it
+                if r.finish_reason is not None:  # ended while the step ran (closed), or a step earlier
+                    self._discarded += launched
                     continue
                 if r.aborted:
                     outputs.append((r, self._finish(r, "abort")))
@@ -429,6 +590,10 @@ class EngineCore:
                 prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
                 prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
                 kv_blocks_cached=self.allocator.num_cached,
+                greedy_picked_steps_total=self.runner.greedy_steps,
+                overlapped_steps_total=self._overlapped,
+                async_fallback_steps_total=self._async_fallbacks,
+                async_discarded_tokens_total=self._discarded,
                 **self._counters(),
             )
 

@@ -97,6 +97,15 @@ DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}  # max_num_batched_tokens by
 DEFAULT_MAX_BATCH_SIZE = 256
 
 
+def _async_scheduling(config: EngineConfig, shard: Any) -> bool:
+    """``config.async_scheduling``, or when None: whether rank 0's decode steps replay captured
+    CUDA graphs (a single-rank GPU engine), where the host's work is worth hiding."""
+    if config.async_scheduling is not None:
+        return config.async_scheduling
+    graphs = shard.graphs
+    return bool(config.tensor_parallel_size == 1 and graphs is not None and graphs.capture and graphs.failure is None)
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise RtpcoreError(f"{name} must be a positive integer, got {value!r}")
@@ -142,6 +151,9 @@ class EngineConfig:
     # CPU decode steps of float32 / int8 Llama-family models in rtpcore_native
     # (rtpcore.models.native) where they can run; False keeps torch's modules.
     native_decode: bool = True
+    # Outputs one step behind (rtpcore.engine.core, docs/design.md §13): None = on for a
+    # single-rank engine whose decode steps replay CUDA graphs, off otherwise.
+    async_scheduling: bool | None = None
 
     @classmethod
     def create(
@@ -169,6 +181,7 @@ class EngineConfig:
         gpu_memory_utilization: float = 0.9,
         quantization: str | None = None,
         native_decode: bool = True,
+        async_scheduling: bool | None = None,
     ) -> EngineConfig:
         """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
         a device torch cannot see raises DeviceError here, before anything loads) and the
@@ -222,6 +235,13 @@ class EngineConfig:
             )
         if native_decode not in (True, False):
             raise RtpcoreError(f"native_decode must be True or False, got {native_decode!r}")
+        if async_scheduling not in (None, True, False):
+            raise RtpcoreError(f"async_scheduling must be None (automatic), True or False, got {async_scheduling!r}")
+        if async_scheduling and tensor_parallel_size > 1:
+            raise RtpcoreError(
+                f"async_scheduling=True needs tensor_parallel_size=1, got {tensor_parallel_size}: the next step's "
+                "input ids stay on rank 0's device"
+            )
         if enable_prefix_caching not in (True, False):
             raise RtpcoreError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if (
@@ -257,6 +277,7 @@ class EngineConfig:
             gpu_memory_utilization=float(gpu_memory_utilization),
             quantization=quantization,
             native_decode=native_decode,
+            async_scheduling=async_scheduling,
         )
 
     @property
@@ -316,6 +337,7 @@ class Engine:
         gpu_memory_utilization: float = 0.9,
         quantization: str | None = None,
         native_decode: bool = True,
+        async_scheduling: bool | None = None,
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
         preallocate the KV cache (see the module docstring for its default size).
@@ -348,7 +370,13 @@ class Engine:
         ``native_decode``: on the CPU, decode steps of float32 (or int8) Llama-family models
         run in ``rtpcore_native`` (``rtpcore.models.native``: one call per step), with logits
         within float32 rounding of transformers'; False keeps torch's modules, whose float32
-        decode is bit-identical to transformers' (docs/design.md §6)."""
+        decode is bit-identical to transformers' (docs/design.md §6).
+
+        ``async_scheduling``: outputs one step behind (docs/design.md §13): the next step is
+        planned and launched while the current one runs, for steps whose rows are all plain
+        greedy; other steps run synchronously (counted in ``stats().async_fallback_steps_total``).
+        None (the default) turns it on where it helps, a single-rank engine whose decode steps
+        replay CUDA graphs; True forces it on (on the CPU it gains nothing: for tests)."""
         config = EngineConfig.create(
             path,
             plugins=plugins,
@@ -372,6 +400,7 @@ class Engine:
             gpu_memory_utilization=gpu_memory_utilization,
             quantization=quantization,
             native_decode=native_decode,
+            async_scheduling=async_scheduling,
         )
         return cls.from_config(config)
 
@@ -420,6 +449,7 @@ class Engine:
             self._allocator = BlockAllocator(self.num_kv_blocks)
             self._core = EngineCore(
                 forward=self._forward,
+                greedy_forward=self._greedy_forward,
                 allocator=self._allocator,
                 tokens_per_block=config.tokens_per_block,
                 max_batch_size=config.max_batch_size,
@@ -436,6 +466,7 @@ class Engine:
                 is_broken=lambda: self.failure is not None,
                 prefix_cache_namespace=self._prefix_cache_namespace(),
                 counters=self._graph_counters,  # rank 0's: it steps every batch
+                async_scheduling=_async_scheduling(config, shard),
             )
         except BaseException as exc:
             self._release()  # every rank's model, pools and processes
@@ -708,6 +739,10 @@ class Engine:
     def _forward(self, batch: Any) -> Any:
         """(B, vocab) logits of one step; every rank steps."""
         return self._group.run("forward", batch, sync=False)
+
+    def _greedy_forward(self, batch: Any) -> Any:
+        """(B,) greedy picks of one step whose rows are all plain greedy; every rank steps."""
+        return self._group.run("forward_greedy", batch, sync=False)
 
     def _draft_forward(self, batch: Any) -> Any:
         """The draft's logits for one proposal step; every rank steps."""

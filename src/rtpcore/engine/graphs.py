@@ -5,7 +5,9 @@ Python, not to the GPU. :class:`DecodeGraphs` captures the model's forward once 
 batch-size bucket (1, 2, 4, 8, ... up to ``max_batch_size``) over static input buffers and
 replays it: a step copies its batch into the buffers of the smallest bucket that holds it,
 turns the other rows into dummy sequences that write into a scratch KV block no request
-owns, replays the graph and returns the first B rows of the logits.
+owns, replays the graph and returns the first B rows of the logits. Each graph also holds
+the greedy pick of its logits (``rtpcore.engine.sampler.greedy_pick``): a step whose rows are
+all plain greedy reads back only B token ids (:meth:`DecodeGraphs.run_greedy`).
 
 Static shapes: block tables as wide as ``max_positions`` needs, and ``max_context_len``
 fixed at ``max_positions`` (what a model may size its work by; every sequence still sees
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from rtpcore.engine.batch import ForwardBatch
+from rtpcore.engine.sampler import greedy_pick
 
 __all__ = ["DecodeGraphs", "buckets", "in_place_problem"]
 
@@ -105,12 +108,13 @@ class DecodeGraphs:
         self.slots = torch.full((n,), scratch_block * tokens_per_block, dtype=i64, device=dev)
         self.context_lens = torch.ones(n, dtype=i64, device=dev)
         self.block_tables = torch.full((n, self.width), scratch_block, dtype=i64, device=dev)
-        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (CUDAGraph, its logits)
+        self.graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # bucket -> (CUDAGraph, logits, picks)
         self.failure: str | None = None
         self.capture = capture
         self.strict = strict  # a failed capture raises (cuda_graphs=True) instead of falling back
         self.replays = 0  # decode steps a captured graph served
         self.static_runs = 0  # steps the static buffers served eagerly (capture=False)
+        self.greedy_runs = 0  # of the steps served, those that read back the greedy picks only
         if capture:
             self._capture_all()
 
@@ -141,6 +145,17 @@ class DecodeGraphs:
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """(B, vocab) logits of a decode ``batch`` (``supports(batch)`` must hold)."""
+        return self._replay(batch)[0]
+
+    def run_greedy(self, batch: ForwardBatch) -> torch.Tensor:
+        """(B,) int64 greedy picks of a decode ``batch``: the argmax of each row's logits, -1
+        where they are not finite (``rtpcore.engine.sampler.greedy_pick``), computed in the
+        graph (``supports(batch)`` must hold)."""
+        self.greedy_runs += 1
+        return self._replay(batch)[1]
+
+    def _replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first B rows of the bucket's logits and greedy picks after running ``batch``."""
         b = batch.num_seqs
         n = next(size for size in buckets(self.max_batch_size) if size >= b)
         self.input_ids[:b].copy_(batch.input_ids, non_blocking=True)
@@ -157,12 +172,13 @@ class DecodeGraphs:
         if not self.capture:
             self.static_runs += 1
             with torch.inference_mode():
-                return self.model(self.static_batch(n), self.kv_caches)[:b]
-        graph, logits = self.graphs[n]
+                logits = self.model(self.static_batch(n), self.kv_caches)
+                return logits[:b], greedy_pick(logits)[:b]
+        graph, logits, picks = self.graphs[n]
         with torch.cuda.device(self.device):  # the graph's device, whatever device is current
             graph.replay()
         self.replays += 1
-        return logits[:b]
+        return logits[:b], picks[:b]
 
     def _capture_all(self) -> None:
         """Capture every bucket, the largest first (they share one memory pool)."""
@@ -187,16 +203,17 @@ class DecodeGraphs:
         else:
             logger.info("decode steps replay CUDA graphs for batch sizes %s", sorted(self.graphs))
 
-    def _capture(self, n: int, pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
+    def _capture(self, n: int, pool: Any, stream: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
         batch = self.static_batch(n)  # all padding rows: warm-up and capture write the scratch block only
         with torch.inference_mode():
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):  # lazy initialisation (RoPE tables, kernels) happens here, not in the graph
-                    self.model(batch, self.kv_caches)
+                    greedy_pick(self.model(batch, self.kv_caches))
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 logits = self.model(batch, self.kv_caches)
-        return graph, logits
+                picks = greedy_pick(logits)
+        return graph, logits, picks

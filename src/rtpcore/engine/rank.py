@@ -61,7 +61,7 @@ class EngineShard:
     """A rank's model shard and KV cache; the local object of the engine's worker group.
 
     Steps (run on every rank by ``WorkerGroup.run``): :meth:`profile_memory` (GPU sizing),
-    :meth:`allocate`, :meth:`forward`, :meth:`draft_forward`, :meth:`stats`.
+    :meth:`allocate`, :meth:`forward`, :meth:`forward_greedy`, :meth:`draft_forward`, :meth:`stats`.
 
     With ``config.draft_model`` the rank also builds the draft of speculative decoding
     (docs/design.md §10) from the same plan: a checkpoint of any model type a loaded
@@ -182,6 +182,22 @@ class EngineShard:
             with torch.inference_mode():
                 logits = self.model(batch, self.kv_caches)
         return logits if self.ctx.rank == 0 else None
+
+    def forward_greedy(self, batch: Any) -> torch.Tensor | None:
+        """The greedy picks of one step's batch (``rtpcore.engine.sampler.greedy_pick``: (B,)
+        int64 on the device, -1 for a row that is not finite) on rank 0, None elsewhere: for a
+        step whose rows are all plain greedy. A decode graph computes them in the graph, so
+        the step reads back B ids, not B rows of logits."""
+        from rtpcore.engine.sampler import greedy_pick
+
+        if self.graphs is not None and self.graphs.supports(batch):
+            picks = self.graphs.run_greedy(batch)
+        else:
+            if batch.is_decode:
+                self.eager_decodes += 1
+            with torch.inference_mode():
+                picks = greedy_pick(self.model(batch, self.kv_caches))
+        return picks if self.ctx.rank == 0 else None
 
     def graph_counters(self) -> dict[str, int]:
         """This rank's target decode steps replayed from a CUDA graph, and those run eagerly."""

@@ -11,8 +11,9 @@ draft's catch-up with the tokens the target accepted and one proposal at a time,
 :meth:`BatchBuilder.catch_up_batch`, which feeds the draft a prompt chunk in the step the
 target computed it (a draft that reads the target's hidden states has them only then).
 
-Every index tensor of a batch comes from one host buffer: on a GPU, one pinned,
-non-blocking copy (no host synchronisation).
+Every index tensor of a batch, block tables included, comes from one host buffer moved in
+one copy (``rtpcore.engine.staging``: on a GPU a reused pinned buffer, copied without
+blocking, so no host synchronisation).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from rtpcore.engine.batch import ForwardBatch
 from rtpcore.engine.scheduler import Request, ScheduledSeq
+from rtpcore.engine.staging import HostStaging
 
 __all__ = ["BatchBuilder", "TargetBatch"]
 
@@ -31,10 +33,12 @@ __all__ = ["BatchBuilder", "TargetBatch"]
 @attrs.frozen(eq=False)
 class TargetBatch:
     """A target forward's batch and, for each scheduled sequence in order, its first logits
-    row and how many rows it has (0: a prompt chunk that samples nothing)."""
+    row and how many rows it has (0: a prompt chunk that samples nothing); ``extra``: the
+    caller's extra integers on the device, carried in the batch's copy (None when not asked)."""
 
     batch: ForwardBatch
     rows: tuple[tuple[int, int], ...]
+    extra: torch.Tensor | None = None
 
 
 class BatchBuilder:
@@ -43,12 +47,14 @@ class BatchBuilder:
     def __init__(self, *, tokens_per_block: int, device: torch.device | str = "cpu"):
         self.tpb = tokens_per_block
         self.device = torch.device(device)
-        self._tables: tuple[list[list[int]], torch.Tensor] | None = None  # the last table's rows, and it
+        self.staging = HostStaging(self.device)  # one host-to-device copy per batch
 
     def target_batch(
-        self, seqs: Sequence[ScheduledSeq], proposals: Mapping[Request, Sequence[int]] | None = None
+        self, seqs: Sequence[ScheduledSeq], proposals: Mapping[Request, Sequence[int]] | None = None,
+        extra: Sequence[int] | None = None,
     ) -> TargetBatch:
-        """The target's batch for ``seqs``: each one's scheduled tokens, then its proposals."""
+        """The target's batch for ``seqs``: each one's scheduled tokens, then its proposals;
+        ``extra`` integers travel to the device in the same copy (``TargetBatch.extra``)."""
         spans: list[tuple[int, list[int]]] = []
         logits: list[int] = []
         rows: list[tuple[int, int]] = []
@@ -66,8 +72,10 @@ class BatchBuilder:
             else:
                 rows.append((len(logits), 0))
         every_last = len(logits) == len(seqs) and all(n == 1 for _, n in rows)
-        batch = self._make([s.request for s in seqs], spans, logits_rows=None if every_last else logits)
-        return TargetBatch(batch, tuple(rows))
+        extras: dict[str, torch.Tensor] = {}
+        batch = self._make([s.request for s in seqs], spans, logits_rows=None if every_last else logits,
+                           extra=extra, extras=extras)
+        return TargetBatch(batch, tuple(rows), extras.get("extra"))
 
     def draft_batch(
         self,
@@ -134,8 +142,11 @@ class BatchBuilder:
         logits_rows: Sequence[int] | None = None,
         hidden_rows: Sequence[int] | None = None,
         hidden_source: str = "target",
+        extra: Sequence[int] | None = None,
+        extras: dict[str, torch.Tensor] | None = None,
     ) -> ForwardBatch:
-        """A batch of ``spans`` (first position, token ids) of ``seqs``, one each."""
+        """A batch of ``spans`` (first position, token ids) of ``seqs``, one each; ``extra``
+        travels in the same copy and lands in ``extras["extra"]``."""
         tpb = self.tpb
         ids: list[int] = []
         positions: list[int] = []
@@ -152,36 +163,26 @@ class BatchBuilder:
             lens.append(end - start)
             context.append(end)
             starts.append(starts[-1] + end - start)
-        parts = {"input_ids": ids, "positions": positions, "slots": slots, "context_lens": context, "query_start_loc": starts}
+        parts: dict[str, list[int]] = {
+            "input_ids": ids, "positions": positions, "slots": slots, "context_lens": context, "query_start_loc": starts,
+        }
         if logits_rows is not None:
             parts["logits_indices"] = list(logits_rows)
         if hidden_rows is not None:
             parts["hidden_rows"] = list(hidden_rows)
-        flat = self._to_device(torch.tensor([i for part in parts.values() for i in part], dtype=torch.int64))
-        views = dict(zip(parts, flat.split([len(part) for part in parts.values()]), strict=True))
+        width = max((len(s.blocks) for s in seqs), default=0)  # block tables: (B, width), rows padded with 0
+        parts["block_tables"] = [b for s in seqs for b in (*s.blocks, *(0,) * (width - len(s.blocks)))]
+        if extra is not None:
+            parts["extra"] = list(extra)
+        views = dict(zip(parts, self.staging.stage(list(parts.values())), strict=True))
+        views["block_tables"] = views["block_tables"].view(len(seqs), width)
+        if extra is not None and extras is not None:
+            extras["extra"] = views.pop("extra")
         return ForwardBatch(
             query_lens=tuple(lens),
-            block_tables=self._block_tables(seqs),
             tokens_per_block=tpb,
             hidden_source=hidden_source,
             host_max_context_len=max(context, default=0),
             host_context_lens=tuple(context),
             **views,
         )
-
-    def _block_tables(self, seqs: Sequence[Request]) -> torch.Tensor:
-        """(B, max_blocks) int64, rows padded with 0; the last one reused while every row is
-        unchanged (decode steps within a block)."""
-        width = max((len(s.blocks) for s in seqs), default=0)
-        rows = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]
-        if self._tables is not None and self._tables[0] == rows:
-            return self._tables[1]
-        tables = self._to_device(torch.tensor(rows, dtype=torch.int64).reshape(len(seqs), width))
-        self._tables = (rows, tables)
-        return tables
-
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """``host`` on the builder's device: pinned, then copied without blocking."""
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)

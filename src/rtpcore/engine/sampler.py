@@ -54,7 +54,9 @@ from rtpcore.engine.grammar import GrammarState, apply_grammar_masks
 from rtpcore.engine.sampling import SampledToken, SamplingParams
 from rtpcore.errors import RtpcoreError
 
-__all__ = ["SamplingRow", "StepSample", "history_row", "process_logits", "sample", "sample_step"]
+__all__ = [
+    "SamplingRow", "StepSample", "greedy_pick", "history_row", "plain_greedy", "process_logits", "sample", "sample_step",
+]
 
 _NINF = float("-inf")
 
@@ -109,6 +111,32 @@ class _Concat(Sequence[int]):
 
     def __iter__(self) -> Iterator[int]:
         return chain(self._head, self._tail)
+
+
+def plain_greedy(row: SamplingRow) -> bool:
+    """Whether :func:`sample` would give ``row`` the plain argmax of its raw logits: greedy,
+    no grammar, no logit_bias, no penalty, no ``min_tokens`` mask in force, no logprobs. A
+    step whose every row is plain greedy needs no sampler: :func:`greedy_pick` on the device
+    (inside a decode graph when one serves the step) gives the same tokens."""
+    p = row.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and row.grammar is None
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and not (p.min_tokens and row.stop_ids and len(row.output_ids) < p.min_tokens)
+    )
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits -> (N,) int64: each row's argmax (the first of equal maxima, as
+    :func:`sample`), or -1 for a row whose distribution is not finite (a NaN or +inf, or no
+    finite entry: :func:`sample`'s failed rows). Device-only, so a CUDA graph can hold it."""
+    finite = torch.isfinite(logits.amax(dim=-1))
+    return torch.where(finite, logits.argmax(dim=-1), torch.full_like(finite, -1, dtype=torch.int64))
 
 
 def history_row(row: SamplingRow, drafted: Sequence[int]) -> SamplingRow:

@@ -4,7 +4,10 @@
 takes the scheduler's :class:`~rtpcore.engine.scheduler.StepPlan`, builds the batch
 (``rtpcore.engine.runner``), runs the target's forward -- with a speculative draft, the
 draft's proposals first and its catch-up with fresh prompt chunks after -- and samples every
-row that needs a token in one batched call (``rtpcore.engine.sampler``). It returns one
+row that needs a token in one batched call (``rtpcore.engine.sampler``); when every row is
+plain greedy (``rtpcore.engine.sampler.plain_greedy``) and no draft speculates, the forward
+returns the greedy picks on the device instead of the logits (in the decode graph when one
+serves the step) and the step reads back B token ids. It returns one
 :class:`SeqResult` per scheduled sequence and changes no scheduling state but the draft's
 cached positions; the core commits the results.
 
@@ -28,7 +31,7 @@ import attrs
 import torch
 
 from rtpcore.engine.runner import BatchBuilder
-from rtpcore.engine.sampler import SamplingRow, history_row, sample
+from rtpcore.engine.sampler import SamplingRow, history_row, plain_greedy, sample
 from rtpcore.engine.sampling import SampledToken
 from rtpcore.engine.scheduler import Request, ScheduledSeq
 from rtpcore.engine.speculative import Proposal, propose, verify_batch
@@ -64,6 +67,8 @@ class StepRunner:
     """Runs step plans for one engine (see the module docstring).
 
     ``forward`` / ``draft_forward``: the target's and the draft's forward over every rank;
+    ``greedy_forward``: the target's forward returning the greedy picks
+    (``rtpcore.engine.sampler.greedy_pick``) instead of the logits, None to always sample;
     ``is_broken()``: whether the worker group can no longer step (then a fault is not a
     request's); ``shift``: 1 for a draft that reads the target's hidden states."""
 
@@ -75,8 +80,11 @@ class StepRunner:
         is_broken: Callable[[], bool],
         draft_forward: Callable[[Any], torch.Tensor] | None = None,
         shift: int = 0,
+        greedy_forward: Callable[[Any], torch.Tensor] | None = None,
     ):
         self.forward = forward
+        self.greedy_forward = greedy_forward
+        self.greedy_steps = 0  # steps whose tokens were the device's greedy picks (no sampler)
         self.builder = builder
         self.is_broken = is_broken
         self.draft_forward = draft_forward
@@ -145,6 +153,10 @@ class StepRunner:
         if speculate and self.draft_forward is not None:
             proposals, dists = self._propose(seqs)
         built = self.builder.target_batch(seqs, proposals)
+        if self.draft_forward is None and self.greedy_forward is not None:
+            rows = [_row(s.request) for s in seqs if s.samples]
+            if all(plain_greedy(row) for row in rows):
+                return self._greedy(seqs, self.greedy_forward(built.batch).tolist())  # the one host transfer
         logits = self.forward(built.batch)  # (N, V): one row per sampled sequence, k + 1 per proposer
         if self.draft_forward is not None:
             self._catch_up(seqs)
@@ -178,6 +190,55 @@ class StepRunner:
             k = len(drafted)
             r.draft_cached = len(r.tokens) - self.shift + (0 if self.shift else min(verdict.accepted, k - 1))
             results[i] = SeqResult(tuple(verdict.tokens), verdict.accepted, k)
+        return results
+
+    def overlap_problem(self, seqs: Sequence[ScheduledSeq]) -> str | None:
+        """Why ``seqs`` cannot be launched by :meth:`launch_greedy` (one pick per sequence, read
+        later), or None when they can."""
+        if self.draft_forward is not None:
+            return "speculative decoding verifies proposals on the host"
+        if self.greedy_forward is None:
+            return "the engine has no greedy forward"
+        for s in seqs:
+            if not s.samples:
+                return "a prompt chunk samples nothing"
+            if not plain_greedy(_row(s.request)):
+                return "a row needs the sampler (sampling, logprobs, a grammar, a penalty, logit_bias or min_tokens)"
+        return None
+
+    def launch_greedy(
+        self, seqs: Sequence[ScheduledSeq], previous: torch.Tensor | None = None, rows: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Queue the forward of ``seqs`` (each samples, every row plain greedy, no draft) and
+        return its greedy picks on the device, without waiting for them (one per sequence, -1
+        for a row that is not finite: :meth:`greedy_results` turns them into results).
+        ``previous``: the picks of the step before, which the host has not read yet: sequence
+        i's input id is ``previous[rows[i]]`` (``previous[i]`` when ``rows`` is None), gathered
+        on the device (the index rides in the batch's one copy) instead of its last token."""
+        assert self.greedy_forward is not None and self.draft_forward is None
+        built = self.builder.target_batch(seqs, extra=rows)
+        batch = built.batch
+        if previous is not None:
+            ids = previous if built.extra is None else previous.index_select(0, built.extra)
+            batch = attrs.evolve(batch, input_ids=ids.clamp(min=0))  # a failed row's -1 feeds a wasted row
+        with torch.inference_mode():
+            return self.greedy_forward(batch)
+
+    def greedy_results(self, seqs: Sequence[ScheduledSeq], picks: Sequence[int]) -> list[SeqResult]:
+        """The results of a step launched by :meth:`launch_greedy`, from its picks on the host."""
+        return self._greedy(seqs, picks)
+
+    def _greedy(self, seqs: Sequence[ScheduledSeq], picks: Sequence[int]) -> list[SeqResult]:
+        """The results of a step whose sampling rows (one per sequence that samples, in order)
+        were picked greedily on the device: -1 is a row that was not finite."""
+        self.greedy_steps += 1
+        results = [SeqResult()] * len(seqs)
+        row = 0
+        for i, s in enumerate(seqs):
+            if s.samples:
+                token = int(picks[row])
+                row += 1
+                results[i] = SeqResult((SampledToken(token),)) if token >= 0 else SeqResult(error=_non_finite(s.request))
         return results
 
     def _propose(self, seqs: Sequence[ScheduledSeq]) -> tuple[dict[Request, list[int]], dict[Request, list[torch.Tensor | None]]]:

@@ -85,6 +85,10 @@ _ENGINE_COUNTERS = {
     "rtpcore_prefix_cache_hits": ("prefix_cache_hits_total", "prompt tokens found in the prefix cache"),
     "rtpcore_cuda_graph_replays": ("cuda_graph_replays_total", "decode steps replayed from a captured CUDA graph"),
     "rtpcore_eager_decode_steps": ("eager_decode_steps_total", "decode steps run eagerly (a fallback on a GPU with graphs on)"),
+    "rtpcore_greedy_picked_steps": ("greedy_picked_steps_total", "steps whose tokens were picked on the device without the sampler (all rows plain greedy)"),
+    "rtpcore_overlapped_steps": ("overlapped_steps_total", "steps launched before the previous step's tokens were read (async scheduling)"),
+    "rtpcore_async_fallback_steps": ("async_fallback_steps_total", "steps run synchronously with async scheduling on (a batch it does not cover)"),
+    "rtpcore_async_discarded_tokens": ("async_discarded_tokens_total", "tokens computed for requests that had finished a step earlier, dropped (async scheduling)"),
 }
 
 

@@ -1,0 +1,101 @@
+"""The step batch (rtpcore.engine.runner): every input of a batch travels in one host-to-device
+copy (rtpcore.engine.staging), and its views hold what each field means."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rtpcore.engine.runner import BatchBuilder
+from rtpcore.engine.sampling import SamplingParams
+from rtpcore.engine.scheduler import Request, ScheduledSeq
+from rtpcore.engine.staging import HostStaging
+
+
+def _request(tokens: list[int], blocks: list[int]) -> Request:
+    return Request(request_id="r", tokens=tokens, prompt_len=len(tokens), params=SamplingParams(),
+                   stop_ids=frozenset(), on_output=lambda _: None, arrival_time=0.0, blocks=blocks)
+
+
+@st.composite
+def _batches(draw: Any) -> tuple[int, list[tuple[list[int], list[int], int, int, bool]]]:
+    """A block size and sequences: (tokens, blocks, first scheduled position, count, samples)."""
+    tpb = draw(st.sampled_from([1, 2, 4, 16]))
+    seqs = []
+    for _ in range(draw(st.integers(1, 6))):
+        tokens = draw(st.lists(st.integers(0, 50_000), min_size=1, max_size=40))
+        start = draw(st.integers(0, len(tokens) - 1))
+        count = draw(st.integers(1, len(tokens) - start))
+        blocks = draw(st.lists(st.integers(0, 999), min_size=-(-(start + count) // tpb),
+                               max_size=-(-(start + count) // tpb) + 2, unique=True))
+        seqs.append((tokens, blocks, start, count, draw(st.booleans()) or start + count == len(tokens)))
+    return tpb, seqs
+
+
+@settings(max_examples=150)
+@given(_batches())
+def test_the_views_of_the_one_copy_hold_each_field(case: tuple[int, list[Any]]) -> None:
+    """Random ragged batches: each view equals the field built on its own, from the requests."""
+    tpb, spec = case
+    builder = BatchBuilder(tokens_per_block=tpb)
+    seqs = [ScheduledSeq(_request(t, b), s, n, samples) for t, b, s, n, samples in spec]
+    before = builder.staging.copies
+    built = builder.target_batch(seqs)
+    batch = built.batch
+    assert builder.staging.copies == before + 1
+    want_ids = [t for t, _, s, n, _ in spec for t in t[s : s + n]]
+    want_pos = [p for _, _, s, n, _ in spec for p in range(s, s + n)]
+    want_slots = [b[p // tpb] * tpb + p % tpb for _, b, s, n, _ in spec for p in range(s, s + n)]
+    width = max(len(b) for _, b, _, _, _ in spec)
+    want_tables = [b + [0] * (width - len(b)) for _, b, _, _, _ in spec]
+    want_starts = [0]
+    for _, _, _, n, _ in spec:
+        want_starts.append(want_starts[-1] + n)
+    assert batch.input_ids.tolist() == want_ids
+    assert batch.positions.tolist() == want_pos
+    assert batch.slots.tolist() == want_slots
+    assert batch.block_tables.tolist() == want_tables and batch.block_tables.shape == (len(spec), width)
+    assert batch.context_lens.tolist() == [s + n for _, _, s, n, _ in spec]
+    assert batch.query_start_loc is not None and batch.query_start_loc.tolist() == want_starts
+    assert batch.query_lens == tuple(n for *_, n, _ in spec)
+    every_last = all(samples for *_, samples in spec)
+    if every_last:  # one row per sequence, its last token: the model's default
+        assert batch.logits_indices is None
+    else:
+        assert batch.logits_indices is not None
+        assert batch.logits_indices.tolist() == [want_starts[i + 1] - 1 for i, x in enumerate(spec) if x[4]]
+    for t in (batch.input_ids, batch.positions, batch.slots, batch.context_lens, batch.block_tables):
+        assert t.dtype == torch.int64
+
+
+def test_staging_copies_once_and_keeps_order() -> None:
+    staging = HostStaging("cpu")
+    a, b, c = staging.stage([[1, 2], [], [3, 4, 5]])
+    assert staging.copies == 1
+    assert (a.tolist(), b.tolist(), c.tolist()) == ([1, 2], [], [3, 4, 5])
+    d, = staging.stage([[7]])  # a later call leaves the earlier views alone
+    assert a.tolist() == [1, 2] and d.tolist() == [7] and staging.copies == 2
+
+
+pytest.importorskip("transformers")
+
+
+def test_an_engine_step_issues_one_input_copy(tmp_path: Path) -> None:
+    """Prefill and decode steps of plain greedy requests: one copy each (the batch; the greedy
+    rows need no sampler inputs)."""
+    from rtpcore import Engine
+    from test_llama import make_checkpoint
+
+    make_checkpoint(tmp_path)
+    with Engine.from_pretrained(tmp_path, tokens_per_block=4) as engine:
+        core = engine._core
+        staging = core.runner.builder.staging
+        steps_before, copies_before = core.stats().steps_total, staging.copies
+        engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=6, stop_token_ids=[])
+        steps = core.stats().steps_total - steps_before
+        assert steps >= 6 and staging.copies - copies_before == steps
