@@ -68,34 +68,42 @@ def test_linear_matches_torch_for_float32_and_int8_weights(isa: str, rows: int, 
     x, w, bias = torch.randn(rows, inp, generator=gen), torch.randn(out, inp, generator=gen), torch.randn(out, generator=gen)
     kernels.set_num_threads(2)
     y = torch.full((rows, out), float("nan"))
-    kernels.linear(kernels.LinearWeights(w.data_ptr(), False, 0, bias.data_ptr(), out, inp), x.data_ptr(), rows, y.data_ptr())
+    kernels.linear(kernels.LinearWeights(w.data_ptr(), "float32", 0, bias.data_ptr(), out, inp), x.data_ptr(), rows, y.data_ptr())
     torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-5 * inp**0.5)
     q = torch.randint(-127, 128, (out, inp), dtype=torch.int8, generator=gen)
     scale = torch.rand(out, generator=gen) + 0.01
     acc = torch.randn(rows, out, generator=gen)
     y = acc.clone()
-    weights = kernels.LinearWeights(q.data_ptr(), True, scale.data_ptr(), 0, out, inp)
+    weights = kernels.LinearWeights(q.data_ptr(), "int8", scale.data_ptr(), 0, out, inp)
     kernels.linear(weights, x.data_ptr(), rows, y.data_ptr(), accumulate=True)
     ref = acc + F.linear(x, q.float() * scale[:, None])
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4 * inp**0.5)
+    wb = w.to(torch.bfloat16)
+    y = torch.full((rows, out), float("nan"))
+    kernels.linear(kernels.LinearWeights(wb.data_ptr(), "bfloat16", 0, 0, out, inp), x.data_ptr(), rows, y.data_ptr())
+    torch.testing.assert_close(y, F.linear(x, wb.float()), rtol=1e-5, atol=1e-5 * inp**0.5)
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 12), out=st.integers(1, 80), inp=st.integers(1, 90), int8=st.booleans(),
-       bias=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
+@given(rows=st.integers(1, 12), out=st.integers(1, 80), inp=st.integers(1, 90),
+       dtype=st.sampled_from(["float32", "int8", "bfloat16"]), bias=st.booleans(), threads=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
 def test_linear_equals_the_reference_formula_for_any_shape(
-    rows: int, out: int, inp: int, int8: bool, bias: bool, threads: int, seed: int
+    rows: int, out: int, inp: int, dtype: str, bias: bool, threads: int, seed: int
 ) -> None:
-    """y = x @ (W * scale).T + bias, summed in float64 as the reference, for any shape, with
-    1-3 pool threads and the instruction set chosen at import."""
+    """y = x @ (W * scale).T + bias, summed in float64 as the reference, for any shape and
+    weight dtype, with 1-3 pool threads and the instruction set chosen at import."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, inp, generator=gen)
+    int8 = dtype == "int8"
     w = torch.randint(-127, 128, (out, inp), dtype=torch.int8, generator=gen) if int8 else torch.randn(out, inp, generator=gen)
+    if dtype == "bfloat16":
+        w = w.to(torch.bfloat16)
     scale = torch.rand(out, generator=gen) + 0.01
     b = torch.randn(out, generator=gen) if bias else None
     kernels.set_num_threads(threads)
     y = torch.full((rows, out), float("nan"))
-    weights = kernels.LinearWeights(w.data_ptr(), int8, scale.data_ptr() if int8 else 0,
+    weights = kernels.LinearWeights(w.data_ptr(), dtype, scale.data_ptr() if int8 else 0,
                                     0 if b is None else b.data_ptr(), out, inp)
     kernels.linear(weights, x.data_ptr(), rows, y.data_ptr())
     dense = w.double() * (scale.double()[:, None] if int8 else 1.0)
@@ -117,7 +125,9 @@ def test_bad_arguments_are_value_errors_naming_them() -> None:
     with pytest.raises(ValueError, match="threads must be >= 1, got 0"):
         kernels.set_num_threads(0)
     with pytest.raises(ValueError, match="an int8 linear needs its per-row scales"):
-        kernels.LinearWeights(1, True, 0, 0, 4, 4)
+        kernels.LinearWeights(1, "int8", 0, 0, 4, 4)
+    with pytest.raises(ValueError, match="weight dtype must be 'float32', 'int8' or 'bfloat16', got 'fp4'"):
+        kernels.LinearWeights(1, "fp4", 0, 0, 4, 4)
     with pytest.raises(ValueError, match="heads .6. must be a multiple of kv_heads .4."):
         kernels.LlamaDecoder(8, 6, 4, 8, 16, 32, 1e-5, 1)
 
@@ -152,6 +162,26 @@ def test_native_decode_logits_match_transformers(tmp_path: Path, variant: str) -
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("variant", "kv"), [("llama-gqa", "auto"), ("qwen2-bias", "auto"), ("mistral-window", "fp32")])
+def test_native_decode_of_a_bfloat16_model_is_within_its_rounding(tmp_path: Path, variant: str, kv: str) -> None:
+    """A bf16 model whose linear layers keep float32 copies (fp32_batched_linear=True, as on CPUs
+    without bf16 dot products) decodes natively over bf16 (or fp32) pools; its logits stay
+    within 5% of the logits' range of transformers' bf16 model, as the torch modules' do."""
+    hf = make_checkpoint(tmp_path, variant).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (40, 31, 20)]
+    engine = Engine.from_pretrained(tmp_path, dtype="bfloat16", kv_cache_dtype=kv, tokens_per_block=4,
+                                    fp32_batched_linear=True)
+    ours = teacher_forced_logits(engine.model, engine.kv_caches, seqs, prefill=[13, 7, 20])
+    assert engine.model.decode_kernel == "native" and engine.model._native.steps > 0
+    for s, got, n in zip(seqs, ours, [13, 7, 20], strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([s])).logits[0, n - 1 :].float()
+        assert got.dtype == torch.bfloat16
+        assert (got.float() - ref).abs().max().item() <= 0.05 * float(ref.abs().max())
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["llama-gqa", "mistral-window", "qwen2-bias", "llama-tied"])
 def test_native_greedy_tokens_equal_transformers_up_to_a_near_tie(tmp_path: Path, variant: str) -> None:
     """Batched greedy decoding of ragged prompts (a 12-token window shorter than the outputs
@@ -178,7 +208,7 @@ def test_native_decode_false_keeps_the_torch_modules_and_both_agree(tmp_path: Pa
 
 
 @pytest.mark.parametrize(("options", "reason"), [
-    ({"dtype": "bfloat16"}, "computes in torch.bfloat16"),
+    ({"dtype": "float16"}, "computes in torch.float16"),
     ({"kv_cache_dtype": "fp8"}, "KV pool is PackedLayerKVCache"),
     ({"native_decode": False}, "native_decode is False"),
 ])
@@ -245,7 +275,7 @@ def test_a_forked_child_runs_the_kernels_on_a_pool_of_its_own() -> None:
     The child runs the native kernel only: torch's own OpenMP pool is not fork-safe."""
     gen = torch.Generator().manual_seed(5)
     x, w = torch.randn(2, 256, generator=gen), torch.randn(4096, 256, generator=gen)
-    weights = kernels.LinearWeights(w.data_ptr(), False, 0, 0, 4096, 256)
+    weights = kernels.LinearWeights(w.data_ptr(), "float32", 0, 0, 4096, 256)
     kernels.set_num_threads(2)
     want = torch.empty(2, 4096)
     kernels.linear(weights, x.data_ptr(), 2, want.data_ptr())  # the pool starts here

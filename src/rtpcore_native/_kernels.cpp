@@ -93,15 +93,19 @@ struct Kernels {
                        int64_t);
     void (*linear_i8)(const float*, int64_t, int64_t, const int8_t*, const float*, const float*, float*, int64_t,
                       bool, int64_t, int64_t);
+    void (*linear_bf16)(const float*, int64_t, int64_t, const uint16_t*, const float*, float*, int64_t, bool, int64_t,
+                        int64_t);
     void (*rms_norm)(const float*, const float*, float, float*, int64_t);
     void (*silu_mul)(const float*, const float*, float*, int64_t);
     void (*rope)(float*, int64_t, int64_t, const float*, const float*);
-    void (*attend_one)(const float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*,
-                       int64_t, int64_t, int64_t, float, float*, float*);
+    // attention over float32 / bfloat16 pools
+    void (*attend[2])(const float*, int64_t, int64_t, const void*, const void*, int64_t, int64_t, const int64_t*,
+                      int64_t, int64_t, int64_t, float, float*, float*);
 };
 
-#define RTPCORE_KERNELS(ns, label) \
-    Kernels{label, ns::linear_f32, ns::linear_i8, ns::rms_norm, ns::silu_mul, ns::rope, ns::attend_one}
+#define RTPCORE_KERNELS(ns, label)                                                                              \
+    Kernels{label, ns::linear_f32, ns::linear_i8, ns::linear_bf16, ns::rms_norm, ns::silu_mul, ns::rope, \
+            {ns::attend_f32, ns::attend_bf16}}
 
 const Kernels kBase = RTPCORE_KERNELS(isa_base, "baseline");
 #ifdef RTPCORE_X86
@@ -288,11 +292,31 @@ inline int64_t chunk_size(int64_t total, int threads, int64_t align) {
     return per < align ? align : per;
 }
 
+// ---- bfloat16
+
+inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// Round to nearest, ties to even, as torch's float32 -> bfloat16 conversion (NaN stays NaN).
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
 // ---- linear layers
 
+enum class WeightKind { f32, i8, bf16 };
+
 struct LinearW {
-    const void* w = nullptr;  // (N, K) float32 or int8
-    bool int8 = false;
+    const void* w = nullptr;  // (N, K) float32, int8 or bfloat16
+    WeightKind kind = WeightKind::f32;
     const float* scale = nullptr;  // (N,) int8 only
     const float* bias = nullptr;   // (N,) or null
     int64_t N = 0, K = 0;
@@ -305,10 +329,17 @@ void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool
     const int64_t size = (M * l.N * l.K < (1 << 15)) ? l.N : chunk_size(l.N, p.threads(), 16);
     p.run((l.N + size - 1) / size, [&](int64_t c) {
         const int64_t n0 = c * size, n1 = n0 + size < l.N ? n0 + size : l.N;
-        if (l.int8)
-            k.linear_i8(x, M, l.K, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
-        else
-            k.linear_f32(x, M, l.K, static_cast<const float*>(l.w), l.bias, y, l.N, accumulate, n0, n1);
+        switch (l.kind) {
+            case WeightKind::i8:
+                k.linear_i8(x, M, l.K, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
+                break;
+            case WeightKind::bf16:
+                k.linear_bf16(x, M, l.K, static_cast<const uint16_t*>(l.w), l.bias, y, l.N, accumulate, n0, n1);
+                break;
+            case WeightKind::f32:
+                k.linear_f32(x, M, l.K, static_cast<const float*>(l.w), l.bias, y, l.N, accumulate, n0, n1);
+                break;
+        }
     });
 }
 
@@ -317,13 +348,26 @@ T* as_ptr(uintptr_t p) {
     return reinterpret_cast<T*>(p);
 }
 
-LinearW make_linear(uintptr_t w, bool int8, uintptr_t scale, uintptr_t bias, int64_t N, int64_t K) {
+WeightKind weight_kind(const std::string& dtype) {
+    if (dtype == "float32") return WeightKind::f32;
+    if (dtype == "int8") return WeightKind::i8;
+    if (dtype == "bfloat16") return WeightKind::bf16;
+    throw std::invalid_argument("weight dtype must be 'float32', 'int8' or 'bfloat16', got '" + dtype + "'");
+}
+
+const char* kind_name(WeightKind k) {
+    return k == WeightKind::i8 ? "int8" : k == WeightKind::bf16 ? "bfloat16" : "float32";
+}
+
+LinearW make_linear(uintptr_t w, const std::string& dtype, uintptr_t scale, uintptr_t bias, int64_t N, int64_t K) {
+    const WeightKind kind = weight_kind(dtype);
     if (!w) throw std::invalid_argument("linear weight pointer is null");
     if (N <= 0 || K <= 0) throw std::invalid_argument("linear shape must be positive, got (" + std::to_string(N) + ", " + std::to_string(K) + ")");
-    if (int8 && !scale) throw std::invalid_argument("an int8 linear needs its per-row scales");
+    if (kind == WeightKind::i8 && !scale) throw std::invalid_argument("an int8 linear needs its per-row scales");
+    if (kind != WeightKind::i8 && scale) throw std::invalid_argument("only an int8 linear takes scales");
     LinearW l;
     l.w = as_ptr<const void>(w);
-    l.int8 = int8;
+    l.kind = kind;
     l.scale = as_ptr<const float>(scale);
     l.bias = as_ptr<const float>(bias);
     l.N = N;
@@ -339,8 +383,9 @@ struct Layer {
     const float* norm2 = nullptr;
     LinearW gate_up, down;
     int64_t window = 0;  // 0: none
-    float* k_pool = nullptr;  // (slots, Hkv, D)
-    float* v_pool = nullptr;
+    void* k_pool = nullptr;  // (slots, Hkv, D) float32 or bfloat16
+    void* v_pool = nullptr;
+    bool pool_bf16 = false;
     int64_t slots = 0;  // the pools' rows
 };
 
@@ -375,19 +420,26 @@ class LlamaDecoder {
         l.window = window;
     }
 
-    void set_head(uintptr_t embed, int64_t vocab_rows, uintptr_t norm, const LinearW& head) {
+    void set_head(uintptr_t embed, int64_t vocab_rows, const std::string& embed_dtype, uintptr_t norm,
+                  const LinearW& head) {
         expect(head, V_, E_, "lm_head");
+        if (embed_dtype != "float32" && embed_dtype != "bfloat16")
+            throw std::invalid_argument("embedding dtype must be 'float32' or 'bfloat16', got '" + embed_dtype + "'");
         vocab_rows_ = vocab_rows;
-        embed_ = as_ptr<const float>(embed);
+        embed_bf16_ = embed_dtype == "bfloat16";
+        embed_ = as_ptr<const void>(embed);
         norm_ = as_ptr<const float>(norm);
         head_ = head;
     }
 
-    void set_pools(int64_t i, uintptr_t k, uintptr_t v, int64_t slots) {
+    void set_pools(int64_t i, uintptr_t k, uintptr_t v, int64_t slots, const std::string& dtype) {
         if (slots <= 0) throw std::invalid_argument("a KV pool needs at least one slot");
+        if (dtype != "float32" && dtype != "bfloat16")
+            throw std::invalid_argument("KV pool dtype must be 'float32' or 'bfloat16', got '" + dtype + "'");
         Layer& l = at(i);
-        l.k_pool = as_ptr<float>(k);
-        l.v_pool = as_ptr<float>(v);
+        l.k_pool = as_ptr<void>(k);
+        l.v_pool = as_ptr<void>(v);
+        l.pool_bf16 = dtype == "bfloat16";
         l.slots = slots;
     }
 
@@ -432,7 +484,14 @@ class LlamaDecoder {
         attn_.resize(B * Q);
         gu_.resize(B * 2 * I_);
         act_.resize(B * I_);
-        for (int64_t b = 0; b < B; ++b) std::memcpy(&x_[b * E_], embed_ + ids[b] * E_, sizeof(float) * E_);
+        for (int64_t b = 0; b < B; ++b) {
+            if (embed_bf16_) {
+                const uint16_t* row = static_cast<const uint16_t*>(embed_) + ids[b] * E_;
+                for (int64_t e = 0; e < E_; ++e) x_[b * E_ + e] = bf16_to_f32(row[e]);
+            } else {
+                std::memcpy(&x_[b * E_], static_cast<const float*>(embed_) + ids[b] * E_, sizeof(float) * E_);
+            }
+        }
         Pool& p = pool();
         for (Layer& l : layers_) {
             for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm1, eps_, &h_[b * E_], E_);
@@ -442,8 +501,17 @@ class LlamaDecoder {
                 const float* c = cos + pos[b] * D_;
                 const float* s = sin + pos[b] * D_;
                 k.rope(row, H_ + Hkv_, D_, c, s);  // q and k are adjacent
-                std::memcpy(l.k_pool + slots[b] * KV, row + Q, sizeof(float) * KV);
-                std::memcpy(l.v_pool + slots[b] * KV, row + Q + KV, sizeof(float) * KV);
+                if (l.pool_bf16) {
+                    uint16_t* kd = static_cast<uint16_t*>(l.k_pool) + slots[b] * KV;
+                    uint16_t* vd = static_cast<uint16_t*>(l.v_pool) + slots[b] * KV;
+                    for (int64_t e = 0; e < KV; ++e) {
+                        kd[e] = f32_to_bf16(row[Q + e]);
+                        vd[e] = f32_to_bf16(row[Q + KV + e]);
+                    }
+                } else {
+                    std::memcpy(static_cast<float*>(l.k_pool) + slots[b] * KV, row + Q, sizeof(float) * KV);
+                    std::memcpy(static_cast<float*>(l.v_pool) + slots[b] * KV, row + Q + KV, sizeof(float) * KV);
+                }
             }
             p.run(B * Hkv_, [&](int64_t task) {
                 std::vector<float>& scores = scratch();
@@ -451,8 +519,8 @@ class LlamaDecoder {
                 const int64_t start = (l.window > 0 && ctx[b] > l.window) ? ctx[b] - l.window : 0;
                 if (static_cast<int64_t>(scores.size()) < G * (ctx[b] - start)) scores.resize(G * longest);
                 const float* q = &qkv_[b * (Q + 2 * KV) + kvh * G * D_];
-                k.attend_one(q, G, D_, l.k_pool, l.v_pool, kvh, Hkv_, tables + b * width, tpb, start, ctx[b], scale(),
-                             scores.data(), &attn_[b * Q + kvh * G * D_]);
+                k.attend[l.pool_bf16](q, G, D_, l.k_pool, l.v_pool, kvh, Hkv_, tables + b * width, tpb, start, ctx[b],
+                                      scale(), scores.data(), &attn_[b * Q + kvh * G * D_]);
             });
             linear_parallel(l.o, attn_.data(), B, x_.data(), true);
             for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm2, eps_, &h_[b * E_], E_);
@@ -484,7 +552,8 @@ class LlamaDecoder {
     const int64_t E_, H_, Hkv_, D_, I_, V_;
     const float eps_;
     std::vector<Layer> layers_;
-    const float* embed_ = nullptr;
+    const void* embed_ = nullptr;
+    bool embed_bf16_ = false;
     int64_t vocab_rows_ = 0;
     const float* norm_ = nullptr;
     LinearW head_;
@@ -518,11 +587,11 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("num_threads", [] { return g_threads; });
 
     py::class_<LinearW>(m, "LinearWeights")
-        .def(py::init(&make_linear), py::arg("weight"), py::arg("int8"), py::arg("scale"), py::arg("bias"),
+        .def(py::init(&make_linear), py::arg("weight"), py::arg("dtype"), py::arg("scale"), py::arg("bias"),
              py::arg("out_features"), py::arg("in_features"))
         .def_readonly("out_features", &LinearW::N)
         .def_readonly("in_features", &LinearW::K)
-        .def_readonly("int8", &LinearW::int8);
+        .def_property_readonly("dtype", [](const LinearW& l) { return std::string(kind_name(l.kind)); });
 
     m.def("linear", [](const LinearW& l, uintptr_t x, int64_t rows, uintptr_t y, bool accumulate) {
         if (rows <= 0) throw std::invalid_argument("linear needs at least one row, got " + std::to_string(rows));
@@ -538,9 +607,10 @@ PYBIND11_MODULE(_kernels, m) {
              py::arg("eps"), py::arg("num_layers"))
         .def("set_layer", &LlamaDecoder::set_layer, py::arg("index"), py::arg("norm1"), py::arg("qkv"), py::arg("o"),
              py::arg("norm2"), py::arg("gate_up"), py::arg("down"), py::arg("window"))
-        .def("set_head", &LlamaDecoder::set_head, py::arg("embed"), py::arg("vocab_rows"), py::arg("norm"),
-             py::arg("head"))
-        .def("set_pools", &LlamaDecoder::set_pools, py::arg("index"), py::arg("k"), py::arg("v"), py::arg("slots"))
+        .def("set_head", &LlamaDecoder::set_head, py::arg("embed"), py::arg("vocab_rows"), py::arg("embed_dtype"),
+             py::arg("norm"), py::arg("head"))
+        .def("set_pools", &LlamaDecoder::set_pools, py::arg("index"), py::arg("k"), py::arg("v"), py::arg("slots"),
+             py::arg("dtype"))
         .def("decode", [](LlamaDecoder& d, int64_t B, uintptr_t ids, uintptr_t pos, uintptr_t slots, uintptr_t tables,
                           int64_t width, uintptr_t ctx, int64_t tpb, uintptr_t cos, uintptr_t sin, int64_t positions,
                           uintptr_t logits) {

@@ -32,6 +32,29 @@ static inline V load(const int8_t* p) {
     return v;
 #endif
 }
+// bfloat16 lanes (the high half of a float32) widened to float32: zero-extend and shift.
+static inline V load(const uint16_t* p) {
+#if RTPCORE_VBYTES == 64
+    return (V)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif RTPCORE_VBYTES == 32
+    return (V)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
+    V v;
+    for (int i = 0; i < kLanes; ++i) {
+        uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+        std::memcpy(&v[i], &bits, sizeof bits);
+    }
+    return v;
+#endif
+}
+static inline float to_f32(float x) { return x; }
+static inline float to_f32(int8_t x) { return static_cast<float>(x); }
+static inline float to_f32(uint16_t x) {
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
 static inline void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 static inline V splat(float s) { return V{} + s; }
 
@@ -93,7 +116,7 @@ static inline __attribute__((always_inline)) void dot_tile(
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < NT; ++j) {
             float s = hsum(acc[i][j]);
-            for (int64_t t = k; t < K; ++t) s += x[i * ldx + t] * static_cast<float>(w[j * ldw + t]);
+            for (int64_t t = k; t < K; ++t) s += x[i * ldx + t] * to_f32(w[j * ldw + t]);
             out[i][j] = s;
         }
 }
@@ -182,21 +205,22 @@ static void rope(float* x, int64_t heads, int64_t D, const float* cos, const flo
 // Attention of the G query heads of one KV head of one sequence over its context positions
 // [start, ctx), read in place from the pools (slot rows of Hkv x D) through its block table.
 // q (G, D) -> out (G, D); scores: scratch of G * (ctx - start) floats.
-static void attend_one(const float* q, int64_t G, int64_t D, const float* kc, const float* vc, int64_t kvh,
+template <typename T>
+static void attend_one(const float* q, int64_t G, int64_t D, const T* kc, const T* vc, int64_t kvh,
                        int64_t Hkv, const int64_t* table, int64_t tpb, int64_t start, int64_t ctx, float scale,
                        float* scores, float* out) {
     const int64_t L = ctx - start;
     for (int64_t t = 0; t < L; ++t) {
         int64_t pos = start + t;
         int64_t slot = table[pos / tpb] * tpb + pos % tpb;
-        const float* krow = kc + (slot * Hkv + kvh) * D;
+        const T* krow = kc + (slot * Hkv + kvh) * D;
         for (int64_t g = 0; g < G; ++g) {
             const float* qg = q + g * D;
             V acc = V{};
             int64_t k = 0;
             for (; k + kLanes <= D; k += kLanes) acc += load(qg + k) * load(krow + k);
             float s = hsum(acc);
-            for (; k < D; ++k) s += qg[k] * krow[k];
+            for (; k < D; ++k) s += qg[k] * to_f32(krow[k]);
             scores[g * L + t] = s * scale;
         }
     }
@@ -222,13 +246,32 @@ static void attend_one(const float* q, int64_t G, int64_t D, const float* kc, co
     for (int64_t t = 0; t < L; ++t) {
         int64_t pos = start + t;
         int64_t slot = table[pos / tpb] * tpb + pos % tpb;
-        const float* vrow = vc + (slot * Hkv + kvh) * D;
+        const T* vrow = vc + (slot * Hkv + kvh) * D;
         for (int64_t g = 0; g < G; ++g) {
             float p = scores[g * L + t];
             float* og = out + g * D;
             int64_t k = 0;
             for (; k + kLanes <= D; k += kLanes) store(og + k, load(og + k) + load(vrow + k) * p);
-            for (; k < D; ++k) og[k] += vrow[k] * p;
+            for (; k < D; ++k) og[k] += to_f32(vrow[k]) * p;
         }
     }
+}
+
+static void attend_f32(const float* q, int64_t G, int64_t D, const void* kc, const void* vc, int64_t kvh, int64_t Hkv,
+                       const int64_t* table, int64_t tpb, int64_t start, int64_t ctx, float scale, float* scores,
+                       float* out) {
+    attend_one(q, G, D, static_cast<const float*>(kc), static_cast<const float*>(vc), kvh, Hkv, table, tpb, start, ctx,
+               scale, scores, out);
+}
+
+static void attend_bf16(const float* q, int64_t G, int64_t D, const void* kc, const void* vc, int64_t kvh, int64_t Hkv,
+                        const int64_t* table, int64_t tpb, int64_t start, int64_t ctx, float scale, float* scores,
+                        float* out) {
+    attend_one(q, G, D, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), kvh, Hkv, table, tpb,
+               start, ctx, scale, scores, out);
+}
+
+static void linear_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, float* y,
+                        int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    linear_range(x, M, K, w, nullptr, bias, y, N, accumulate, n0, n1);
 }

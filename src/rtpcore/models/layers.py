@@ -26,8 +26,9 @@ The kernels, and what each promises (``layer.kernel`` says which one runs):
   dtype (whether it does depends on the CPU and the data: on CPUs without bf16
   instructions it does, on a few elements in a thousand). No bit-exactness is claimed.
 * ``"packed+fp32"`` -- ``"packed"`` for one-row inputs (decode at batch 1), plus a
-  float32 prepacked copy of the weight for inputs of several rows (batched decode,
-  prefill): the input is widened to float32, multiplied on float32 hardware and the
+  float32 copy of the weight for inputs of several rows (batched decode, prefill; torch's
+  float32 GEMM, and the native decode step of ``rtpcore.models.native`` for every decode
+  batch of a bf16 model): the input is widened to float32, multiplied on float32 hardware and the
   result rounded to the weight's dtype. On CPUs without bf16 (fp16) dot-product
   instructions oneDNN emulates reduced-precision GEMMs, and the float32 kernel is
   about twice as fast from two rows on. It costs a float32 copy of the weight
@@ -94,7 +95,7 @@ class Linear(nn.Module):
 
     weight: torch.Tensor  # (out, in), or oneDNN's packed form of it
     bias: torch.Tensor | None
-    weight_fp32: torch.Tensor | None  # oneDNN's packed float32 copy ("packed+fp32")
+    weight_fp32: torch.Tensor | None  # a float32 copy, (out, in) ("packed+fp32")
     scales: torch.Tensor  # per output channel ("int8" only)
     bias_fp32: torch.Tensor | None
 
@@ -117,14 +118,9 @@ class Linear(nn.Module):
             allowed = _BATCHED_FP32.get()
             batched_fp32 = not cpu_has_native_dot(weight.dtype) if allowed is None else allowed
         fp32_weight = fp32_bias = None
-        if batched_fp32:
-            try:
-                fp32_weight = torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), 1)
-            except RuntimeError as exc:  # a oneDNN build without float32 packing: "packed" alone
-                logger.debug("float32 prepacked linear unavailable: %s", exc)
-                batched_fp32 = False
-            else:
-                fp32_bias = None if bias is None else bias.float()
+        if batched_fp32:  # a plain float32 copy: torch's float32 GEMM and the native decode read it
+            fp32_weight = weight.float().contiguous()
+            fp32_bias = None if bias is None else bias.float().contiguous()
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
         self.kernel = "packed+fp32" if batched_fp32 else "packed" if self.packed else "plain"
@@ -161,7 +157,7 @@ class Linear(nn.Module):
         if self._native is None or self.weight.device.type != "cpu":
             return None
         return self._native.LinearWeights(
-            self.weight.data_ptr(), True, self.scales_f32.data_ptr(),
+            self.weight.data_ptr(), "int8", self.scales_f32.data_ptr(),
             0 if self.bias_f32 is None else self.bias_f32.data_ptr(), self.out_features, self.in_features,
         )
 
@@ -184,8 +180,7 @@ class Linear(nn.Module):
                 y = y + self.bias
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.weight_fp32 is not None and x.numel() > self.in_features:  # several rows
-            y = torch.ops.mkldnn._linear_pointwise(x.float(), self.weight_fp32, self.bias_fp32, "none", [], "")
-            return y.to(x.dtype)
+            return F.linear(x.float(), self.weight_fp32, self.bias_fp32).to(x.dtype)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -12,9 +12,13 @@ one scale per output row), attention read in place from the paged pools through 
 tables, and a thread pool of the extension's own sized by torch's thread count.
 
 It serves steps where every sequence decodes one token and the model returns every row's
-logits (no speculative verification, no hidden states for a draft), on models whose
-activations are float32 on the CPU, with unquantized float32 KV pools, on one rank; every
-other step runs the torch modules. ``LlamaModel.decode_kernel`` says which one decode
+logits (no speculative verification, no hidden states for a draft), on one rank on the CPU,
+with unquantized float32 or bfloat16 KV pools, for float32 models and for bfloat16 ones
+whose linear layers it can read: bf16 weights kept plain, or the float32 copies that
+``Linear``'s ``"packed+fp32"`` kernel keeps on CPUs without bf16 dot products (there it
+beats oneDNN's emulated bf16 products by far). Activations stay float32 inside the step (a
+bf16 model's step is the more precise for it: within bf16 rounding of transformers'); the
+logits come back in the model's dtype. Every other step runs the torch modules. ``LlamaModel.decode_kernel`` says which one decode
 steps use, and why not the native one when it is off (:func:`native_problem`).
 
 Numerics (docs/design.md §6): float32 throughout, summed in another order than torch's
@@ -74,18 +78,27 @@ def kernels() -> Any:
     return _kernels
 
 
-def native_linear_weights(layer: Any) -> Any:
-    """The extension's view of an ``rtpcore.models.layers.Linear`` (float32 ``"plain"`` or
-    ``"int8"``): its weight, scales and bias pointers. The layer must outlive it."""
-    k = kernels()
+def native_operands(layer: Any) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """What the native kernels multiply for an ``rtpcore.models.layers.Linear``: (weight dtype,
+    weight, float32 scales or None, float32 bias or None), or None when they cannot read it
+    (a oneDNN-packed weight without a float32 copy, float16)."""
     if layer.kernel == "int8":
-        scale = layer.scales_f32
-        bias = None if layer.bias is None else layer.bias_f32
-        return k.LinearWeights(layer.weight.data_ptr(), True, scale.data_ptr(),
-                               0 if bias is None else bias.data_ptr(), layer.out_features, layer.in_features)
-    bias = layer.bias
-    return k.LinearWeights(layer.weight.data_ptr(), False, 0, 0 if bias is None else bias.data_ptr(),
-                           layer.out_features, layer.in_features)
+        return "int8", layer.weight, layer.scales_f32, layer.bias_f32
+    if layer.kernel == "packed+fp32":
+        return "float32", layer.weight_fp32, None, layer.bias_fp32
+    if layer.kernel == "plain" and layer.weight.dtype in (torch.float32, torch.bfloat16):
+        bias = None if layer.bias is None else layer.bias.float().contiguous()
+        return str(layer.weight.dtype).removeprefix("torch."), layer.weight, None, bias
+    return None
+
+
+def native_linear_weights(layer: Any, keep: list[torch.Tensor]) -> Any:
+    """The extension's view of an ``rtpcore.models.layers.Linear`` (:func:`native_operands`);
+    tensors made for it are appended to ``keep``, which must outlive the view (so must the layer)."""
+    dtype, weight, scale, bias = native_operands(layer)  # type: ignore[misc]
+    keep.extend(t for t in (scale, bias) if t is not None)
+    return kernels().LinearWeights(weight.data_ptr(), dtype, 0 if scale is None else scale.data_ptr(),
+                                   0 if bias is None else bias.data_ptr(), layer.out_features, layer.in_features)
 
 
 def _linear_problem(name: str, layer: Any) -> str | None:
@@ -93,12 +106,13 @@ def _linear_problem(name: str, layer: Any) -> str | None:
 
     if type(layer) is not Linear:
         return f"{name} is a {type(layer).__name__}, not a single-rank Linear"
-    if layer.kernel == "int8":
-        return None
-    if layer.kernel != "plain" or layer.weight.dtype != torch.float32:
-        return f"{name} runs the {layer.kernel!r} kernel on {layer.weight.dtype} weights (native: float32 or int8)"
-    if not layer.weight.is_contiguous() or (layer.bias is not None and not layer.bias.is_contiguous()):
-        return f"{name}'s weight is not contiguous"
+    operands = native_operands(layer)
+    if operands is None:
+        return (f"{name} runs the {layer.kernel!r} kernel on {layer.weight.dtype} weights (native: float32, int8, "
+                "bfloat16 or a float32 copy)")
+    weight = operands[1]
+    if weight.device.type != "cpu" or not weight.is_contiguous():
+        return f"{name}'s weight is not a contiguous CPU tensor"
     return None
 
 
@@ -110,8 +124,8 @@ def native_problem(model: Any, kv_caches: Sequence[Any]) -> str | None:
         return "this build of rtpcore_native has no _kernels extension"
     if model.embed.device.type != "cpu":
         return f"the model is on {model.embed.device}, not the CPU"
-    if model.dtype != torch.float32:
-        return f"the model computes in {model.dtype} (native decode: float32 activations)"
+    if model.dtype not in (torch.float32, torch.bfloat16):
+        return f"the model computes in {model.dtype} (native decode: float32 or bfloat16 models)"
     if model.parallel is not None:
         return "the model is a tensor-parallel shard"
     problem = _linear_problem("lm_head", model.lm_head)
@@ -126,14 +140,17 @@ def native_problem(model: Any, kv_caches: Sequence[Any]) -> str | None:
     if len(kv_caches) != cfg.num_hidden_layers:
         return f"{len(kv_caches)} KV pools for {cfg.num_hidden_layers} layers"
     for i, cache in enumerate(kv_caches):
-        if type(cache) is not LayerKVCache or cache.spec.kind != "mha" or cache.k.dtype != torch.float32:
+        if type(cache) is not LayerKVCache or cache.spec.kind != "mha" or cache.k.dtype not in _POOL_DTYPES:
             kind = getattr(cache.spec, "dtype", "?")
-            return f"layer {i}'s KV pool is {type(cache).__name__} ({kind}); native decode reads float32 pools"
+            return f"layer {i}'s KV pool is {type(cache).__name__} ({kind}); native decode reads fp32 and bf16 pools"
         shape = (cfg.num_key_value_heads, cfg.head_dim)
         for part in (cache.k, cache.v):
             if tuple(part.shape[1:]) != shape or not part.is_contiguous() or part.device.type != "cpu":
                 return f"layer {i}'s KV pool is not a contiguous CPU (slots, {shape[0]}, {shape[1]}) tensor"
     return None
+
+
+_POOL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 class NativeLlamaDecode:
@@ -154,16 +171,36 @@ class NativeLlamaDecode:
             head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, vocab=model.lm_head.out_features,
             eps=cfg.rms_norm_eps, num_layers=cfg.num_hidden_layers,
         )
+        # Norm weights (and, below, the RoPE tables) in float32: a bf16 model's own are bf16.
+        self._keep: list[torch.Tensor] = []
+        f32 = self._f32
         for i, (layer, window) in enumerate(zip(model.layers, cfg.sliding_windows, strict=True)):
             self.decoder.set_layer(
-                i, layer.norm1.data_ptr(), native_linear_weights(layer.qkv), native_linear_weights(layer.o),
-                layer.norm2.data_ptr(), native_linear_weights(layer.gate_up), native_linear_weights(layer.down),
+                i, f32(layer.norm1).data_ptr(), native_linear_weights(layer.qkv, self._keep),
+                native_linear_weights(layer.o, self._keep), f32(layer.norm2).data_ptr(),
+                native_linear_weights(layer.gate_up, self._keep), native_linear_weights(layer.down, self._keep),
                 window or 0,
             )
-        self.decoder.set_head(model.embed.data_ptr(), model.embed.shape[0], model.norm.data_ptr(),
-                              native_linear_weights(model.lm_head))
+        embed_dtype = "bfloat16" if model.embed.dtype == torch.bfloat16 else "float32"
+        self.decoder.set_head(model.embed.data_ptr(), model.embed.shape[0], embed_dtype, f32(model.norm).data_ptr(),
+                              native_linear_weights(model.lm_head, self._keep))
         self._pools: tuple[int, ...] = ()
+        self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.steps = 0
+
+    def _f32(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as a contiguous float32 tensor kept alive with this object."""
+        out = t.detach().float().contiguous()
+        if out is not t:
+            self._keep.append(out)
+        return out
+
+    def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's RoPE tables in float32 (copied again when the model grows them)."""
+        cos, sin = self._model.cos, self._model.sin
+        if self._rope is None or self._rope[0] is not cos or self._rope[1] is not sin:
+            self._rope = (cos, sin, cos.float().contiguous(), sin.float().contiguous())
+        return self._rope[2], self._rope[3]
 
     @staticmethod
     def serves(batch: ForwardBatch) -> bool:
@@ -175,7 +212,8 @@ class NativeLlamaDecode:
         pools = tuple(p for c in kv_caches for p in (c.k.data_ptr(), c.v.data_ptr()))
         if pools != self._pools:
             for i in range(len(kv_caches)):
-                self.decoder.set_pools(i, pools[2 * i], pools[2 * i + 1], kv_caches[i].k.shape[0])
+                self.decoder.set_pools(i, pools[2 * i], pools[2 * i + 1], kv_caches[i].k.shape[0],
+                                       _POOL_DTYPES[kv_caches[i].k.dtype])
             self._pools = pools
         b = batch.num_seqs
         ids = _i64(batch.input_ids)
@@ -185,14 +223,14 @@ class NativeLlamaDecode:
         ctx = _i64(batch.context_lens)
         model = self._model
         logits = torch.empty(b, model.lm_head.out_features, dtype=torch.float32)
+        cos, sin = self._rope_tables()
         self._k.set_num_threads(torch.get_num_threads())
         self.decoder.decode(
             b, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-            ctx.data_ptr(), batch.tokens_per_block, model.cos.data_ptr(), model.sin.data_ptr(), model.cos.shape[0],
-            logits.data_ptr(),
+            ctx.data_ptr(), batch.tokens_per_block, cos.data_ptr(), sin.data_ptr(), cos.shape[0], logits.data_ptr(),
         )
         self.steps += 1
-        return logits
+        return logits.to(model.dtype)  # (B, V), the model's dtype as from its torch modules
 
 
 def _i64(t: torch.Tensor) -> torch.Tensor:
