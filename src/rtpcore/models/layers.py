@@ -64,8 +64,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["QUANTIZATIONS", "Linear", "cpu_has_native_dot", "linear_kernels", "packed_linear_supported",
-           "weight_quantization"]
+__all__ = ["QUANTIZATIONS", "Linear", "cpu_has_native_dot", "linear_kernels", "native_kernels",
+           "packed_linear_supported", "weight_quantization"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,8 @@ class Linear(nn.Module):
     bias: torch.Tensor | None
     weight_fp32: torch.Tensor | None  # a float32 copy, (out, in) ("packed+fp32")
     scales: torch.Tensor  # per output channel ("int8" only)
+    scales_f32: torch.Tensor  # the same in float32, for the native kernel ("int8" only)
+    bias_f32: torch.Tensor | None  # the bias in float32 ("int8" only)
     bias_fp32: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -149,7 +151,7 @@ class Linear(nn.Module):
         # The native kernel's operands (float32 activations): scales and bias in float32.
         self.register_buffer("scales_f32", scale.contiguous(), persistent=False)
         self.register_buffer("bias_f32", None if bias is None else bias.float().contiguous(), persistent=False)
-        self._native = _native_kernels()
+        self._native = native_kernels()
         self._native_weights = self._native_view()
 
     def _native_view(self) -> Any:
@@ -189,12 +191,13 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
 
 
-def _native_kernels() -> Any:
-    """``rtpcore_native._kernels`` (the int8 kernel for float32 inputs), or None."""
+def native_kernels() -> Any:
+    """The ``rtpcore_native._kernels`` module (int8 products of float32 inputs here, the decode
+    step of ``rtpcore.models.native``), or None where this build has none."""
     try:
         from rtpcore_native import _kernels
-    except ImportError as exc:
-        logger.debug("rtpcore_native._kernels unavailable; int8 layers use torch's kernel: %s", exc)
+    except ImportError as exc:  # a build without the kernels: torch's kernels serve
+        logger.debug("rtpcore_native._kernels unavailable: %s", exc)
         return None
     return _kernels
 

@@ -38,6 +38,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rtpcore.models.layers import Linear
+from rtpcore.models.layers import native_kernels as kernels
+
 if TYPE_CHECKING:
     from rtpcore.engine.batch import ForwardBatch
 
@@ -68,16 +71,6 @@ def native_choice() -> bool | None:
     return _NATIVE.get()
 
 
-def kernels() -> Any:
-    """The ``rtpcore_native._kernels`` module, or None where this build has none."""
-    try:
-        from rtpcore_native import _kernels
-    except ImportError as exc:  # a build without the kernels: the torch modules serve
-        logger.debug("rtpcore_native._kernels unavailable: %s", exc)
-        return None
-    return _kernels
-
-
 def native_operands(layer: Any) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
     """What the native kernels multiply for an ``rtpcore.models.layers.Linear``: (weight dtype,
     weight, float32 scales or None, float32 bias or None), or None when they cannot read it
@@ -102,8 +95,6 @@ def native_linear_weights(layer: Any, keep: list[torch.Tensor]) -> Any:
 
 
 def _linear_problem(name: str, layer: Any) -> str | None:
-    from rtpcore.models.layers import Linear
-
     if type(layer) is not Linear:
         return f"{name} is a {type(layer).__name__}, not a single-rank Linear"
     operands = native_operands(layer)
