@@ -142,7 +142,11 @@ class LlamaModel(nn.Module):
         if self.decode_kernel is None:
             problem = "the engine's native_decode is False" if not self.native_enabled else native_problem(self, kv_caches)
             if problem is None:
-                self._native = NativeLlamaDecode(self)
+                try:
+                    self._native = NativeLlamaDecode(self)
+                except ValueError as exc:  # a shape the kernels refuse (e.g. an odd head_dim), named
+                    problem = str(exc)
+            if problem is None:
                 self.decode_kernel = "native"
                 logger.info("decode steps run in rtpcore_native (%s kernels)", native_kernels().isa())
             else:
