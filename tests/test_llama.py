@@ -69,15 +69,18 @@ def hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_greedy_tokens_equal_transformers_for_64_tokens(tmp_path: Path, variant: str) -> None:
+def test_greedy_tokens_equal_transformers_for_64_tokens(tmp_path: Path, variant: str, native: bool) -> None:
     """Greedy float32 generation of ragged prompts, batched together, gives exactly
-    transformers' tokens for 64 new tokens (batched equals alone: see test_engine)."""
+    transformers' tokens for 64 new tokens (batched equals alone: see test_engine), with the
+    native decode step and with torch's modules (bit-identical to transformers)."""
     hf = make_checkpoint(tmp_path, variant)
     prompts = PROMPTS[:2]
-    with Engine.from_pretrained(tmp_path, max_batch_size=4) as engine:
+    with Engine.from_pretrained(tmp_path, max_batch_size=4, native_decode=native) as engine:
         assert engine.model_type == "llama"
         got = engine.generate(prompts, max_new_tokens=64, stop_token_ids=[])
+        assert engine.model.decode_kernel == ("native" if native else "torch")
     for prompt, tokens in zip(prompts, got, strict=True):
         assert len(set(tokens)) >= 12, f"degenerate greedy output, the test would prove little: {tokens}"
         assert tokens == hf_greedy(hf, prompt, 64)
@@ -120,6 +123,7 @@ def teacher_forced_logits(model: Any, caches: list[Any], seqs: list[list[int]], 
 @pytest.mark.parametrize(("variant", "dtype", "tol", "fp32_batched"), [
     ("llama-gqa", torch.float32, 1e-4, None),
     ("qwen2-bias", torch.float32, 1e-4, None),
+    ("mistral-window", torch.float32, 1e-4, None),
     ("llama-gqa", torch.bfloat16, 0.05, False),
     ("llama-gqa", torch.bfloat16, 0.05, True),
     ("qwen2-bias", torch.bfloat16, 0.05, True),
@@ -133,8 +137,9 @@ def test_logits_match_transformers(
     hf = make_checkpoint(tmp_path, variant).to(dtype)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (40, 31, 20)]
-    engine = Engine.from_pretrained(
-        tmp_path, dtype=str(dtype).removeprefix("torch."), tokens_per_block=4, fp32_batched_linear=fp32_batched
+    engine = Engine.from_pretrained(  # torch's modules (tests/test_native_decode.py holds the native step)
+        tmp_path, dtype=str(dtype).removeprefix("torch."), tokens_per_block=4, fp32_batched_linear=fp32_batched,
+        native_decode=False,
     )
     kernels = {m.kernel for m in engine.model.modules() if isinstance(m, Linear)}
     if dtype == torch.float32:

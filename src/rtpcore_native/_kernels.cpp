@@ -467,14 +467,14 @@ class LlamaDecoder {
         int64_t longest = 0, slots_n = layers_[0].slots;
         for (const Layer& l : layers_) slots_n = l.slots < slots_n ? l.slots : slots_n;
         for (int64_t b = 0; b < B; ++b) {
-            std::string row = "sequence " + std::to_string(b);
-            if (ids[b] < 0 || ids[b] >= vocab_rows_) throw std::out_of_range(row + ": token id " + std::to_string(ids[b]) + " outside the embedding's " + std::to_string(vocab_rows_) + " rows");
-            if (pos[b] < 0 || pos[b] >= positions) throw std::out_of_range(row + ": position " + std::to_string(pos[b]) + " outside the RoPE table's " + std::to_string(positions) + " rows");
-            if (slots[b] < 0 || slots[b] >= slots_n) throw std::out_of_range(row + ": slot " + std::to_string(slots[b]) + " outside the KV pools' " + std::to_string(slots_n) + " slots");
-            if (ctx[b] < 1 || (ctx[b] + tpb - 1) / tpb > width) throw std::out_of_range(row + ": context length " + std::to_string(ctx[b]) + " does not fit its block table of " + std::to_string(width) + " blocks of " + std::to_string(tpb));
+            auto row = [b] { return "sequence " + std::to_string(b); };  // built only for an error
+            if (ids[b] < 0 || ids[b] >= vocab_rows_) throw std::out_of_range(row() + ": token id " + std::to_string(ids[b]) + " outside the embedding's " + std::to_string(vocab_rows_) + " rows");
+            if (pos[b] < 0 || pos[b] >= positions) throw std::out_of_range(row() + ": position " + std::to_string(pos[b]) + " outside the RoPE table's " + std::to_string(positions) + " rows");
+            if (slots[b] < 0 || slots[b] >= slots_n) throw std::out_of_range(row() + ": slot " + std::to_string(slots[b]) + " outside the KV pools' " + std::to_string(slots_n) + " slots");
+            if (ctx[b] < 1 || (ctx[b] + tpb - 1) / tpb > width) throw std::out_of_range(row() + ": context length " + std::to_string(ctx[b]) + " does not fit its block table of " + std::to_string(width) + " blocks of " + std::to_string(tpb));
             for (int64_t j = 0; j < (ctx[b] + tpb - 1) / tpb; ++j) {
                 int64_t blk = tables[b * width + j];
-                if (blk < 0 || (blk + 1) * tpb > slots_n) throw std::out_of_range(row + ": block " + std::to_string(blk) + " outside the KV pools");
+                if (blk < 0 || (blk + 1) * tpb > slots_n) throw std::out_of_range(row() + ": block " + std::to_string(blk) + " outside the KV pools");
             }
             longest = ctx[b] > longest ? ctx[b] : longest;
         }
