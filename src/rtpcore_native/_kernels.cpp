@@ -52,7 +52,8 @@ namespace py = pybind11;
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 #pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own _mm512_cvtepi32_ps
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12: false alarms in its own
+#pragma GCC diagnostic ignored "-Wuninitialized"       // _mm512_cvtepi32_ps and _mm512_reduce_add_ps
 namespace isa_avx512 {
 #define RTPCORE_VBYTES 64
 #define RTPCORE_MT 4

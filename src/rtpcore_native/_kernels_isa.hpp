@@ -58,10 +58,21 @@ static inline float to_f32(uint16_t x) {
 static inline void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 static inline V splat(float s) { return V{} + s; }
 
+// The sum of a vector's lanes, by halving (a lane-by-lane loop costs as much as the products
+// of a short row).
 static inline float hsum(V v) {
+#if RTPCORE_VBYTES == 64
+    return _mm512_reduce_add_ps((__m512)v);
+#elif RTPCORE_VBYTES == 32
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+#else
     float s = 0.0f;
     for (int i = 0; i < kLanes; ++i) s += v[i];
     return s;
+#endif
 }
 
 // exp(x) for float32 lanes: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for
