@@ -112,7 +112,7 @@ class LlamaModel(nn.Module):
         w = {k: t.to(device=device, dtype=dtype or t.dtype) for k, t in weights.items()}
         self.config = config
         self.parallel = parallel
-        self.native_enabled = native_choice() is not False
+        self.native_enabled = native_choice()
         self.dtype = w["model.embed_tokens.weight"].dtype
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)  # (V, E)
         head = w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]

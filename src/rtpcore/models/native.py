@@ -48,17 +48,17 @@ __all__ = ["NativeLlamaDecode", "kernels", "native_decode", "native_linear_weigh
 
 logger = logging.getLogger(__name__)
 
-# The engine's native_decode option while a model is built: None = automatic (native where
-# the model and pools allow it), True = required (an error otherwise), False = never.
-_NATIVE: contextvars.ContextVar[bool | None] = contextvars.ContextVar("rtpcore_native_decode", default=None)
+# The engine's native_decode option while a model is built: True = native decode steps where
+# the model and its pools allow them (the reason logged where not), False = torch's modules.
+_NATIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("rtpcore_native_decode", default=True)
 
 
 @contextlib.contextmanager
-def native_decode(choice: bool | None) -> Iterator[None]:
-    """Within the block, models built in this thread decode natively where they can (None),
-    must (True) or never do (False)."""
-    if choice not in (None, True, False):
-        raise ValueError(f"native_decode must be None (automatic), True or False, got {choice!r}")
+def native_decode(choice: bool) -> Iterator[None]:
+    """Within the block, models built in this thread decode natively where they can (True) or
+    never do (False)."""
+    if choice not in (True, False):
+        raise ValueError(f"native_decode must be True or False, got {choice!r}")
     token = _NATIVE.set(choice)
     try:
         yield
@@ -66,7 +66,7 @@ def native_decode(choice: bool | None) -> Iterator[None]:
         _NATIVE.reset(token)
 
 
-def native_choice() -> bool | None:
+def native_choice() -> bool:
     """The ``native_decode`` choice of the model being built (see :func:`native_decode`)."""
     return _NATIVE.get()
 
@@ -182,8 +182,7 @@ class NativeLlamaDecode:
     def _f32(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as a contiguous float32 tensor kept alive with this object."""
         out = t.detach().float().contiguous()
-        if out is not t:
-            self._keep.append(out)
+        self._keep.append(out)
         return out
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
