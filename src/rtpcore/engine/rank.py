@@ -174,30 +174,30 @@ class EngineShard:
     def forward(self, batch: Any) -> torch.Tensor | None:
         """Run the model on one step's batch; (B, vocab) logits on rank 0, None elsewhere
         (so nothing travels back)."""
-        if self.graphs is not None and self.graphs.supports(batch):
-            logits = self.graphs.run(batch)
-        else:
-            if batch.is_decode:
-                self.eager_decodes += 1
-            with torch.inference_mode():
-                logits = self.model(batch, self.kv_caches)
-        return logits if self.ctx.rank == 0 else None
+        return self._forward(batch, greedy=False)
 
     def forward_greedy(self, batch: Any) -> torch.Tensor | None:
         """The greedy picks of one step's batch (``rtpcore.engine.sampler.greedy_pick``: (B,)
         int64 on the device, -1 for a row that is not finite) on rank 0, None elsewhere: for a
         step whose rows are all plain greedy. A decode graph computes them in the graph, so
         the step reads back B ids, not B rows of logits."""
+        return self._forward(batch, greedy=True)
+
+    def _forward(self, batch: Any, *, greedy: bool) -> torch.Tensor | None:
+        """A decode graph where one serves ``batch``, else the model eagerly (counted for a decode
+        step); the logits, or their greedy picks."""
         from rtpcore.engine.sampler import greedy_pick
 
         if self.graphs is not None and self.graphs.supports(batch):
-            picks = self.graphs.run_greedy(batch)
+            out = self.graphs.run_greedy(batch) if greedy else self.graphs.run(batch)
         else:
             if batch.is_decode:
                 self.eager_decodes += 1
             with torch.inference_mode():
-                picks = greedy_pick(self.model(batch, self.kv_caches))
-        return picks if self.ctx.rank == 0 else None
+                out = self.model(batch, self.kv_caches)
+                if greedy:
+                    out = greedy_pick(out)
+        return out if self.ctx.rank == 0 else None
 
     def graph_counters(self) -> dict[str, int]:
         """This rank's target decode steps replayed from a CUDA graph, and those run eagerly."""

@@ -156,7 +156,7 @@ class StepRunner:
         if self.draft_forward is None and self.greedy_forward is not None:
             rows = [_row(s.request) for s in seqs if s.samples]
             if all(plain_greedy(row) for row in rows):
-                return self._greedy(seqs, self.greedy_forward(built.batch).tolist())  # the one host transfer
+                return self.greedy_results(seqs, self.greedy_forward(built.batch).tolist())  # the one host transfer
         logits = self.forward(built.batch)  # (N, V): one row per sampled sequence, k + 1 per proposer
         if self.draft_forward is not None:
             self._catch_up(seqs)
@@ -225,12 +225,9 @@ class StepRunner:
             return self.greedy_forward(batch)
 
     def greedy_results(self, seqs: Sequence[ScheduledSeq], picks: Sequence[int]) -> list[SeqResult]:
-        """The results of a step launched by :meth:`launch_greedy`, from its picks on the host."""
-        return self._greedy(seqs, picks)
-
-    def _greedy(self, seqs: Sequence[ScheduledSeq], picks: Sequence[int]) -> list[SeqResult]:
         """The results of a step whose sampling rows (one per sequence that samples, in order)
-        were picked greedily on the device: -1 is a row that was not finite."""
+        were picked greedily on the device (a step of :meth:`launch_greedy`, or a synchronous
+        one), from its picks on the host: -1 is a row that was not finite."""
         self.greedy_steps += 1
         results = [SeqResult()] * len(seqs)
         row = 0
