@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,10 +173,42 @@ def test_chat_renders_the_template_and_generates(engine: Engine, tok: Tokenizer)
     assert open_turn.prompt == rendered.removesuffix("<|im_start|>assistant\n")
 
 
-def test_async_generate_yields_cumulative_outputs_ending_finished(checkpoint: Path, engine: Engine) -> None:
+class StepGate:
+    """Holds an engine's forwards until its consumer has received enough outputs: forward f
+    (counted from 1) waits until ``received >= min(cap, f - slack)``, so the engine runs at most
+    ``slack`` steps ahead of what the consumer has seen, however fast the machine decodes (the
+    wait is bounded, against hanging)."""
+
+    def __init__(self, engine: Engine, monkeypatch: pytest.MonkeyPatch, *, slack: int, cap: int | None = None):
+        self.received = self.forwards = 0
+        self.expired = False  # a wait ran out: the outputs never came, the test's assertions will say so
+        self.cond = threading.Condition()
+        run = engine._group.run
+
+        def gated_run(method: str, *args: Any, **kwargs: Any) -> Any:
+            if method in ("forward", "forward_greedy"):
+                with self.cond:
+                    self.forwards += 1
+                    need = self.forwards - slack if cap is None else min(cap, self.forwards - slack)
+                    if not self.expired:
+                        self.expired = not self.cond.wait_for(lambda: self.received >= need, timeout=60)
+            return run(method, *args, **kwargs)
+
+        monkeypatch.setattr(engine._group, "run", gated_run)
+
+    def got_one(self) -> None:
+        with self.cond:
+            self.received += 1
+            self.cond.notify_all()
+
+
+def test_async_generate_yields_cumulative_outputs_ending_finished(
+    checkpoint: Path, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """AsyncEngine.generate yields outputs whose tokens and text grow, finished only on the last,
     which equals Engine.generate's output (stop strings and n included); abort(request_id) ends
-    every sequence of a request with "abort"."""
+    every sequence of a request with "abort". Where the test needs several outputs, a StepGate
+    keeps the engine from finishing before the consumer has read them."""
     plain = engine.generate(TEXT, greedy(10, ignore_eos=True))[0].outputs[0]
     assert plain.text is not None
     stop = plain.text[4:7]
@@ -185,7 +218,13 @@ def test_async_generate_yields_cumulative_outputs_ending_finished(checkpoint: Pa
 
     async def main() -> None:
         async with AsyncEngine.from_pretrained(checkpoint) as a:
-            seen = [out async for out in a.generate(TEXT, greedy(10, ignore_eos=True), request_id="r1")]
+            gate = StepGate(a.engine, monkeypatch, slack=1)  # one step ahead: one output per token
+            seen = []
+            async for out in a.generate(TEXT, greedy(10, ignore_eos=True), request_id="r1"):
+                seen.append(out)
+                gate.got_one()
+            monkeypatch.undo()
+            assert gate.forwards >= 10 and not gate.expired  # the gate held every step of r1
             assert [o.finished for o in seen] == [False] * (len(seen) - 1) + [True] and len(seen) > 1
             assert all(o.request_id == "r1" for o in seen)
             for before, after in itertools.pairwise(seen):
@@ -197,11 +236,14 @@ def test_async_generate_yields_cumulative_outputs_ending_finished(checkpoint: Pa
             cut = [out async for out in a.generate(TEXT, greedy(10, ignore_eos=True, stop=stop))][-1]
             assert cut.outputs[0] == want_stopped
             long = SamplingParams(max_tokens=200, temperature=1.0, seed=1, n=2, ignore_eos=True)
+            gate = StepGate(a.engine, monkeypatch, slack=5, cap=2)  # 200 tokens cannot end before the abort
             outs = []
             async for out in a.generate(IDS, long, request_id="cut-me"):
                 outs.append(out)
+                gate.got_one()
                 if len(outs) == 2:
                     assert await a.abort("cut-me")
+            monkeypatch.undo()
             assert outs[-1].finished and [o.finish_reason for o in outs[-1].outputs] == ["abort", "abort"]
             assert a.stats().running == 0
 
