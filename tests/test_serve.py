@@ -71,9 +71,11 @@ def free_port() -> int:
 
 
 class Server:
-    """One ``rtpcore serve`` process; ``url`` once /health answers."""
+    """One ``rtpcore serve`` process (``launcher``: what python runs instead of ``-m rtpcore``); ``url``
+    once /health answers."""
 
-    def __init__(self, checkpoint: Path, *extra: str, name: str = "tiny", env: dict[str, str] | None = None):
+    def __init__(self, checkpoint: Path, *extra: str, name: str = "tiny", env: dict[str, str] | None = None,
+                 launcher: tuple[str, ...] = ("-m", "rtpcore")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name = name
@@ -83,7 +85,7 @@ class Server:
         if env is None:  # a key in the test run's own environment would guard every server
             env = {k: v for k, v in os.environ.items() if k != "RTPCORE_API_KEY"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rtpcore", "serve", str(checkpoint), "--port", str(self.port),
+            [sys.executable, *launcher, "serve", str(checkpoint), "--port", str(self.port),
              "--served-model-name", name, *extra],
             stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env,
         )

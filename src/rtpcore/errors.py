@@ -329,8 +329,11 @@ class InvalidRequestError(RtpcoreError, ValueError):
 class RequestFailedError(RtpcoreError):
     """One request's own step failed and ended it, while every other request went on:
     the model's forward raised on it alone (``.reason == "model_fault"``, the exception as
-    ``__cause__``) or its next-token distribution was not finite (``"non_finite"``: NaN or
-    infinite logits, or every token masked). ``.request_id`` names it."""
+    ``__cause__``), its next-token distribution was not finite (``"non_finite"``: NaN or
+    infinite logits, or every token masked), the grammar engine gave up on its grammar
+    (``"grammar"``: a schema too large or recursive for it, found while decoding), or the
+    engine's own bookkeeping of it raised (``"internal"``: a bug, logged with its traceback;
+    docs/design.md §22). ``.request_id`` names it."""
 
     def __init__(self, message: str, *, request_id: str, reason: str):
         super().__init__(message)

@@ -3,8 +3,11 @@
 A thin shell: it resolves the allowlist, builds an :class:`~rtpcore.AsyncEngine`, the
 checkpoint's tokenizer and chat template, the app (:func:`rtpcore.serving.app.build_app`),
 and runs it with uvicorn. SIGTERM or SIGINT stops accepting, lets running requests finish
-within ``--shutdown-timeout`` seconds (then cuts them: their streams abort), closes the
-engine and exits 0. When the engine breaks (a fault that is not a request's: a lost rank, a
+within ``--shutdown-timeout`` seconds (then cuts them: each ends with finish_reason "abort", a
+stream with its last chunk and ``[DONE]``), closes the engine and exits 0 (a second SIGINT
+quits at once). Connections without complete request headers are closed after
+``--header-timeout`` seconds; past ``--max-connections`` open connections every request but
+``/health`` is a 503 (``rtpcore.serving.server``). When the engine breaks (a fault that is not a request's: a lost rank, a
 device fault) ``/health`` answers 503, the server drains the same way and exits 1, so that a
 supervisor restarts it.
 
@@ -35,6 +38,8 @@ from rtpcore.cli._args import (
 __all__ = ["API_KEY_ENV", "add_parser", "api_key"]
 
 API_KEY_ENV = "RTPCORE_API_KEY"
+DEFAULT_HEADER_TIMEOUT = 10.0  # rtpcore.serving.server's (not imported here: --help stays light)
+DEFAULT_MAX_CONNECTIONS = 2048
 
 
 def _port(text: str) -> int:
@@ -54,6 +59,16 @@ def _seconds(text: str) -> float:
         value = -1.0
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
 
 
@@ -98,7 +113,15 @@ def add_parser(subparsers: Any) -> None:
                    "than cores leaves the HTTP event loop a core: more tokens/s under many streams, "
                    "slower prefill (docs/benchmarks.md, Serving)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="S",
-                   help="on SIGTERM/SIGINT, seconds running requests may take to finish (default: %(default)s)")
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish; then each is cut "
+                   "(finish_reason 'abort', streams end with [DONE]) (default: %(default)s)")
+    p.add_argument("--header-timeout", type=_positive_seconds, default=DEFAULT_HEADER_TIMEOUT, metavar="S",
+                   help="close a connection whose request headers have not all come S seconds after it "
+                   "opened or after its previous answer; a request body that stops arriving for S seconds "
+                   "is answered 408 (default: %(default)s)")
+    p.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="with more than N connections open, every request but /health is answered 503 "
+                   "(default: %(default)s)")
     add_log_level_argument(p)
     p.set_defaults(func=run, _parser=p)
 
@@ -138,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rtpcore.engine.async_engine import AsyncEngine
-    from rtpcore.serving.app import build_app
+    from rtpcore.serving.app import begin_drain, build_app, cut_requests
     from rtpcore.serving.chat_template import ChatTemplate
+    from rtpcore.serving.server import Server, protocol_class
     from rtpcore.serving.tokenizer import Tokenizer, read_tokenizer_config
 
     tokenizer = Tokenizer.from_pretrained(path)  # before the engine: a missing tokenizer fails fast
@@ -169,12 +193,15 @@ def run(args: argparse.Namespace) -> int:
                 f"{', '.join(tool_parser_names(registry))} (a plugin adds more with rtpcore_register_tool_parsers)"
             )
         limits["tool_call_parser"] = parser
+    server: Server | None = None
     app = build_app(engine, tokenizer=tokenizer, chat_template=chat_template, model_name=name,
-                    api_key=key, on_shutdown=engine.aclose, **limits)
+                    api_key=key, on_shutdown=engine.aclose, header_timeout=args.header_timeout,
+                    max_connections=args.max_connections,
+                    open_connections=lambda: server.open_connections if server is not None else 0, **limits)
     # log_config=None: uvicorn's loggers get no handlers of their own and propagate to the one
     # rtpcore.cli installed (one format on stderr); log_level sets theirs, access log included.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
-                            lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout)
+                            lifespan="on", http=protocol_class(args.header_timeout))
     # uvicorn handles SIGTERM/SIGINT (drain, then stop) and afterwards re-raises the signal
     # to the handler it found: a no-op one here, so that a drained shutdown exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -184,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     if core.draft is not None:
         details += f", draft {args.draft_model!r} ({core.draft.model_type}, {core.config.num_speculative_tokens} tokens per step)"
     print(f"rtpcore: serving {name!r} ({details}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    server = uvicorn.Server(config)
+    server = Server(config, drain_timeout=args.shutdown_timeout, on_drain=lambda: begin_drain(app),
+                    on_cut=lambda: cut_requests(app))
 
     def stop_serving(error: Exception) -> None:  # the engine broke: drain, then exit non-zero
         print(f"rtpcore: error: the engine is broken, stopping: {error}", file=sys.stderr, flush=True)

@@ -262,8 +262,19 @@ class AsyncEngine:
             return any([self._abort_now(child) for child in children])
         return self._abort_now(request_id)
 
+    def abort_all(self) -> int:
+        """End every request with finish_reason "abort" (a server's shutdown past its timeout);
+        how many there were. Callable from any thread."""
+        return self._core.abort_all()
+
     def _abort_now(self, request_id: str) -> bool:
         return self._core.abort(request_id)
+
+    @property
+    def failure(self) -> RtpcoreError | None:
+        """None while the engine serves; else why it cannot (its loop broke, a rank failed, or
+        it was closed): every later request fails. A server's health check."""
+        return self.broken if self.broken is not None else self.engine.failure
 
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV blocks and counters, now."""
@@ -287,11 +298,11 @@ class AsyncEngine:
                     time.sleep(0.001)  # work, but nothing to run yet
             except EngineClosedError:
                 return  # closed under us: the core ended every request
-            except BaseException as exc:  # a bug: end every request rather than hang them
-                logger.exception("the engine loop failed")
+            except BaseException as exc:  # outside every request (a request's own faults end it alone)
+                logger.error("the engine loop failed outside any request", exc_info=exc)
                 error = RtpcoreError(f"the engine loop failed: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
-                core.close(error)
+                self._break(error)  # as a lost rank: every request ends now, /health 503, serve exits 1
                 return
             broken = self.engine.broken
             if broken is not None:
@@ -299,6 +310,8 @@ class AsyncEngine:
                 return
 
     def _break(self, error: RtpcoreError) -> None:
+        """The engine can step no more: record why, end every request with ``error`` (an error
+        event in each stream, at once) and tell each ``on_broken`` callback."""
         logger.error("the engine is broken and stops serving: %s", error)
         self.broken = error
         self._core.close(error)

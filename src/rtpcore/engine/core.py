@@ -55,7 +55,13 @@ from rtpcore.engine.scheduler import BlockAllocator, Request, Scheduler, StepPla
 from rtpcore.engine.speculative import SpeculativeStats
 from rtpcore.engine.staging import Readback
 from rtpcore.engine.step import SeqResult, StepRunner, as_rtpcore_error
-from rtpcore.errors import EngineClosedError, InvalidRequestError, QueueFullError, RtpcoreError
+from rtpcore.errors import (
+    EngineClosedError,
+    InvalidRequestError,
+    QueueFullError,
+    RequestFailedError,
+    RtpcoreError,
+)
 
 __all__ = ["EngineCore", "EngineStats", "RequestOutput", "StepReport"]
 
@@ -551,16 +557,53 @@ class EngineCore:
                     self._request_errors += 1
                     outputs.append((r, self._finish(r, "error", results[i].error)))
                 else:
-                    result = results[i]
-                    self.scheduler.commit(seq, result.accepted)
-                    self._proposed += result.proposed
-                    self._accepted += result.accepted
-                    if result.tokens:
-                        outputs.append((r, self._record(r, result.tokens, now)))
-                    if r.finish_reason is None:
-                        self.scheduler.cache_blocks(r)
+                    try:
+                        out = self._apply(seq, results[i], now)
+                    except Exception as exc:  # a bug in one request's bookkeeping: that request ends alone
+                        out = self._fail_alone(r, exc)
+                    if out is not None:
+                        outputs.append((r, out))
             self._cv.notify_all()
         return outputs
+
+    def _apply(self, seq: Any, result: SeqResult, now: float) -> RequestOutput | None:
+        """Under the lock: commit one request's step -- its computed positions, its tokens, its
+        cached blocks; its output (None when the step gave it no token)."""
+        r = seq.request
+        self.scheduler.commit(seq, result.accepted)
+        self._proposed += result.proposed
+        self._accepted += result.accepted
+        out = self._record(r, result.tokens, now) if result.tokens else None
+        if r.finish_reason is None:
+            self.scheduler.cache_blocks(r)
+        return out
+
+    def _fail_alone(self, r: Request, exc: BaseException) -> RequestOutput:
+        """Under the lock: end ``r`` with the error ``exc`` raised while its step was committed
+        (a request's own failure, a RequestFailedError, as it is; anything else is a bug in the
+        engine's per-request bookkeeping, logged with the request's id and its traceback). The
+        other requests of the step go on; the request is counted in request_errors_total."""
+        self._request_errors += 1
+        if isinstance(exc, RequestFailedError):
+            error = exc
+            logger.error("request %r failed: %s", r.request_id, exc)
+        else:
+            logger.error("request %r failed while its step was committed (%s: %s); it ends, the others go on",
+                         r.request_id, type(exc).__name__, exc, exc_info=exc)
+            error = RequestFailedError(
+                f"request {r.request_id!r} failed in the engine's bookkeeping: {type(exc).__name__}: {exc}",
+                request_id=r.request_id, reason="internal",
+            )
+            error.__cause__ = exc
+        if r.finish_reason is not None:  # retired already (its output was being built): say it failed
+            r.finish_reason = "error"
+            self._requests.pop(r.request_id, None)
+            return RequestOutput(
+                request_id=r.request_id, token_ids=(), finish_reason="error", num_prompt_tokens=r.prompt_len,
+                num_generated_tokens=r.num_sent, logprobs=None if r.params.logprobs is None else (),
+                arrival_time=r.arrival_time, error=error, num_cached_tokens=r.num_cached_tokens or 0,
+            )
+        return self._finish(r, "error", error)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block key (blocks requests hold stay theirs); how many there were."""
@@ -613,8 +656,15 @@ class EngineCore:
         reason = None
         for token in sampled:
             t = token.token_id
-            if r.grammar is not None and not r.grammar.accept(t):  # cannot happen: the sampler masked
-                logger.error("request %r: token %d is outside its grammar; the request ends here", r.request_id, t)
+            if r.grammar is not None and not r.grammar.accept(t):
+                failed = r.grammar.error
+                if failed is not None:  # the grammar engine gave up on this grammar: the request cannot go on
+                    raise RequestFailedError(
+                        f"request {r.request_id!r}: its grammar ({r.params.grammar}) can go no further: {failed}",
+                        request_id=r.request_id, reason="grammar",
+                    )
+                # The sampler masked the row to what the grammar allows: a refusal ends the output here.
+                logger.warning("request %r: token %d is outside its grammar; the request ends here", r.request_id, t)
                 reason = "stop"
                 break
             r.tokens.append(t)
@@ -633,7 +683,7 @@ class EngineCore:
             num_prompt_tokens=r.prompt_len,
             num_generated_tokens=n,
             logprobs=None if r.params.logprobs is None else tuple(kept),
-            stop_token_id=kept[-1].token_id if reason == "stop" and kept[-1].token_id in stop_set(r) else None,
+            stop_token_id=kept[-1].token_id if reason == "stop" and kept and kept[-1].token_id in stop_set(r) else None,
             arrival_time=r.arrival_time,
             token_times=(now,) * len(kept),
             num_cached_tokens=r.num_cached_tokens or 0,

@@ -45,26 +45,35 @@ __all__ = ["JSON_SEPARATORS", "Grammar", "GrammarCompiler", "GrammarState", "app
 
 JSON_SEPARATORS = (", ", ": ")  # what json.dumps writes: the only whitespace the JSON grammars allow
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": JSON_SEPARATORS[0], "key_separator": JSON_SEPARATORS[1]}
-_CACHE_SIZE = 128  # compiled schemas kept per compiler
+_CACHE_SIZE = 128  # compiled schemas kept per compiler, and as many refused ones
+PROBE_TOKENS = 8  # tokens a new grammar is walked at compile time to find what it cannot parse
 
 
 class Grammar:
     """A compiled grammar over one compiler's vocabulary; immutable, shared by requests.
-    ``source``: what it was compiled from (for messages); ``stop_token_ids``: the ids that
-    may end it."""
+    ``source``: what it was compiled from (for messages); ``field``: the request field that
+    asked for it; ``stop_token_ids``: the ids that may end it."""
 
-    def __init__(self, compiler: GrammarCompiler, text: str, source: str):
+    def __init__(self, compiler: GrammarCompiler, text: str, source: str, field: str | None = None):
         self._compiler = compiler
         self._text = text
         self.vocab_size = compiler.vocab_size
         self.stop_token_ids = compiler.stop_token_ids
         self.source = source
+        self.field = field  # the request field it came from (response_format, tools), for messages
+        self._prototype: Any = None  # the matcher at the start that state() copies
+        self._lock = threading.Lock()
 
     def state(self) -> GrammarState:
-        """A fresh matcher at the grammar's start, for one request."""
+        """A fresh matcher at the grammar's start, for one request: a copy of the one built
+        when the grammar was first used (building one parses the grammar: 100 ms and more for
+        a large schema; a copy takes well under a millisecond)."""
         import llguidance
 
-        return GrammarState(llguidance.LLMatcher(self._compiler.tokenizer, self._text, log_level=0))
+        with self._lock:
+            if self._prototype is None:
+                self._prototype = llguidance.LLMatcher(self._compiler.tokenizer, self._text, log_level=0)
+            return GrammarState(self._prototype.deep_copy())
 
     def __repr__(self) -> str:
         return f"Grammar({self.source})"
@@ -80,6 +89,23 @@ class GrammarState:
         """Advance past ``token_id``; False when the grammar does not allow it (the state
         then stays in error: nothing more is allowed)."""
         return bool(self._matcher.consume_token(int(token_id)))
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar engine gave up on this grammar (the first line of its error), or
+        None: llguidance stops a grammar whose parse grows past its limits (a schema too large
+        or too recursive for it), and the request it constrains cannot go on. A grammar that
+        only allows nothing more (it refuses every token: llguidance's NoExtensionBias) has not
+        failed: its request ends there, as at a stop."""
+        if not self._matcher.is_error():
+            return None
+        first = (self._matcher.get_error().strip().splitlines() or ["the grammar failed"])[0]
+        return None if first.startswith("NoExtensionBias") else first
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the text so far is complete under the grammar (a stop id may end it now)."""
+        return bool(self._matcher.is_accepting())
 
     @property
     def done(self) -> bool:
@@ -109,7 +135,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stops)
         self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=stops)
-        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._cache: OrderedDict[str, Grammar | str] = OrderedDict()  # a str: why it was refused
         self._lock = threading.Lock()
 
     def json_object(self) -> Grammar:
@@ -129,10 +155,13 @@ class GrammarCompiler:
             key = json.dumps(schema, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"{field}: the schema is not JSON: {exc}", field=field, value=schema) from None
+        cache_key = f"{field}\0{key}"  # messages and grammars name the field
         with self._lock:
-            found = self._cache.get(key)
+            found = self._cache.get(cache_key)
             if found is not None:
-                self._cache.move_to_end(key)
+                self._cache.move_to_end(cache_key)
+                if isinstance(found, str):  # refused before: the same answer, not compiled again
+                    raise InvalidRequestError(found, field=field, value=schema)
                 return found
         try:
             text = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
@@ -140,15 +169,61 @@ class GrammarCompiler:
         except ValueError as exc:
             problem = str(exc)
         if problem:
-            raise InvalidRequestError(
-                f"{field}: invalid or unsupported JSON schema: {problem.strip().splitlines()[0]}", field=field, value=schema
-            )
-        grammar = Grammar(self, text, f"JSON schema {key[:80]}")
+            message = f"{field}: invalid or unsupported JSON schema: {problem.strip().splitlines()[0]}"
+        else:
+            grammar = Grammar(self, text, f"JSON schema {key[:80]}", field)
+            found_problem = self.probe(grammar)
+            message = f"{field}: {found_problem}" if found_problem else ""
         with self._lock:
-            self._cache[key] = grammar
+            self._cache[cache_key] = message or grammar
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
+        if message:
+            raise InvalidRequestError(message, field=field, value=schema)
         return grammar
+
+    def probe(self, grammar: Grammar) -> str | None:
+        """What makes ``grammar`` unusable, found by walking it for up to
+        :data:`PROBE_TOKENS` tokens (the lowest allowed id each time), or None. llguidance
+        validates a grammar's syntax at compile time but finds some problems only while it
+        parses: a grammar no text satisfies (``{"$ref": "#"}``: only a stop id is allowed at
+        once, and the grammar does not accept it) or one whose parse outgrows its limits (a
+        required property that recurses into itself, thousands of properties). A request
+        would fail on its first tokens; here it is refused before it runs."""
+        state = grammar.state()
+        words = (self.vocab_size + 31) // 32
+        stops = set(self.stop_token_ids)
+        for _ in range(PROBE_TOKENS):
+            if state.done:
+                return None
+            mask = torch.zeros((1, words), dtype=torch.int32)
+            state.fill(mask, 0)
+            if state.error is not None:
+                return _problem(state.error)
+            allowed = _allowed(mask[0], self.vocab_size)
+            if not allowed:
+                return _UNSATISFIABLE
+            token = next((t for t in allowed if t not in stops), None)
+            if token is None:
+                return None if state.accepting else _UNSATISFIABLE
+            if not state.accept(token) or state.error is not None:
+                return _problem(state.error or "the grammar refused a token it allowed")
+        return None
+
+
+_UNSATISFIABLE = "the schema allows no text: nothing can satisfy it (a reference to itself with no way out?)"
+
+
+def _problem(error: str) -> str:
+    """A grammar engine's parse error as the reason a schema is refused."""
+    return f"the schema is too large or too deeply recursive for the grammar engine ({error[:200]})"
+
+
+def _allowed(row: torch.Tensor, vocab_size: int) -> list[int]:
+    """The token ids a bitmask row (int32 words, bit i of word w: id 32 w + i) allows."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = ((row[:, None] >> shifts) & 1).bool().reshape(-1)[:vocab_size]
+    return bits.nonzero().flatten().tolist()
 
 
 def apply_grammar_masks(x: torch.Tensor, states: Sequence[GrammarState | None]) -> torch.Tensor:

@@ -29,6 +29,8 @@ __all__ = ["GREEDY_BELOW", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_N", "SampledTo
 MAX_LOGPROBS = 20  # most top log-probabilities a request may ask for (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (0 included): no division, no overflow
 MAX_LOGIT_BIAS = 100.0  # |bias| limit of logit_bias (OpenAI's)
+# repetition_penalty's bounds: dividing a logit by 1e-308 makes every logit infinite (docs/design.md §22)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_N = 16  # most sequences one request of the offline API may ask for (the server's limit of n)
 _DECIMAL = re.compile(r"[0-9]+")
 _SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
@@ -173,9 +175,10 @@ def _min_tokens(value: Any) -> int:
 
 
 def _repetition_penalty(value: Any) -> float:
-    if not _is_number(value) or not value > 0.0 or math.isinf(value):
+    if not _is_number(value) or not REPETITION_PENALTY_RANGE[0] <= value <= REPETITION_PENALTY_RANGE[1]:
         raise InvalidRequestError(
-            f"repetition_penalty must be > 0 and finite (1 means none), got {value!r}",
+            f"repetition_penalty must be in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]:g}] "
+            f"(1 means none), got {value!r}",
             field="repetition_penalty",
             value=value,
         )
@@ -249,7 +252,7 @@ class SamplingParams:
     with int keys, or str keys of decimal digits as OpenAI sends them; stored as sorted
     ``(token_id, bias)`` pairs). ``min_tokens``: while fewer tokens were generated, the
     request's stop ids cannot be sampled (``max_tokens`` still ends it first).
-    ``repetition_penalty`` (> 0, 1 is none): over the prompt and the output, a positive
+    ``repetition_penalty`` (in [0.01, 100], 1 is none): over the prompt and the output, a positive
     logit of a token already seen is divided by it, a negative one multiplied
     (transformers' ``RepetitionPenaltyLogitsProcessor``). ``presence_penalty`` and
     ``frequency_penalty`` (each in [-2, 2]): over the output only, ``logit -= presence *

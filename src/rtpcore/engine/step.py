@@ -280,6 +280,13 @@ def _row(r: Request) -> SamplingRow:
 
 
 def _non_finite(r: Request) -> RequestFailedError:
+    failed = r.grammar.error if r.grammar is not None else None
+    if failed is not None:  # its grammar allows nothing: the grammar engine gave up on it
+        logger.error("request %r: its grammar can go no further: %s", r.request_id, failed)
+        return RequestFailedError(
+            f"request {r.request_id!r}: its grammar ({r.params.grammar}) can go no further: {failed}",
+            request_id=r.request_id, reason="grammar",
+        )
     logger.error("request %r: the next-token distribution is not finite", r.request_id)
     return RequestFailedError(
         f"request {r.request_id!r}: the model's next-token distribution is not finite "

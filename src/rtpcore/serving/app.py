@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
@@ -68,7 +69,7 @@ from rtpcore.serving.protocol import (
 )
 from rtpcore.serving.tokenizer import Tokenizer
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "build_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "begin_drain", "build_app", "cut_requests"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +113,25 @@ class _Served:
         self.metrics = ServerMetrics(lambda: engine.stats().as_dict())
         engine.engine._core.step_observers.append(self.metrics.observe_step)
         self.created = int(time.time())
-        self.draining = False
+        self.draining = False  # shutting down: new requests are 503s
+        self.cutting = False  # past the shutdown timeout: running requests are aborted
+        self.responses: weakref.WeakSet[_Response] = weakref.WeakSet()  # HTTP requests being answered
+        # Connection rules (docs/design.md §22), set by the server that runs the app (rtpcore.serving.server).
+        self.header_timeout: float | None = None  # a request body idle this long is a 408
+        self.max_connections: int | None = None
+        self.open_connections: Callable[[], int] | None = None
         self.tool_parser = tool_parser  # the ToolCallParser class of --tool-call-parser, or None
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+
+    def cut(self) -> int:
+        """Abort every request running (shutdown past its timeout): each ends with
+        finish_reason "abort", streams with their last chunk and [DONE]. How many HTTP requests
+        were running."""
+        self.draining = self.cutting = True
+        cut = len(self.responses)
+        self.engine.abort_all()
+        return cut
 
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler over this model's vocabulary (built on first use; call it from
@@ -144,6 +160,13 @@ class _Guard:
             await self.app(scope, receive, send)
             return
         served = self.served
+        if (served.max_connections is not None and served.open_connections is not None
+                and scope["path"] != "/health" and served.open_connections() > served.max_connections):
+            await _send_error(send, 503, ErrorBody(
+                message=f"the server holds {served.open_connections()} connections, over its limit of "
+                        f"{served.max_connections} (--max-connections); retry later",
+                type="server_error", code="too_many_connections"), retry_after=True)
+            return
         if served.api_key is not None and scope["path"].startswith("/v1/"):
             header = _header(scope, b"authorization")
             if not hmac.compare_digest(header.encode(), f"Bearer {served.api_key}".encode()):
@@ -162,7 +185,13 @@ class _Guard:
         size = 0
         more = True
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), served.header_timeout)
+            except TimeoutError:  # a body that stopped coming: its connection is closed after the answer
+                await _send_error(send, 408, ErrorBody(
+                    message=f"the request body stopped arriving: nothing came for {served.header_timeout:g} s "
+                            "(--header-timeout)", type="invalid_request_error", code="request_timeout"))
+                return
             if message["type"] != "http.request":  # gone before sending it all
                 return
             chunk = message.get("body", b"")
@@ -196,10 +225,12 @@ def _header(scope: Scope, name: bytes) -> str:
     return ""
 
 
-async def _send_error(send: Send, status: int, body: ErrorBody) -> None:
+async def _send_error(send: Send, status: int, body: ErrorBody, *, retry_after: bool = False) -> None:
     payload = json.dumps(body.wrap()).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if retry_after:
+        headers.append((b"retry-after", b"1"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 
 
@@ -213,12 +244,22 @@ def build_app(
     on_shutdown: Callable[[], Any] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     tool_call_parser: Any = None,
+    header_timeout: float | None = None,
+    max_connections: int | None = None,
+    open_connections: Callable[[], int] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``. ``on_shutdown`` runs when the
     app's lifespan ends (after uvicorn has drained or cut the open requests).
     ``tool_call_parser``: the ``ToolCallParser`` class that finds calls in answers to requests
-    with tools and ``tool_choice: "auto"`` (None: such requests are a 400)."""
+    with tools and ``tool_choice: "auto"`` (None: such requests are a 400). Connection rules
+    (docs/design.md §22; the server that runs the app enforces the rest, see
+    ``rtpcore.serving.server``): ``header_timeout``, seconds a request body may stop arriving
+    before it is a 408 (None: no limit); ``max_connections`` with ``open_connections()``, the
+    connections open, past which every request but ``/health`` is a 503."""
     served = _Served(engine, tokenizer, chat_template, model_name, api_key, max_request_bytes, tool_call_parser)
+    served.header_timeout = header_timeout
+    served.max_connections = max_connections
+    served.open_connections = open_connections
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -249,8 +290,8 @@ def build_app(
 
     @app.get("/health", response_model=None)
     async def health() -> Any:
-        failure = served.engine.engine.failure
-        if failure is not None:  # closed, or a rank failed: every request would fail now
+        failure = served.engine.failure
+        if failure is not None:  # closed, its loop broke or a rank failed: every request would fail now
             return JSONResponse({"status": "error", "message": str(failure)}, status_code=503)
         return {"status": "ok"}
 
@@ -294,6 +335,17 @@ def build_app(
         return await _respond(served, request, body, ids, params, chat=True, tools=tools)
 
     return app
+
+
+def begin_drain(app: FastAPI) -> None:
+    """Shutdown has begun: ``app`` answers every new request with a 503 from now on."""
+    app.state.served.draining = True
+
+
+def cut_requests(app: FastAPI) -> int:
+    """Shutdown past its timeout: abort every request ``app`` is running (each ends with
+    finish_reason "abort"; a stream with its last chunk and [DONE]); how many there were."""
+    return int(app.state.served.cut())
 
 
 def _validation_body(exc: RequestValidationError) -> ErrorBody:
@@ -361,8 +413,8 @@ def _tool_plan(served: _Served, body: ChatCompletionRequest) -> tuple[_Tools | N
             schema["maxItems"] = 1
         return _Tools("required", tools=tools), served.grammars().json_schema(schema, field="tools")
     except InvalidRequestError as exc:
-        raise ApiError(400, f"tools: a function's parameters are not a usable JSON schema: {exc}",
-                       param="tools") from None
+        raise ApiError(400, f"tools: a function's parameters are not a usable JSON schema: "
+                            f"{str(exc).removeprefix('tools: ')}", param="tools") from None
 
 
 def _parameters(function: Any) -> dict[str, Any]:
@@ -471,6 +523,10 @@ class _Choice:
         except EngineClosedError as exc:
             raise ApiError(503, str(exc), type="server_error") from None
 
+    def end_unsubmitted(self, reason: str) -> None:
+        """End a choice that was never queued (its deltas are none)."""
+        self._finish(reason)
+
     @property
     def request_id(self) -> str:
         return self.stream.request_id if self.stream is not None else "-"
@@ -478,7 +534,9 @@ class _Choice:
     async def deltas(self) -> AsyncIterator[_Delta]:
         """The choice's deltas until it ends; raises the RtpcoreError of a failed request. A
         choice cut short (its client left, the server stopped) ends as "abort"."""
-        assert self.stream is not None
+        if self.stream is None:  # never queued (end_unsubmitted)
+            assert self.finish_reason is not None
+            return
         try:
             async with self.stream as stream:
                 async for out in stream:
@@ -582,7 +640,10 @@ class _Response:
         if len(self.choices) > 1:
             await self.choices[0].started.wait()
             for choice in self.choices[1:]:
-                choice.submit(self.ids)
+                if self.served.cutting:  # shutdown cut choice 0: the others end as it did, never run
+                    choice.end_unsubmitted("abort")
+                else:
+                    choice.submit(self.ids)
 
     def _indices(self, run: int) -> range:
         """The choice indices run ``run`` answers (every one for a shared greedy run)."""
@@ -707,6 +768,7 @@ class _Response:
                             "model": self.model, "choices": [], "usage": self.usage})
             yield "data: [DONE]\n\n"
         finally:
+            self.served.responses.discard(self)
             gone.cancel()
             starter.cancel()
             for task in tasks:
@@ -737,7 +799,7 @@ class _Response:
         if isinstance(exc, ApiError):
             return exc.body
         error = exc if isinstance(exc, RtpcoreError) else RtpcoreError(f"{type(exc).__name__}: {exc}")
-        return _failure_body(self.id, choice.request_id, error)
+        return _failure_body(self.id, choice.request_id, error, choice.params)
 
     def _chunk(self, index: int, delta: Any, finish: str | None, tokens: list[tuple[SampledToken, str]],
                offset: int = 0) -> dict[str, Any]:
@@ -923,14 +985,29 @@ def _top_by_text(tokenizer: Tokenizer, top: tuple[tuple[int, float], ...]) -> di
     return out
 
 
-def _failure_body(response_id: str, request_id: str, error: RtpcoreError) -> ErrorBody:
-    """A failed request's error for its client: its own fault named, anything else only pointed
-    at (logged here with both ids)."""
+def _failure_body(response_id: str, request_id: str, error: RtpcoreError, params: SamplingParams | None = None
+                  ) -> ErrorBody:
+    """A failed request's error for its client: its own fault named (a grammar the grammar
+    engine gave up on is the client's schema: ``invalid_request_error`` naming its field),
+    anything else only pointed at (logged here with both ids)."""
     logger.error("request %s (engine request %s) failed: %s", response_id, request_id, error)
+    if isinstance(error, RequestFailedError) and error.reason == "grammar":
+        field = getattr(params.grammar, "field", None) if params is not None else None
+        return ErrorBody(message=f"{field or 'the schema'}: {error}", type="invalid_request_error", param=field,
+                         code="grammar")
     if isinstance(error, RequestFailedError):
         return ErrorBody(message=f"the request failed: {error}", type="server_error", code=error.reason)
     return ErrorBody(message=f"the request failed: the engine could not run it; the server log has the "
                              f"details under request id {response_id}", type="server_error")
+
+
+def _failure_status(served: _Served, error: RtpcoreError) -> int:
+    """The status of a non-streamed request that failed while it ran: 400 for a schema the
+    grammar engine gave up on, 503 when the engine itself broke (every request fails now),
+    500 for the request's own fault."""
+    if isinstance(error, RequestFailedError):
+        return 400 if error.reason == "grammar" else 500
+    return 503 if served.engine.failure is not None else 500
 
 
 async def _respond(served: _Served, request: Request, body: Any, ids: list[int], params: SamplingParams,
@@ -939,6 +1016,7 @@ async def _respond(served: _Served, request: Request, body: Any, ids: list[int],
         raise ApiError(503, "the server is shutting down", type="server_error")
     response = _Response(served, body, ids, params, chat=chat, tools=tools)
     response.submit_first()
+    served.responses.add(response)  # until its answer is written (a stream: its generator ends)
     if body.stream:
         return StreamingResponse(response.events(body.include_usage, request), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -948,6 +1026,7 @@ async def _respond(served: _Served, request: Request, body: Any, ids: list[int],
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
+        served.responses.discard(response)
     if not task.done():  # the client left before the answer: abort its requests now
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -956,8 +1035,8 @@ async def _respond(served: _Served, request: Request, body: Any, ids: list[int],
     try:
         return JSONResponse(task.result())
     except RtpcoreError as exc:  # this request failed while it ran
-        failed = _failure_body(response.id, response.choices[0].request_id, exc)
-        return JSONResponse(failed.wrap(), status_code=500)
+        failed = _failure_body(response.id, response.choices[0].request_id, exc, response.params)
+        return JSONResponse(failed.wrap(), status_code=_failure_status(served, exc))
 
 
 async def _disconnected(request: Request) -> None:

@@ -112,7 +112,7 @@ class _Sampling(_Strict):
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)  # docs/design.md §22
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None  # vLLM's: run to max_tokens past the model's stop tokens
