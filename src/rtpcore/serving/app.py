@@ -66,6 +66,7 @@ from rtpcore.serving.protocol import (
     ErrorBody,
     NamedToolChoice,
     ResponseFormat,
+    lone_surrogate,
 )
 from rtpcore.serving.tokenizer import Tokenizer
 
@@ -201,16 +202,33 @@ class _Guard:
                 return
             chunks.append(chunk)
             more = bool(message.get("more_body"))
+        body = b"".join(chunks)
+        if b"\\u" in body and scope["method"] == "POST":  # an escape: it may be a lone surrogate
+            where = _lone_surrogate_in(body)
+            if where is not None:
+                await _send_error(send, 400, ErrorBody(
+                    message=f"{where}: holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), "
+                            "which is no text", type="invalid_request_error", param=where))
+                return
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def _lone_surrogate_in(body: bytes) -> str | None:
+    """Where a JSON body holds a lone surrogate (None also when it is not JSON: the app's own
+    parser answers that)."""
+    try:
+        return lone_surrogate(json.loads(body))
+    except (ValueError, RecursionError):
+        return None
 
 
 def _too_large(limit: int) -> ErrorBody:

@@ -33,6 +33,7 @@ __all__ = [
     "CompletionRequest",
     "ErrorBody",
     "StreamOptions",
+    "lone_surrogate",
 ]
 
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
@@ -41,6 +42,36 @@ MAX_STOP_LENGTH = 1024  # characters of one stop string: each is searched in eve
 MAX_MESSAGES = 4096  # messages of one chat request
 MAX_N = 16  # choices of one request
 ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier")
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string in a parsed JSON body that holds
+    a lone UTF-16 surrogate (a ``\\ud800`` escape with no partner: valid JSON, but no text a
+    tokenizer can take), or None. Keys are checked too. Iterative: any depth."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if _has_surrogate(item):
+                return path or "body"
+        elif isinstance(item, dict):
+            for key, sub in reversed(list(item.items())):
+                name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # a surrogate as \\udXXX
+                where = f"{path}.{name}" if path else name
+                if isinstance(key, str) and _has_surrogate(key):
+                    return where
+                stack.append((where, sub))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", sub) for i, sub in reversed(list(enumerate(item))))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 class _Strict(BaseModel):
@@ -148,8 +179,8 @@ class _Sampling(_Strict):
     @classmethod
     def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys are token ids (strings of decimal digits), got {key!r}")
+            if not (key.isascii() and key.isdigit()):  # str.isdigit alone takes "²", which int() refuses
+                raise ValueError(f"keys are token ids (strings of ASCII decimal digits), got {key!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"the bias of token {key} must be in [-100, 100], got {value}")
         return bias
