@@ -544,27 +544,34 @@ class EngineCore:
             self._mixed += plan.is_mixed
             for i, seq in enumerate(plan.seqs):
                 r = seq.request
-                if placeholders and r.tokens and r.tokens[-1] == PLACEHOLDER:
-                    r.tokens.pop()  # the pick is recorded below, or the request ends without it
-                if r.finish_reason is not None:  # ended while the step ran (closed), or a step earlier
-                    self._discarded += launched
-                    continue
-                if r.aborted:
-                    outputs.append((r, self._finish(r, "abort")))
-                elif error is not None:
-                    outputs.append((r, self._finish(r, "error", error)))
-                elif results[i].error is not None:
-                    self._request_errors += 1
-                    outputs.append((r, self._finish(r, "error", results[i].error)))
-                else:
-                    try:
-                        out = self._apply(seq, results[i], now)
-                    except Exception as exc:  # a bug in one request's bookkeeping: that request ends alone
-                        out = self._fail_alone(r, exc)
-                    if out is not None:
-                        outputs.append((r, out))
+                try:
+                    out = self._commit_one(seq, results[i] if results else None, error, now,
+                                           placeholders=placeholders, launched=launched)
+                except Exception as exc:  # a bug in one request's bookkeeping: that request ends alone
+                    out = self._fail_alone(r, exc)
+                if out is not None:
+                    outputs.append((r, out))
             self._cv.notify_all()
         return outputs
+
+    def _commit_one(self, seq: Any, result: SeqResult | None, error: RtpcoreError | None, now: float, *,
+                    placeholders: bool, launched: bool) -> RequestOutput | None:
+        """Under the lock: one request's part of a step's commit; its output, if any."""
+        r = seq.request
+        if placeholders and r.tokens and r.tokens[-1] == PLACEHOLDER:
+            r.tokens.pop()  # the pick is recorded below, or the request ends without it
+        if r.finish_reason is not None:  # ended while the step ran (closed), or a step earlier
+            self._discarded += launched
+            return None
+        if r.aborted:
+            return self._finish(r, "abort")
+        if error is not None:
+            return self._finish(r, "error", error)
+        assert result is not None  # a step without an error has a result per sequence
+        if result.error is not None:
+            self._request_errors += 1
+            return self._finish(r, "error", result.error)
+        return self._apply(seq, result, now)
 
     def _apply(self, seq: Any, result: SeqResult, now: float) -> RequestOutput | None:
         """Under the lock: commit one request's step -- its computed positions, its tokens, its
