@@ -130,3 +130,66 @@ def test_importing_the_module_loads_no_tokenizers(tmp_path: Path) -> None:
     code = "import sys, rtpcore.serving.tokenizer; print('tokenizers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+MEMORY_PROBE = """
+import sys, threading
+from pathlib import Path
+from rtpcore.engine.tokenizer import Tokenizer
+
+def rss() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+path = Path(sys.argv[1])
+if sys.argv[2] == "rtpcore":
+    tok = Tokenizer.from_pretrained(path)
+    encode = lambda text: tok.encode(text, add_special_tokens=False)
+else:
+    from tokenizers import Tokenizer as Raw
+    raw = Raw.from_file(str(path / "tokenizer.json"))
+    encode = lambda text: raw.encode(text, add_special_tokens=False).ids
+words = "Paris Tokyo capital France Japan hello world fine thank you".split()
+
+def work(t: int) -> None:  # 8,000 distinct prompts of ~200 characters, each one word to the model
+    for i in range(8000):  # (tokenizers caches words of up to 256 characters, 10,000 of them)
+        encode(" ".join(words[(i * 7 + j * t) % len(words)] + str(i * 100 + t * 7 + j) for j in range(18)))
+
+encode("warm up")
+before = rss()
+threads = [threading.Thread(target=work, args=(0,))]  # a worker thread, as the server's
+for th in threads:
+    th.start()
+for th in threads:
+    th.join()
+print(rss() - before)
+"""
+
+
+def test_encoding_new_text_on_many_threads_holds_no_word_cache(tmp_path: Path) -> None:
+    """A loaded Tokenizer keeps no per-thread word cache (docs/design.md §22: the server encodes on
+    the event loop's worker threads, and `tokenizers` caches up to 10,000 words). On a tokenizer
+    that keeps a prompt one word, 8,000 new prompts grow a fresh process's memory by tens of MB
+    through `tokenizers` with its cache (57 MB here), and by a fraction of that through rtpcore's
+    Tokenizer. This fails loudly if `tokenizers` drops `Model._resize_cache` or stops
+    needing it."""
+    import json
+    import subprocess
+    import sys
+
+    write_tokenizer(tmp_path, FAST)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["use_regex"] = False  # the text is not split: each prompt is one word
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    from tokenizers import Tokenizer as Raw
+
+    assert hasattr(Raw.from_file(str(tmp_path / "tokenizer.json")).model, "_resize_cache")
+    grown = {}
+    for mode in ("tokenizers", "rtpcore"):
+        out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path), mode], capture_output=True,
+                             text=True, check=True)
+        grown[mode] = int(out.stdout.strip())
+    assert grown["tokenizers"] > 24 << 20, f"tokenizers' cache no longer grows ({grown}): revisit _no_word_cache"
+    assert grown["rtpcore"] < grown["tokenizers"] / 8, grown

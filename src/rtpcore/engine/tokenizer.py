@@ -14,18 +14,28 @@
 ``decode`` does not apply ``clean_up_tokenization_spaces``: transformers ignores it for
 BPE tokenizers, which every supported model family uses. ``tokenizers`` is imported
 when a tokenizer is loaded, not with this module.
+
+The model's word cache is turned off (docs/design.md §22, memory under steady load). A BPE
+or Unigram model of ``tokenizers`` keeps the merges of up to 10,000 pre-tokenized words for
+each thread that encodes, and the server encodes in the event loop's worker threads (CPUs + 4
+of them, up to 32): resident memory grew with every new word until every thread's cache was
+full. A tokenizer that does not split its text (the demo's byte-level one) caches each whole
+prompt, ~4 KB. Without the cache an encode of words seen before takes up to a fifth longer.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from rtpcore.errors import CheckpointError, ConfigFieldError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SPECIAL_TOKEN_NAMES", "Tokenizer", "read_tokenizer_config", "special_tokens"]
 
@@ -103,6 +113,7 @@ class Tokenizer:
         config = read_tokenizer_config(path)
         specials = special_tokens(config)
         _add_declared_tokens(backend, config.get("added_tokens_decoder"), specials.values())
+        _no_word_cache(backend)
         return cls(backend, special_tokens=specials, path=path)
 
     # -- ids ---------------------------------------------------------------------------------
@@ -212,6 +223,26 @@ def _byte_level_decoder() -> dict[str, int]:
             table[chr(256 + shifted)] = b
             shifted += 1
     return table
+
+
+def _no_word_cache(backend: Any) -> None:
+    """Turn off the word cache of ``backend``'s model (BPE, Unigram: the module docstring)
+    through ``tokenizers``' ``_resize_cache`` (since 0.20.2, the floor rtpcore requires; its
+    only way to size the cache of a loaded tokenizer). tests/test_tokenizer.py fails if the
+    method goes or stops bounding memory; here a model that has a cache but not the method is
+    said in the log, once, and keeps its cache."""
+    model = backend.model
+    resize = getattr(model, "_resize_cache", None)
+    if resize is not None:
+        resize(0)
+    elif hasattr(model, "_clear_cache"):
+        _cannot_resize(type(model).__name__)
+
+
+@functools.cache  # said once per kind of model
+def _cannot_resize(kind: str) -> None:
+    logger.warning("this tokenizers release cannot turn off the word cache of a %s model: resident memory "
+                   "grows with each new word until the caches (one per thread) fill", kind)
 
 
 def _add_declared_tokens(backend: Any, declared: object, named: Iterable[str]) -> None:
