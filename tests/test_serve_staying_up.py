@@ -391,7 +391,7 @@ def test_health_is_503_from_the_moment_the_engine_loop_breaks(checkpoint: Path) 
                         if line.startswith("data: "):
                             lines.append(line[len("data: "):])
                 assert lines[-1] == "[DONE]" and "error" in json.loads(lines[-2])
-                assert len(lines) > 3  # it had streamed tokens
+                assert len(lines) >= 3  # it had streamed tokens (chunks may carry several steps)
                 health = await client.get("/health")
                 assert health.status_code == 503 and "planted fault" in health.json()["message"]
                 r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2})
