@@ -162,7 +162,7 @@ def timed_ms(fn: Callable[[], Any]) -> tuple[float, Any]:
 def compile_times(tokenizer_json: Path, schema: dict[str, Any], vocab: int, eos: int,
                   repeats: int) -> list[tuple[str, list[float]]]:
     """(what, milliseconds of each repetition, the first in this process first)."""
-    from rtpcore.engine.grammar import GrammarCompiler
+    from rtpcore.engine.sample.grammar import GrammarCompiler
 
     rows: dict[str, list[float]] = {k: [] for k in (
         "GrammarCompiler(tokenizer.json)", "json_schema, cold (fresh compiler)", "json_schema, cached",
@@ -260,8 +260,8 @@ def grammar_timer() -> Iterator[GrammarTime]:
     """Time the engine's grammar work while inside: ``apply_grammar_masks`` as the sampler
     calls it (its module global) and ``GrammarState.accept`` (as the core calls it), each
     wrapped in two clock reads; restored on exit. The wrappers run on the engine's thread."""
-    from rtpcore.engine import sampler
-    from rtpcore.engine.grammar import GrammarState
+    from rtpcore.engine.sample import sampler
+    from rtpcore.engine.sample.grammar import GrammarState
 
     spent = GrammarTime()
     apply, accept = sampler.apply_grammar_masks, GrammarState.accept
@@ -319,7 +319,7 @@ def valid_json(tokenizer: Any, tokens: list[int], keys: set[str]) -> bool:
 async def bench_config(engine: Any, grammar: Any, tokenizer: Any, keys: set[str], prompts: list[list[int]],
                        sampling: str, args: argparse.Namespace) -> Result:
     """Warm-up of each mode, then ``args.runs`` alternating rounds (the module docstring)."""
-    from rtpcore.engine.sampling import SamplingParams
+    from rtpcore.engine.sample.params import SamplingParams
 
     temperature = 0.0 if sampling == "greedy" else 1.0
     seeds = [None if sampling == "greedy" else args.seed * 100_003 + i for i in range(len(prompts))]
@@ -408,7 +408,7 @@ def walk(grammar: Any, traces: list[list[int]], steps: int, step: Callable[[list
 def mask_costs(grammar: Any, traces: list[list[int]], vocab: int, sizes: list[int], seed: int) -> list[MaskCost]:
     """Per-step mask cost with N matchers for each N in ``sizes`` (the first N traces), and
     with none on the largest batch (the module docstring)."""
-    from rtpcore.engine.grammar import apply_grammar_masks
+    from rtpcore.engine.sample.grammar import apply_grammar_masks
 
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(keys)} fields ({len(json.dumps(schema))} characters of JSON)", flush=True)
         compiled = compile_times(ckpt / "tokenizer.json", schema, vocab, eos, repeats=3 if quick else 5)
 
-        from rtpcore.engine.grammar import GrammarCompiler
+        from rtpcore.engine.sample.grammar import GrammarCompiler
 
         grammar = GrammarCompiler(ckpt / "tokenizer.json", vocab_size=vocab, stop_token_ids=[eos]).json_schema(schema)
         print(f"decode: batch sizes {args.batch_sizes}, greedy and sampled (temperature 1, a seed per request), "

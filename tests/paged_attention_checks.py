@@ -313,7 +313,7 @@ def graphs() -> dict[str, object]:
     import tempfile
 
     from rtpcore import Engine
-    from rtpcore.engine.graphs import DecodeGraphs
+    from rtpcore.engine.worker.graphs import DecodeGraphs
     from rtpcore.kv import paged_attention
     from rtpcore.kv.pools import allocate_kv_caches
     from test_graphs import TPB, _batch

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import AsyncEngine, Engine, SamplingParams
-from rtpcore.engine.core import RequestOutput
+from rtpcore.engine.core.outputs import RequestOutput
 from rtpcore.errors import (
     InvalidRequestError,
     QueueFullError,

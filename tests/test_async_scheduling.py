@@ -1,4 +1,4 @@
-"""Async scheduling (rtpcore.engine.core, docs/design.md §13): outputs one step behind, forced on
+"""Async scheduling (rtpcore.engine.engine_core, docs/design.md §13): outputs one step behind, forced on
 on the CPU. Each run is compared with the synchronous engine on the same requests: the same
 tokens and finish reasons, with stop tokens, max_tokens, aborts, preemption, prefix caching,
 chunked prefill and sampled rows; every block comes back."""
@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from rtpcore import Engine
-from rtpcore.engine.sampling import SamplingParams
+from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.errors import RtpcoreError
 
 TPB = 4

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import Engine, errors
-from rtpcore.engine.devices import check_device_form, resolve_device
+from rtpcore.engine.worker.devices import check_device_form, resolve_device
 from rtpcore.errors import DeviceError, RtpcoreError
 from rtpcore.parallel.leader import WorkerGroup
 
@@ -99,7 +99,7 @@ def test_the_form_check_and_the_cli_arguments_import_no_torch() -> None:
     """--device is checked without torch: the form check, `generate --help` and a malformed --device leave torch unloaded."""
     code = (
         "import sys\n"
-        "from rtpcore.engine.devices import check_device_form\n"
+        "from rtpcore.engine.worker.devices import check_device_form\n"
         "check_device_form('cuda:3')\n"
         "from rtpcore.cli import main\n"
         "for argv in (['generate', '--help'], ['serve', '--help'], ['generate', '--demo', 'llama', '--device', 'gpu']):\n"
@@ -162,7 +162,7 @@ def test_an_unusable_device_fails_before_anything_loads_or_starts(
 def test_a_worker_group_refuses_a_numbered_gpu_before_starting_processes() -> None:
     """A tensor-parallel group's device is "cpu", "cuda" or None (rank r takes cuda:r): "cuda:1" is refused up front."""
     with pytest.raises(ValueError, match="'cuda:1'"):
-        WorkerGroup.spawn("rtpcore.engine.rank:build_shard", None, 2, device="cuda:1")
+        WorkerGroup.spawn("rtpcore.engine.worker.rank:build_shard", None, 2, device="cuda:1")
     assert multiprocessing.active_children() == []
 
 

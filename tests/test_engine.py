@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import Engine
-from rtpcore.engine.sampler import sample_step
-from rtpcore.engine.sampling import SamplingParams
+from rtpcore.engine.sample.params import SamplingParams
+from rtpcore.engine.sample.sampler import sample_step
 from rtpcore.errors import InvalidRequestError, KVCacheCapacityError, KVCacheSpecError, RtpcoreError
 from rtpcore.kv.pools import LayerKVCache, PackedLayerKVCache
 from test_llama import make_checkpoint, teacher_forced_logits

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import Engine
-from rtpcore.engine.devices import resolve_device
+from rtpcore.engine.worker.devices import resolve_device
 from rtpcore.errors import DeviceError
 from test_llama import make_checkpoint
 
@@ -201,7 +201,7 @@ def test_decode_reads_kv_blocks_in_place_with_the_triton_kernel(llama: tuple[Pat
 def test_decode_steps_replay_cuda_graphs(llama: tuple[Path, Any], no_tf32: None) -> None:
     """A single-rank GPU engine captures one graph per batch-size bucket by default; the tokens
     equal those of the same engine without graphs, at every batch size."""
-    from rtpcore.engine.graphs import buckets
+    from rtpcore.engine.worker.graphs import buckets
 
     path, _ = llama
     with Engine.from_pretrained(path, device="cuda", max_batch_size=4, cuda_graphs=False) as engine:
@@ -222,7 +222,7 @@ def test_async_scheduling_is_on_with_graphs_and_keeps_the_tokens(llama: tuple[Pa
     """With graphs the engine runs outputs one step behind by default (the next step launched from
     the running one's picks on the device); greedy tokens, stop tokens and max_tokens as the
     synchronous engine's, and every block back."""
-    from rtpcore.engine.sampling import SamplingParams
+    from rtpcore.engine.sample.params import SamplingParams
 
     path, _ = llama
     prompts = [*PROMPTS, [7, 7], [3, 1, 4, 1, 5, 9]]

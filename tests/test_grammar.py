@@ -1,4 +1,4 @@
-"""rtpcore.engine.grammar (docs/design.md §16) with the engine: masks touch only constrained rows (and
+"""rtpcore.engine.sample.grammar (docs/design.md §16) with the engine: masks touch only constrained rows (and
 cost nothing without one), constrained requests write valid JSON under the schema beside unconstrained
 ones that keep their tokens, a speculative draft keeps proposing for the others, and bad schemas are
 InvalidRequestErrors naming the field."""
@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 jsonschema = pytest.importorskip("jsonschema")
 
 from rtpcore import AsyncEngine, Engine  # noqa: E402
-from rtpcore.engine.grammar import GrammarCompiler, apply_grammar_masks  # noqa: E402
-from rtpcore.engine.sampling import SamplingParams  # noqa: E402
+from rtpcore.engine.sample.grammar import GrammarCompiler, apply_grammar_masks  # noqa: E402
+from rtpcore.engine.sample.params import SamplingParams  # noqa: E402
 from rtpcore.errors import InvalidRequestError  # noqa: E402
 from rtpcore.serving.tokenizer import Tokenizer  # noqa: E402
 from test_llama import make_checkpoint  # noqa: E402

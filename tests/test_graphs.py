@@ -1,4 +1,4 @@
-"""Decode graphs (rtpcore.engine.graphs): the padded static batches, checked eagerly on the CPU
+"""Decode graphs (rtpcore.engine.worker.graphs): the padded static batches, checked eagerly on the CPU
 (``capture=False``; capturing needs a GPU: tests/test_gpu.py), and the engine option."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import Engine
-from rtpcore.engine.batch import ForwardBatch
-from rtpcore.engine.graphs import DecodeGraphs, buckets
+from rtpcore.engine.worker.graphs import DecodeGraphs, buckets
 from rtpcore.errors import RtpcoreError
 from rtpcore.kv.pools import allocate_kv_caches
+from rtpcore.models.forward_batch import ForwardBatch
 from test_llama import make_checkpoint
 
 TPB = 4
@@ -125,10 +125,10 @@ class _Counting(DecodeGraphs):
 def _graphs_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine takes graphs as on a GPU whose layers read their caches in place (here they
     gather: the CPU has no paged kernel), so the static path runs on the CPU."""
-    from rtpcore.engine import rank
+    from rtpcore.engine.worker import rank
 
     monkeypatch.setattr(rank.EngineShard, "uses_cuda_graphs", property(lambda self: True))
-    monkeypatch.setattr("rtpcore.engine.graphs.in_place_problem", lambda *a, **k: None)
+    monkeypatch.setattr("rtpcore.engine.worker.graphs.in_place_problem", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("draft", [False, True])
@@ -146,7 +146,7 @@ def test_engine_decode_through_the_static_buffers_gives_the_same_tokens(
     with Engine.from_pretrained(tmp_path / "t", **options) as engine:
         want = engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[])
     _graphs_on(monkeypatch)
-    monkeypatch.setattr("rtpcore.engine.graphs.DecodeGraphs", _Counting)
+    monkeypatch.setattr("rtpcore.engine.worker.graphs.DecodeGraphs", _Counting)
     _Counting.steps = 0
     with Engine.from_pretrained(tmp_path / "t", **options) as engine:
         shard: Any = engine._group.local
@@ -202,7 +202,7 @@ def test_cuda_graphs_true_on_the_cpu_is_an_error_and_none_counts_eager_decodes(t
 def test_graphs_need_every_layer_to_read_its_cache_in_place() -> None:
     """fp8 pools gather; unquantized pools gather on the CPU (no paged kernel); a plugin may say its
     decode gathers on its own. Each is named in the reason."""
-    from rtpcore.engine.graphs import in_place_problem
+    from rtpcore.engine.worker.graphs import in_place_problem
     from rtpcore_native import KVCacheSpecDesc, build_kv_cache_spec
 
     def spec(dtype: str) -> Any:
@@ -235,8 +235,8 @@ def test_the_metrics_expose_graph_replays_and_eager_decodes() -> None:
 def test_the_graph_greedy_picks_equal_the_eager_argmax_and_the_sampler(tmp_path: Path) -> None:
     """Three ragged sequences through the bucket of 4 (capture=False): the picks the graph holds
     equal the argmax of the model's own logits on the same batch and the sampler's greedy tokens."""
-    from rtpcore.engine.sampler import SamplingRow, sample
-    from rtpcore.engine.sampling import SamplingParams
+    from rtpcore.engine.sample.params import SamplingParams
+    from rtpcore.engine.sample.sampler import SamplingRow, sample
 
     make_checkpoint(tmp_path)
     with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=6, kv_cache_memory=1 << 20) as engine:
@@ -270,7 +270,7 @@ def test_greedy_steps_pick_on_the_device_and_one_sampled_row_takes_the_sampler(
     decode step from the graph's picks); with one seeded sampled request among them the steps go
     through the sampler, and each request still gets its own tokens (greedy: as alone; seeded: as
     alone)."""
-    from rtpcore.engine.sampling import SamplingParams
+    from rtpcore.engine.sample.params import SamplingParams
 
     make_checkpoint(tmp_path)
     greedy = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -279,7 +279,7 @@ def test_greedy_steps_pick_on_the_device_and_one_sampled_row_takes_the_sampler(
         alone = [engine.generate([p], greedy)[0].outputs[0].token_ids for p in PROMPTS[:3]]
         sampled_alone = engine.generate([PROMPTS[3]], seeded)[0].outputs[0].token_ids
     _graphs_on(monkeypatch)
-    monkeypatch.setattr("rtpcore.engine.graphs.DecodeGraphs", _Counting)
+    monkeypatch.setattr("rtpcore.engine.worker.graphs.DecodeGraphs", _Counting)
     with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=4) as engine:
         graphs: Any = engine._group.local.graphs
         outs = engine.generate(PROMPTS[:3], greedy)
@@ -303,7 +303,7 @@ def test_async_scheduling_through_the_static_graph_path_keeps_the_tokens(
     with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=3) as engine:
         want = engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[])
     _graphs_on(monkeypatch)
-    monkeypatch.setattr("rtpcore.engine.graphs.DecodeGraphs", _Counting)
+    monkeypatch.setattr("rtpcore.engine.worker.graphs.DecodeGraphs", _Counting)
     with Engine.from_pretrained(tmp_path, tokens_per_block=TPB, max_batch_size=3, async_scheduling=True) as engine:
         graphs: Any = engine._group.local.graphs
         assert engine.generate(PROMPTS, max_new_tokens=20, stop_token_ids=[]) == want

@@ -1,10 +1,10 @@
-"""rtpcore.engine.memory: the default KV cap honours cgroup memory limits (real files in a temp folder)."""
+"""rtpcore.engine.worker.memory: the default KV cap honours cgroup memory limits (real files in a temp folder)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rtpcore.engine.memory import cgroup_memory_limit, memory_limit, physical_memory
+from rtpcore.engine.worker.memory import cgroup_memory_limit, memory_limit, physical_memory
 
 MiB = 1 << 20
 
@@ -65,7 +65,7 @@ GiB = 1 << 30
 def test_gpu_kv_bytes_are_the_utilized_share_less_what_is_in_use_and_the_step_peak() -> None:
     """80 GiB at 0.9 with 16 GiB in use (weights) and a 2 GiB step peak leaves 72 - 16 - 2 GiB;
     nothing left is 0, never negative."""
-    from rtpcore.engine.memory import gpu_kv_cache_bytes
+    from rtpcore.engine.worker.memory import gpu_kv_cache_bytes
 
     got = gpu_kv_cache_bytes(total=80 * GiB, free=64 * GiB, peak_step=2 * GiB, utilization=0.9)
     assert got == int(0.9 * 80 * GiB) - 16 * GiB - 2 * GiB

@@ -159,8 +159,8 @@ def test_public_paths_and_row_parallel_factory() -> None:
     """The public paths ``rtpcore.layers`` and ``rtpcore.batch`` re-export the classes that moved
     to their stages; unsharded row_parallel returns the layer as is."""
     from rtpcore.batch import ForwardBatch as PublicForwardBatch
-    from rtpcore.engine.batch import ForwardBatch
     from rtpcore.layers import Linear as PublicLinear
+    from rtpcore.models.forward_batch import ForwardBatch
 
     assert PublicLinear is Linear and PublicForwardBatch is ForwardBatch
     w, b = torch.randn(6, 4), torch.randn(6)

@@ -12,8 +12,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from rtpcore import Engine  # noqa: E402
-from rtpcore.engine.batch import ForwardBatch  # noqa: E402
 from rtpcore.errors import CheckpointError, RtpcoreError  # noqa: E402
+from rtpcore.models.forward_batch import ForwardBatch  # noqa: E402
 from rtpcore.models.layers import Linear, packed_linear_supported  # noqa: E402
 from rtpcore.models.llama import LlamaPlugin  # noqa: E402
 

@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 kernels = pytest.importorskip("rtpcore_native._kernels")
 
 from rtpcore import Engine  # noqa: E402
-from rtpcore.engine.batch import ForwardBatch  # noqa: E402
+from rtpcore.models.forward_batch import ForwardBatch  # noqa: E402
 from rtpcore.models.layers import Linear, weight_quantization  # noqa: E402
 from test_llama import PROMPTS, VARIANTS, hf_greedy, make_checkpoint, teacher_forced_logits  # noqa: E402
 

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 httpx = pytest.importorskip("httpx")
 
 from rtpcore import AsyncEngine, CompletionOutput, Engine, GenerationOutput, SamplingParams  # noqa: E402
-from rtpcore.engine.tokenizer import Tokenizer  # noqa: E402
+from rtpcore.engine.text.tokenizer import Tokenizer  # noqa: E402
 from rtpcore.errors import InvalidRequestError  # noqa: E402
 from test_llama import make_checkpoint  # noqa: E402
 from test_serve import Server, write_tokenizer  # noqa: E402

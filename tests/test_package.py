@@ -74,12 +74,13 @@ def test_the_import_graph_has_no_cycle_and_points_down_the_data_flow() -> None:
 
 
 def test_the_import_check_names_a_cycle_and_an_upward_import(tmp_path: object) -> None:
-    """A function-level cycle and a stage importing a later stage are each reported, exit 1;
-    an import under TYPE_CHECKING is not."""
+    """A function-level cycle, a stage importing a later stage -- also under TYPE_CHECKING, which
+    closes a loop as surely (docs/design.md §7) -- and an engine part importing a later part are
+    each reported, exit 1; imports down the flow are not."""
     from pathlib import Path
 
     pkg = Path(str(tmp_path)) / "rtpcore"
-    for sub in ("plugins", "engine", "kv"):
+    for sub in ("plugins", "engine", "engine/sample", "engine/text", "kv"):
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
@@ -90,12 +91,19 @@ def test_the_import_check_names_a_cycle_and_an_upward_import(tmp_path: object) -
     (pkg / "kv" / "typed.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rtpcore.engine.sched import X\n"
     )
+    (pkg / "kv" / "down.py").write_text("import rtpcore.errors\n")
     (pkg / "engine" / "sched.py").write_text("X = 1\n")
+    (pkg / "engine" / "sample" / "params.py").write_text("from rtpcore.engine.text import words\n")
+    (pkg / "engine" / "text" / "words.py").write_text("from rtpcore.engine.sample import params\n")
     done = _check_imports(tmp_path)
     assert done.returncode == 1
     assert "rtpcore.kv.pools (kv) imports rtpcore.engine.sched (engine), up the data flow" in done.stdout
+    assert "rtpcore.kv.typed (kv) imports rtpcore.engine.sched (engine), up the data flow" in done.stdout
     assert "import cycle: rtpcore.plugins.a -> rtpcore.plugins.b -> rtpcore.plugins.a" in done.stdout
-    assert "rtpcore.kv.typed" not in done.stdout
+    assert ("rtpcore.engine.sample.params (engine/sample) imports rtpcore.engine.text.words (engine/text), "
+            "up the engine's parts") in done.stdout
+    assert "rtpcore.engine.text.words (engine/text) imports" not in done.stdout
+    assert "rtpcore.kv.down" not in done.stdout
 
 
 # The distributions: a wheel and an sdist built from (a copy of) the tree, once per module.

@@ -11,10 +11,10 @@ from array import array
 
 import pytest
 
-from rtpcore.engine.block_pool import BlockAllocator
-from rtpcore.engine.prefix_cache import block_keys, namespace_key
-from rtpcore.engine.sampling import SamplingParams
-from rtpcore.engine.scheduler import Request, Scheduler
+from rtpcore.engine.core.block_pool import BlockAllocator
+from rtpcore.engine.core.prefix_cache import block_keys, namespace_key
+from rtpcore.engine.core.scheduler import Request, Scheduler
+from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.errors import KVBlockError
 
 ROOT = namespace_key({"model": "toy"})

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import Engine
-from rtpcore.engine.prefix_cache import block_keys, namespace_key
+from rtpcore.engine.core.prefix_cache import block_keys, namespace_key
 from test_llama import make_checkpoint
 
 TPB = 4

@@ -1,5 +1,5 @@
-"""The step batch (rtpcore.engine.runner): every input of a batch travels in one host-to-device
-copy (rtpcore.engine.staging), and its views hold what each field means."""
+"""The step batch (rtpcore.engine.step.inputs): every input of a batch travels in one host-to-device
+copy (rtpcore.engine.step.staging), and its views hold what each field means."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rtpcore.engine.runner import BatchBuilder
-from rtpcore.engine.sampling import SamplingParams
-from rtpcore.engine.scheduler import Request, ScheduledSeq
-from rtpcore.engine.staging import HostStaging
+from rtpcore.engine.core.scheduler import Request, ScheduledSeq
+from rtpcore.engine.sample.params import SamplingParams
+from rtpcore.engine.step.inputs import BatchBuilder
+from rtpcore.engine.step.staging import HostStaging
 
 
 def _request(tokens: list[int], blocks: list[int]) -> Request:

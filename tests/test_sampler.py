@@ -1,8 +1,8 @@
-"""The batched sampler (rtpcore.engine.sampler) and the sampling settings: each processor
+"""The batched sampler (rtpcore.engine.sample.sampler) and the sampling settings: each processor
 against transformers' logits processors or the OpenAI formula, the exponential race
 against softmax, seeded rows alone and in a batch, failed rows, raw log-probabilities,
 one host transfer per call, and the speculative verification built on the same
-processing (rtpcore.engine.speculative)."""
+processing (rtpcore.engine.sample.speculative)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,15 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from rtpcore.engine.sampler import SamplingRow, StepSample, process_logits, sample, sample_step
-from rtpcore.engine.sampling import GREEDY_BELOW, SampledToken, SamplingParams
-from rtpcore.engine.speculative import Proposal, propose, verify, verify_batch
+from rtpcore.engine.sample.params import GREEDY_BELOW, SampledToken, SamplingParams
+from rtpcore.engine.sample.sampler import (
+    SamplingRow,
+    StepSample,
+    process_logits,
+    sample,
+    sample_step,
+)
+from rtpcore.engine.sample.speculative import Proposal, propose, verify, verify_batch
 from rtpcore.errors import InvalidRequestError, RtpcoreError
 
 transformers = pytest.importorskip("transformers")
@@ -565,13 +571,13 @@ def test_on_the_device_one_transfer_and_seeded_rows_as_alone() -> None:
     assert sample(logits.cpu(), [attrs.evolve(r, generator=None) for r in rows]).failed == []
 
 
-# -- the greedy picks a decode graph holds (rtpcore.engine.sampler.greedy_pick) ---------------------
+# -- the greedy picks a decode graph holds (rtpcore.engine.sample.sampler.greedy_pick) ---------------------
 
 
 def test_greedy_picks_equal_the_samplers_tokens_and_failed_rows() -> None:
     """Plain greedy rows, some not finite (a NaN, +inf, every entry -inf), some with tied maxima:
     the device's picks are the sampler's tokens, and -1 exactly on its failed rows."""
-    from rtpcore.engine.sampler import greedy_pick
+    from rtpcore.engine.sample.sampler import greedy_pick
 
     for seed in range(20):
         logits = _logits(9, seed=seed).round()  # rounding makes ties
@@ -593,7 +599,7 @@ def test_greedy_picks_equal_the_samplers_tokens_and_failed_rows() -> None:
 def test_a_row_with_any_processor_is_not_plain_greedy(change: dict[str, Any]) -> None:
     """Each setting that can move a greedy token or asks for more than the token keeps the row off
     the device's greedy path; min_tokens only while it masks the stop ids."""
-    from rtpcore.engine.sampler import plain_greedy
+    from rtpcore.engine.sample.sampler import plain_greedy
 
     assert plain_greedy(SamplingRow(SamplingParams(), stop_ids=frozenset({2}), output_ids=[1]))
     row = SamplingRow(SamplingParams(**change), stop_ids=frozenset({2}), output_ids=[1])

@@ -1,4 +1,4 @@
-"""rtpcore.engine.scheduler: the BlockAllocator's invariants are errors and waiting callers are served in
+"""rtpcore.engine.core.scheduler: the BlockAllocator's invariants are errors and waiting callers are served in
 turn (real threads); the Scheduler's plans keep the token budget, put decodes first, prefill in chunks,
 take blocks on demand and preempt the newest request when none is free (docs/design.md §13)."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from rtpcore.engine.sampling import SamplingParams
-from rtpcore.engine.scheduler import BlockAllocator, Request, Scheduler, StepPlan
+from rtpcore.engine.core.scheduler import BlockAllocator, Request, Scheduler, StepPlan
+from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.errors import EngineClosedError, KVBlockError, RtpcoreError
 
 PATIENCE_S = 120.0  # a bound against hanging, never a speed requirement

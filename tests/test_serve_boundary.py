@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from rtpcore.engine.sampling import SamplingParams  # noqa: E402
+from rtpcore.engine.sample.params import SamplingParams  # noqa: E402
 from rtpcore.serving.tokenizer import Tokenizer  # noqa: E402
 from test_llama import make_checkpoint  # noqa: E402
 from test_serve import Server, write_tokenizer  # noqa: E402

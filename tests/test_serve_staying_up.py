@@ -64,7 +64,7 @@ def rtpcore_register_models(registry):
 
 PLANTED = f"""
 import sys
-from rtpcore.engine import scheduler
+from rtpcore.engine.core import scheduler
 from rtpcore.cli import main
 
 real = scheduler.Scheduler.schedule
@@ -149,7 +149,8 @@ def test_the_schemas_that_ended_the_engine_are_400s_and_the_next_request_is_a_20
         assert r.status_code == 400, (path, r.text)
         error = r.json()["error"]
         assert error["param"] == param and error["type"] == "invalid_request_error", error
-        plain = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4},
+        plain = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4,
+                                                               "ignore_eos": True},
                            timeout=TIMEOUT)
         assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 4
     assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "ok"}

@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import Engine
-from rtpcore.engine.sampling import SamplingParams
-from rtpcore.engine.speculative import SpeculativeStats, verify
+from rtpcore.engine.sample.params import SamplingParams
+from rtpcore.engine.sample.speculative import SpeculativeStats, verify
 from rtpcore.errors import RtpcoreError, UnknownArchitectureError
 from test_llama import make_checkpoint
 
@@ -278,7 +278,7 @@ def test_sampled_tokens_through_the_engine_follow_the_targets_distribution(
 
 def test_logprobs_with_a_draft_are_the_targets(ckpts: dict[str, Path]) -> None:
     """Accepted proposals report the target's log-probabilities, as plain decoding does."""
-    from rtpcore.engine.core import RequestOutput
+    from rtpcore.engine.core.outputs import RequestOutput
 
     def run(engine: Engine) -> list[Any]:
         got: list[RequestOutput] = []

@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import AsyncEngine, Engine, SamplingParams
-from rtpcore.engine.grammar import _JSON_OPTIONS, Grammar, GrammarCompiler
+from rtpcore.engine.sample.grammar import _JSON_OPTIONS, Grammar, GrammarCompiler
 from rtpcore.errors import InvalidRequestError, RequestFailedError, RtpcoreError
 from rtpcore.serving.tokenizer import Tokenizer
 from test_llama import make_checkpoint
@@ -209,7 +209,9 @@ def test_a_fault_in_one_requests_bookkeeping_fails_it_alone(checkpoint: Path, al
             engine, [plain(), SamplingParams(max_tokens=12, ignore_eos=True, grammar=_Faulty(3)), plain()])
         assert isinstance(error, RequestFailedError) and error.reason == "internal"
         assert isinstance(error.__cause__, KeyError) and "planted fault" in str(error)
-        assert len(got) == 2  # the two tokens committed before the fault were streamed
+        # at most the two tokens committed before the fault came out (a stream that lags merges them
+        # into the failing output, which raises), the same as the request's own tokens alone
+        assert len(got) <= 2 and got == alone[1][: len(got)]
         assert [first, third] == [alone[0], alone[2]]
         assert [tokens for tokens, _ in run_streams(engine, [plain(), plain(), plain()])] == alone
         stats = engine.stats()

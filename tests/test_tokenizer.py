@@ -135,7 +135,7 @@ def test_importing_the_module_loads_no_tokenizers(tmp_path: Path) -> None:
 MEMORY_PROBE = """
 import sys, threading
 from pathlib import Path
-from rtpcore.engine.tokenizer import Tokenizer
+from rtpcore.engine.text.tokenizer import Tokenizer
 
 def rss() -> int:
     for line in open("/proc/self/status"):

@@ -1,5 +1,5 @@
-"""``rtpcore.batch.ForwardBatch`` stays a public path; the class lives in :mod:`rtpcore.engine.batch`."""
+"""``rtpcore.batch.ForwardBatch`` stays a public path; the class lives in :mod:`rtpcore.models.forward_batch`."""
 
-from rtpcore.engine.batch import ForwardBatch
+from rtpcore.models.forward_batch import ForwardBatch
 
 __all__ = ["ForwardBatch"]

@@ -270,7 +270,7 @@ class WorkerError(RtpcoreError):
 
 
 class DeviceError(RtpcoreError):
-    """A device an engine was asked to run on is unusable (``rtpcore.engine.devices``).
+    """A device an engine was asked to run on is unusable (``rtpcore.engine.worker.devices``).
 
     ``.device`` is the value given. ``.malformed`` is True when it is of none of the forms
     ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (a usage error: exit status 2 on the

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from rtpcore.engine.batch import ForwardBatch
 from rtpcore.kv.pools import allocate_kv_caches
+from rtpcore.models.forward_batch import ForwardBatch
 
 TINY: dict[str, Any] = {
     "vocab_size": 128,

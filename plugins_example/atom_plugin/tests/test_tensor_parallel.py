@@ -77,7 +77,7 @@ def _greedy(ckpt: Path, world_size: int) -> tuple[list[list[int]], list[int], li
     """Greedy tokens of the batched prompts and of the first prompt alone (batch-1 decode),
     and every rank's stats, from ``world_size`` ranks built like an engine's."""
     config = EngineConfig.create(ckpt, plugins=("atom-plugin",))
-    with WorkerGroup.spawn("rtpcore.engine.rank:build_shard", config, world_size, plan=config.plan) as group:
+    with WorkerGroup.spawn("rtpcore.engine.worker.rank:build_shard", config, world_size, plan=config.plan) as group:
         group.run("allocate", BLOCKS)
         runner = PagedRunner(GroupModel(group), group.local.kv_cache_specs)
         batched, _ = runner.run(PROMPTS, N_NEW)

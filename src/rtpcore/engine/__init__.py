@@ -12,7 +12,7 @@ The text side of the offline API (``Engine.generate`` on text, ``Engine.chat``,
 ``tokenizer`` (a checkpoint's ``tokenizer.json``), ``chat_template``, ``prompts`` (the
 forms a prompt takes), ``detokenize`` (ids to text, stop strings), ``output_processor``
 (engine outputs to text and ``n`` sequences) and ``outputs`` (``GenerationOutput``,
-``CompletionOutput``). Names are resolved lazily: importing ``rtpcore.engine.batch``
+``CompletionOutput``). Names are resolved lazily: importing ``rtpcore.models.forward_batch``
 imports no torch.
 """
 
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rtpcore.engine.async_engine import AsyncEngine
-    from rtpcore.engine.core import EngineStats, RequestOutput
+    from rtpcore.engine.core.outputs import EngineStats, RequestOutput
     from rtpcore.engine.engine import Engine, EngineConfig
-    from rtpcore.engine.outputs import CompletionOutput, GenerationOutput
-    from rtpcore.engine.sampling import SamplingParams
+    from rtpcore.engine.sample.params import SamplingParams
+    from rtpcore.engine.text.outputs import CompletionOutput, GenerationOutput
 
 __all__ = [
     "AsyncEngine",
@@ -41,13 +41,13 @@ __all__ = [
 
 _LAZY = {
     "AsyncEngine": "rtpcore.engine.async_engine",
-    "CompletionOutput": "rtpcore.engine.outputs",
+    "CompletionOutput": "rtpcore.engine.text.outputs",
     "Engine": "rtpcore.engine.engine",
     "EngineConfig": "rtpcore.engine.engine",
-    "EngineStats": "rtpcore.engine.core",
-    "GenerationOutput": "rtpcore.engine.outputs",
-    "RequestOutput": "rtpcore.engine.core",
-    "SamplingParams": "rtpcore.engine.sampling",
+    "EngineStats": "rtpcore.engine.engine_core",
+    "GenerationOutput": "rtpcore.engine.text.outputs",
+    "RequestOutput": "rtpcore.engine.engine_core",
+    "SamplingParams": "rtpcore.engine.sample.params",
 }
 
 

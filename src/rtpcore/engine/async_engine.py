@@ -2,10 +2,10 @@
 thread, for asyncio callers (the HTTP server is one).
 
 Requests join and leave the running batch between steps (continuous batching, the
-engine core of ``rtpcore.engine.core``: a token budget, chunked prefill, KV blocks on
+engine core of ``rtpcore.engine.engine_core``: a token budget, chunked prefill, KV blocks on
 demand with preemption). The loop thread
 sleeps while no request waits or runs and steps the core while any does; each step
-hands every request its :class:`~rtpcore.engine.core.RequestOutput`, which reaches
+hands every request its :class:`~rtpcore.engine.core.outputs.RequestOutput`, which reaches
 the request's asyncio queue through ``loop.call_soon_threadsafe``::
 
     async with AsyncEngine.from_pretrained(path, max_waiting=64) as engine:
@@ -26,7 +26,7 @@ closes the engine.
 
 :meth:`AsyncEngine.generate` is the text-level call (vLLM's ``AsyncLLM.generate``): a
 prompt as text or ids, and an async generator of cumulative outputs
-(:class:`~rtpcore.engine.outputs.GenerationOutput`: text with stop strings cut, ``n``
+(:class:`~rtpcore.engine.text.outputs.GenerationOutput`: text with stop strings cut, ``n``
 sequences), built as ``Engine.generate``'s outputs form builds them::
 
     async for out in engine.generate("Hello", SamplingParams(max_tokens=64, stop=["\\n"])):
@@ -48,13 +48,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from rtpcore.engine.core import EngineStats, RequestOutput
+from rtpcore.engine.core.outputs import EngineStats, RequestOutput
 from rtpcore.engine.engine import Engine
-from rtpcore.engine.output_processor import PromptRun
-from rtpcore.engine.outputs import GenerationOutput
-from rtpcore.engine.prompts import prompt_items
-from rtpcore.engine.sampling import SamplingParams
-from rtpcore.engine.speculative import SpeculativeStats
+from rtpcore.engine.sample.params import SamplingParams
+from rtpcore.engine.sample.speculative import SpeculativeStats
+from rtpcore.engine.text.output_processor import PromptRun
+from rtpcore.engine.text.outputs import GenerationOutput
+from rtpcore.engine.text.prompts import prompt_items
 from rtpcore.errors import EngineClosedError, InvalidRequestError, RtpcoreError
 
 __all__ = ["AsyncEngine", "RequestStream"]
@@ -180,7 +180,7 @@ class AsyncEngine:
     async def generate(
         self, prompt: Any, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[GenerationOutput]:
-        """Run one prompt and yield its :class:`~rtpcore.engine.outputs.GenerationOutput` as it
+        """Run one prompt and yield its :class:`~rtpcore.engine.text.outputs.GenerationOutput` as it
         grows (vLLM's ``AsyncLLM.generate``): each item is cumulative -- the whole text and
         token ids so far of every one of ``sampling_params.n`` sequences -- with ``finished``
         False until the last. ``prompt`` is a string, token ids, ``{"prompt": str}`` or

@@ -3,11 +3,11 @@
 :meth:`Engine.from_pretrained` is the one place that wires the stages of
 docs/design.md §1 together: allowlist -> plan -> plugins -> model type -> config ->
 pruned checkpoint -> model -> KV specs -> preallocated cache. Requests run through
-the engine core (``rtpcore.engine.core``: admission, one mixed prefill/decode step
+the engine core (``rtpcore.engine.engine_core``: admission, one mixed prefill/decode step
 of every running request, per-request sampling); ``generate`` and
 ``rtpcore.AsyncEngine`` share it.
 
-Scheduling (docs/design.md §13; ``rtpcore.engine.scheduler``): a step schedules at most
+Scheduling (docs/design.md §13; ``rtpcore.engine.core.scheduler``): a step schedules at most
 ``max_num_batched_tokens`` new tokens (default ``DEFAULT_BATCHED_TOKENS``: 8192 on a GPU,
 256 on the CPU, where a step of a few hundred tokens already takes tens of milliseconds),
 decodes first, long prompts in chunks; KV blocks are taken on demand and a running request
@@ -16,10 +16,10 @@ is preempted (to recompute later) when none is free; at most ``max_batch_size`` 
 KV memory: ``kv_cache_memory`` bytes per rank when given. Otherwise, on a GPU,
 ``gpu_memory_utilization`` of the device's memory minus what is in use once the weights are
 loaded and minus the peak of one ``max_num_batched_tokens`` step, measured at start
-(``rtpcore.engine.memory.gpu_kv_cache_bytes``); on the CPU, enough blocks for
+(``rtpcore.engine.worker.memory.gpu_kv_cache_bytes``); on the CPU, enough blocks for
 ``max_batch_size`` sequences of ``max_model_len`` tokens each, capped at a quarter of the
 memory this process may use (physical RAM, or the cgroup memory limit when smaller:
-``rtpcore.engine.memory``) over all tensor-parallel ranks. A pool that cannot hold one
+``rtpcore.engine.worker.memory``) over all tensor-parallel ranks. A pool that cannot hold one
 ``max_model_len`` sequence is refused when the engine is built
 (:class:`~rtpcore.errors.KVCacheCapacityError` naming both sizes, ``--max-model-len`` and
 ``--kv-cache-memory``), so every request that passes the ``max_model_len`` check runs.
@@ -67,16 +67,17 @@ from typing import Any, overload
 import attrs
 import torch
 
-from rtpcore.engine.core import EngineCore, EngineStats, RequestOutput
-from rtpcore.engine.output_processor import PromptRun
-from rtpcore.engine.outputs import GenerationOutput
-from rtpcore.engine.prefix_cache import namespace_key
-from rtpcore.engine.prompts import Prompt, PromptInputs, TextSide, conversations, prompt_items
-from rtpcore.engine.rank import max_positions, resolve_checkpoints
-from rtpcore.engine.sampling import SamplingParams
-from rtpcore.engine.scheduler import BlockAllocator
-from rtpcore.engine.speculative import SpeculativeStats
-from rtpcore.engine.tokenizer import Tokenizer
+from rtpcore.engine.core.outputs import EngineStats, RequestOutput
+from rtpcore.engine.core.prefix_cache import namespace_key
+from rtpcore.engine.core.scheduler import BlockAllocator
+from rtpcore.engine.engine_core import EngineCore
+from rtpcore.engine.sample.params import SamplingParams
+from rtpcore.engine.sample.speculative import SpeculativeStats
+from rtpcore.engine.text.output_processor import PromptRun
+from rtpcore.engine.text.outputs import GenerationOutput
+from rtpcore.engine.text.prompts import Prompt, PromptInputs, TextSide, conversations, prompt_items
+from rtpcore.engine.text.tokenizer import Tokenizer
+from rtpcore.engine.worker.rank import max_positions, resolve_checkpoints
 from rtpcore.errors import (
     EngineBuildError,
     EngineClosedError,
@@ -127,16 +128,16 @@ class EngineConfig:
     kv_cache_memory: int | None
     max_batch_size: int
     tensor_parallel_size: int
-    # resolved (rtpcore.engine.devices): "cpu" or "cuda:N", rank 0's device when sharded
+    # resolved (rtpcore.engine.worker.devices): "cpu" or "cuda:N", rank 0's device when sharded
     device: str = "cpu"
     # Whether bf16/fp16 linear layers keep a float32 copy for several-row inputs
-    # (rtpcore.models.layers, kernel "packed+fp32"); None: automatic, see rtpcore.engine.rank.
+    # (rtpcore.models.layers, kernel "packed+fp32"); None: automatic, see rtpcore.engine.worker.rank.
     fp32_batched_linear: bool | None = None
     # Speculative decoding (docs/design.md §10): a draft checkpoint's path or "mtp", and
     # how many tokens it proposes per step (0: no speculation).
     draft_model: str | None = None
     num_speculative_tokens: int = 0
-    # Decode steps replayed from CUDA graphs (rtpcore.engine.graphs): None = on for a
+    # Decode steps replayed from CUDA graphs (rtpcore.engine.worker.graphs): None = on for a
     # single-rank engine on a CUDA/ROCm device, off otherwise.
     cuda_graphs: bool | None = None
     # Scheduling (docs/design.md §13), resolved: the token budget of a step, the longest
@@ -151,7 +152,7 @@ class EngineConfig:
     # CPU decode steps of float32 / int8 Llama-family models in rtpcore_native
     # (rtpcore.models.native) where they can run; False keeps torch's modules.
     native_decode: bool = True
-    # Outputs one step behind (rtpcore.engine.core, docs/design.md §13): None = on for a
+    # Outputs one step behind (rtpcore.engine.engine_core, docs/design.md §13): None = on for a
     # single-rank engine whose decode steps replay CUDA graphs, off otherwise.
     async_scheduling: bool | None = None
 
@@ -183,12 +184,12 @@ class EngineConfig:
         native_decode: bool = True,
         async_scheduling: bool | None = None,
     ) -> EngineConfig:
-        """Validate the arguments, resolve the device (:func:`~rtpcore.engine.devices.resolve_device`:
+        """Validate the arguments, resolve the device (:func:`~rtpcore.engine.worker.devices.resolve_device`:
         a device torch cannot see raises DeviceError here, before anything loads) and the
         allowlist (imports no plugin). A Hub id as ``path`` or ``draft_model`` is fetched here,
-        once, into the Hub cache (:func:`~rtpcore.engine.rank.resolve_checkpoints`: it loads the
+        once, into the Hub cache (:func:`~rtpcore.engine.worker.rank.resolve_checkpoints`: it loads the
         plan's plugins to learn which shards), so the config carries local folders to every rank."""
-        from rtpcore.engine.devices import resolve_device
+        from rtpcore.engine.worker.devices import resolve_device
         from rtpcore.kv.specs import resolve_kv_cache_dtype
         from rtpcore.parallel.context import env_world_size
         from rtpcore.plugins.allowlist import Allowlist
@@ -298,7 +299,7 @@ class Engine:
     model_config: Any  # what the plugin's config_from_hf returned
     device: torch.device  # where this process's weights, KV pools and sampling live (rank 0's device)
     model: Any  # the plugin's model (forward contract of rtpcore.plugins.model_plugin); None once closed
-    draft: Any  # rtpcore.engine.rank.LoadedModel of the speculative draft on this rank, or None
+    draft: Any  # rtpcore.engine.worker.rank.LoadedModel of the speculative draft on this rank, or None
     draft_kv_cache_specs: list[Any]  # the draft's, one per layer (empty without a draft)
     kv_caches: list[Any]  # one LayerKVCache / PackedLayerKVCache per layer
     _group: Any  # rtpcore.parallel.leader.WorkerGroup: every rank's EngineShard (rank 0 here)
@@ -346,7 +347,7 @@ class Engine:
         loaded plugins serve, inferred from its config.json) or ``"mtp"`` (the target's own
         multi-token-prediction layers, when its plugin offers them); it proposes
         ``num_speculative_tokens`` tokens per step (0, the default: 4 with a draft; see
-        ``rtpcore.engine.speculative``).
+        ``rtpcore.engine.sample.speculative``).
 
         ``device``: ``"auto"`` (the first CUDA or ROCm device when torch sees one, else
         the CPU), ``"cpu"``, ``"cuda"`` (``"cuda:0"``), ``"cuda:N"`` or a ``torch.device``;
@@ -355,7 +356,7 @@ class Engine:
         on the CPU every rank uses gloo. A malformed or unavailable device raises
         :class:`~rtpcore.errors.DeviceError` before anything is loaded.
 
-        ``cuda_graphs``: decode steps replayed from CUDA graphs (``rtpcore.engine.graphs``);
+        ``cuda_graphs``: decode steps replayed from CUDA graphs (``rtpcore.engine.worker.graphs``);
         None (the default) turns them on for a single-rank engine on a GPU, False off.
 
         ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching`` and
@@ -423,7 +424,7 @@ class Engine:
         self.plugins = tuple(config.plan.entries)
         self.device = torch.device(config.device)
         try:
-            # Every rank builds an EngineShard (rtpcore.engine.rank) from the config: this process is
+            # Every rank builds an EngineShard (rtpcore.engine.worker.rank) from the config: this process is
             # rank 0; with tensor_parallel_size > 1, ranks 1..N-1 are worker processes that load
             # exactly config.plan (no discovery) and build their part of the model.
             self._group = _start_ranks(config)
@@ -486,7 +487,7 @@ class Engine:
 
     def prefix_cache_identity(self) -> dict[str, Any]:
         """What besides the tokens changes the bytes of a KV block: the root of every prefix
-        cache key (``rtpcore.engine.prefix_cache``)."""
+        cache key (``rtpcore.engine.core.prefix_cache``)."""
         c = self.config
         return {
             "checkpoint": str(Path(c.checkpoint).resolve()),
@@ -566,11 +567,11 @@ class Engine:
         """Generate for each prompt, in order. Two forms, told apart by the arguments:
 
         **Outputs** (vLLM's ``LLM.generate``): ``generate(prompts, sampling_params=None)``
-        where ``sampling_params`` is a :class:`~rtpcore.engine.sampling.SamplingParams` (or a
+        where ``sampling_params`` is a :class:`~rtpcore.engine.sample.params.SamplingParams` (or a
         list of them, one per prompt; None: ``SamplingParams()``) and ``prompts`` is one
         prompt or a list of them, each a string, a sequence of token ids,
         ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``. Returns one
-        :class:`~rtpcore.engine.outputs.GenerationOutput` per prompt, with
+        :class:`~rtpcore.engine.text.outputs.GenerationOutput` per prompt, with
         ``SamplingParams.n`` sequences in ``.outputs`` (text, token ids, finish and stop
         reason, logprobs and their sum). Text is encoded and decoded with the checkpoint's
         tokenizer (loaded on first use) as ``rtpcore serve`` does it, so a request gives the
@@ -646,7 +647,7 @@ class Engine:
         return self._run_prompts(prompts, params)
 
     def get_tokenizer(self) -> Tokenizer | None:
-        """The checkpoint's tokenizer (``rtpcore.engine.tokenizer.Tokenizer``, loaded once on
+        """The checkpoint's tokenizer (``rtpcore.engine.text.tokenizer.Tokenizer``, loaded once on
         first use), None when it has no ``tokenizer.json``."""
         self._check_open()
         return self._text.tokenizer
@@ -919,7 +920,7 @@ def _start_ranks(config: EngineConfig) -> Any:
     device = config.device if n == 1 else ("cpu" if config.device == "cpu" else "cuda")
     world = env_world_size() if n > 1 else None
     if world is None:
-        return WorkerGroup.spawn("rtpcore.engine.rank:build_shard", config, n, plan=config.plan, device=device)
+        return WorkerGroup.spawn("rtpcore.engine.worker.rank:build_shard", config, n, plan=config.plan, device=device)
     rank = int(os.environ["RANK"])
     if world != n or rank != 0:
         raise RtpcoreError(
@@ -927,7 +928,7 @@ def _start_ranks(config: EngineConfig) -> Any:
             f"process to be RANK=0 (got WORLD_SIZE={world}, RANK={rank}); "
             "ranks > 0 run `python -m rtpcore.parallel.leader`"
         )
-    return WorkerGroup.join_env("rtpcore.engine.rank:build_shard", config, plan=config.plan, device=device)
+    return WorkerGroup.join_env("rtpcore.engine.worker.rank:build_shard", config, plan=config.plan, device=device)
 
 
 def _resolve_dtype(dtype: str, device: str, path: str | os.PathLike[str]) -> str:
@@ -959,7 +960,7 @@ def _max_model_len(config: EngineConfig, max_positions: int) -> int:
 def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_model_len: int, group: Any) -> int:
     """Blocks per layer for ``kv_cache_memory`` or the documented default; at least one
     ``max_model_len`` sequence's worth, else a KVCacheCapacityError."""
-    from rtpcore.engine.memory import gpu_kv_cache_bytes, memory_limit
+    from rtpcore.engine.worker.memory import gpu_kv_cache_bytes, memory_limit
     from rtpcore.kv.specs import plan_blocks
 
     block_bytes = sum(s.block_bytes for s in specs)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from rtpcore.kv import paged_attention as kernels
 
 if TYPE_CHECKING:
-    from rtpcore.engine.batch import ForwardBatch
+    from rtpcore.models.forward_batch import ForwardBatch
 
 __all__ = ["attend", "causal_mask", "paged_attention"]
 

@@ -29,7 +29,7 @@ __all__ = ["LlamaConfig", "LlamaPlugin"]
 class LlamaPlugin(ModelPlugin):
     """The built-in Llama-family model (registered by ``rtpcore.models``)."""
 
-    forward_contract = 2  # rtpcore.engine.batch: unpadded steps, chunked prefill
+    forward_contract = 2  # rtpcore.models.forward_batch: unpadded steps, chunked prefill
     model_type = "llama"
     architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

@@ -26,8 +26,8 @@ from rtpcore.models.native import kernels as native_kernels
 from rtpcore.parallel.layers import GatherColumns, row_parallel
 
 if TYPE_CHECKING:
-    from rtpcore.engine.batch import ForwardBatch
     from rtpcore.kv.pools import LayerKVCache
+    from rtpcore.models.forward_batch import ForwardBatch
 
 __all__ = ["LlamaModel"]
 

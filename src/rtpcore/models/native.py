@@ -42,7 +42,7 @@ from rtpcore.models.layers import Linear
 from rtpcore.models.layers import native_kernels as kernels
 
 if TYPE_CHECKING:
-    from rtpcore.engine.batch import ForwardBatch
+    from rtpcore.models.forward_batch import ForwardBatch
 
 __all__ = ["NativeLlamaDecode", "kernels", "native_decode", "native_linear_weights", "native_problem"]
 

@@ -5,7 +5,7 @@
 engine's process and drives the ``follower`` ranks, whose failures come back
 through ``failures``; ``sharding`` says which slice of each weight a rank owns and
 ``layers`` finishes row- and vocabulary-parallel layers. The engine stage builds
-one rank's state on each of them (``rtpcore.engine.rank``).
+one rank's state on each of them (``rtpcore.engine.worker.rank``).
 
 Run a rank of a multi-machine group with ``python -m rtpcore.parallel.leader``.
 """

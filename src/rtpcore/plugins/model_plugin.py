@@ -18,10 +18,10 @@ returns for the steps above; ``build_model`` then also receives ``parallel=ctx``
 (a ``rtpcore.parallel.context.ParallelContext``).
 
 Forward contract (the same for every model; version ``FORWARD_CONTRACT``, see
-``rtpcore.engine.batch``)::
+``rtpcore.models.forward_batch``)::
 
     logits = model(batch, kv_caches)
-    # batch:     rtpcore.engine.batch.ForwardBatch, the new tokens of every scheduled sequence
+    # batch:     rtpcore.models.forward_batch.ForwardBatch, the new tokens of every scheduled sequence
     #            concatenated (T tokens in all, nothing padded) with their positions and cache
     #            slots: a decode's last token, or a chunk of a prompt (chunked prefill) whose
     #            queries also attend to the keys its earlier chunks cached
@@ -42,7 +42,7 @@ the optional ``Plugin.mtp_draft(config)``: another ModelPlugin class that descri
 checkpoint's multi-token-prediction layers (their tensors, KV descriptors and module). The
 engine loads it like a model from the same checkpoint (reading only its tensors) and calls
 its ``build_model`` with ``target=`` the target model too; its forward reads the target's
-hidden states through ``batch.hidden_rows`` (see ``rtpcore.engine.batch``).
+hidden states through ``batch.hidden_rows`` (see ``rtpcore.models.forward_batch``).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ _SWITCHED_OFF: dict[str, Any] = {
 def call_optional(plugin: type[ModelPlugin], name: str, *args: Any) -> Any:
     """``plugin.<name>(*args)`` for one of the optional classmethods, or what the capability
     means when the plugin set it to None (switched off). ``tensor_parallel_shard`` is not
-    here: switched off, it refuses ``tensor_parallel_size > 1`` (rtpcore.engine.rank)."""
+    here: switched off, it refuses ``tensor_parallel_size > 1`` (rtpcore.engine.worker.rank)."""
     method = getattr(plugin, name, None)
     if method is None:
         return _SWITCHED_OFF[name]

@@ -26,7 +26,7 @@ from rtpcore.plugins import metadata as lookup
 from rtpcore.plugins.metadata import PLUGIN_GROUP
 
 if TYPE_CHECKING:
-    from rtpcore.plugins.allowlist import Allowlist, PluginRequest
+    from rtpcore.plugins.requests import PluginRequest
 
 __all__ = [
     "PLUGIN_GROUP",
@@ -261,9 +261,11 @@ def _entry_point_fallback(
 
 
 def resolve(
-    allowlist: Allowlist, *, strict: bool = True, path: Iterable[str] | None = None
+    plugins: Sequence[PluginRequest], external_model_packages: Sequence[str] = (), *, strict: bool = True,
+    path: Iterable[str] | None = None,
 ) -> Plan:
-    """Resolve every request of ``allowlist``; see :meth:`Allowlist.resolve`."""
+    """Resolve every request of an allowlist (its ``plugins`` and ``external_model_packages``);
+    see :meth:`rtpcore.plugins.allowlist.Allowlist.resolve`."""
     search = None if path is None else tuple(path)
     entries: dict[tuple[str | None, str, str], PlanEntry] = {}
     failures: list[PlanFailure] = []
@@ -277,19 +279,19 @@ def resolve(
         for e in fresh:
             entries[(e.distribution, e.name, e.value)] = e
 
-    for request in allowlist.plugins:
+    for request in plugins:
         outcome = _resolve_request(request, search)
         if isinstance(outcome, PlanFailure):
             log.debug("request %r: %s", outcome.request, outcome.state)
             failures.append(outcome)
         else:
             add(outcome)
-    for module in allowlist.external_model_packages:
+    for module in external_model_packages:
         add([PlanEntry(name=module, value=module, request=module)])
     plan = Plan(
         entries=tuple(entries.values()),
         failures=tuple(failures),
-        requests=tuple(str(r) for r in allowlist.plugins) + allowlist.external_model_packages,
+        requests=tuple(str(r) for r in plugins) + tuple(external_model_packages),
         duplicates=tuple(duplicates),
     )
     if strict:

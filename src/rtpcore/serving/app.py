@@ -46,9 +46,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rtpcore.engine.async_engine import AsyncEngine, RequestStream
-from rtpcore.engine.core import RequestOutput
-from rtpcore.engine.grammar import Grammar, GrammarCompiler
-from rtpcore.engine.sampling import SampledToken, SamplingParams
+from rtpcore.engine.core.outputs import RequestOutput
+from rtpcore.engine.sample.grammar import Grammar, GrammarCompiler
+from rtpcore.engine.sample.params import SampledToken, SamplingParams
 from rtpcore.errors import (
     EngineClosedError,
     InvalidRequestError,

@@ -64,7 +64,7 @@ class ServerMetrics:
         )
 
     def observe_step(self, report: Any) -> None:
-        """An engine step ended (``rtpcore.engine.core.StepReport``; called on the stepping thread)."""
+        """An engine step ended (``rtpcore.engine.core.outputs.StepReport``; called on the stepping thread)."""
         self.iteration_tokens.observe(report.num_tokens)
         self.iteration_sequences.observe(report.num_seqs)
 

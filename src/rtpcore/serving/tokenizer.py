@@ -1,10 +1,10 @@
-"""A checkpoint's tokenizer: moved to :mod:`rtpcore.engine.tokenizer`, which the engine's
+"""A checkpoint's tokenizer: moved to :mod:`rtpcore.engine.text.tokenizer`, which the engine's
 offline text API (``Engine.generate`` on strings, ``Engine.chat``) needs below the serving
 stage. This module re-exports it so that existing imports keep working."""
 
 from __future__ import annotations
 
-from rtpcore.engine.tokenizer import (
+from rtpcore.engine.text.tokenizer import (
     SPECIAL_TOKEN_NAMES,
     Tokenizer,
     read_tokenizer_config,

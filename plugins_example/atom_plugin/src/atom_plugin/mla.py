@@ -111,7 +111,7 @@ class MLAttention(nn.Module):
         self,
         x: torch.Tensor,  # (T, D)
         step: StepTensors,  # rope cos/sin and the decode mask, shared by every layer
-        batch: Any,  # rtpcore.engine.batch.ForwardBatch
+        batch: Any,  # rtpcore.models.forward_batch.ForwardBatch
         cache: Any,  # rtpcore.kv.pools.LayerKVCache
     ) -> torch.Tensor:
         cfg = self.cfg

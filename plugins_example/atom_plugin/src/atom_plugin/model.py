@@ -1,7 +1,7 @@
 """``DeepseekModel``: the decoder stack, following rtpcore's forward contract.
 
 ``logits = model(batch, kv_caches)`` (forward contract 2): ``batch`` is an
-``rtpcore.engine.batch.ForwardBatch`` (T new tokens of B sequences, unpadded: decodes
+``rtpcore.models.forward_batch.ForwardBatch`` (T new tokens of B sequences, unpadded: decodes
 first, then prompt chunks), ``kv_caches`` one ``rtpcore.kv.pools.LayerKVCache`` per layer
 (MLA: k = latent ``c_kv``, v = roped ``k_pe``), logits are (N, vocab) float32, the rows
 ``batch.logits_index`` names (one per sequence after its last new token by default; none for

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from atom_plugin import tables
 from atom_plugin.config import DeepseekConfig
 from atom_plugin.layers import RMSNorm, linear_factory
 from atom_plugin.model import DecoderLayer, DeepseekModel
@@ -46,7 +47,7 @@ class DeepseekMTPPlugin(ModelPlugin):
     """The MTP layer of a DeepSeek-V3 checkpoint (never registered: reached through
     ``DeepseekV3Plugin.mtp_draft``)."""
 
-    forward_contract = 2  # rtpcore.engine.batch (the same as the target model)
+    forward_contract = 2  # rtpcore.models.forward_batch (the same as the target model)
 
     model_type: ClassVar[str] = "deepseek_v3_mtp"
     architectures: ClassVar[tuple[str, ...]] = ("DeepseekV3ForCausalLM",)
@@ -61,12 +62,10 @@ class DeepseekMTPPlugin(ModelPlugin):
 
     @classmethod
     def weight_shapes(cls, config: DeepseekConfig) -> dict[str, tuple[int, ...]]:
-        from atom_plugin.deepseek import DeepseekV3Plugin
-
         n, d = config.num_hidden_layers, config.hidden_size
         layer = f"model.layers.{n}"
         shapes: dict[str, tuple[int, ...]] = {}
-        for name, shape in DeepseekV3Plugin.weight_shapes(_block_config(config)).items():
+        for name, shape in tables.weight_shapes(_block_config(config)).items():
             name = name.replace("{layer}", str(n))
             if name.startswith(layer + "."):
                 shapes[name] = shape
@@ -85,18 +84,14 @@ class DeepseekMTPPlugin(ModelPlugin):
 
     @classmethod
     def weight_dtypes(cls, config: DeepseekConfig) -> dict[str, str]:
-        from atom_plugin.deepseek import DeepseekV3Plugin
-
         n = config.num_hidden_layers
-        dtypes = DeepseekV3Plugin.weight_dtypes(_block_config(config))
+        dtypes = tables.weight_dtypes(_block_config(config))
         return {k: v for k, v in dtypes.items() if k.startswith(f"model.layers.{n}.")}
 
     @classmethod
     def kv_cache_descs(cls, config: DeepseekConfig, **options: Any) -> list[Any]:
         """One MLA layer, in the target's format (dtype and fp8 layout)."""
-        from atom_plugin.deepseek import DeepseekV3Plugin
-
-        return list(DeepseekV3Plugin.kv_cache_descs(_block_config(config), **options))[-1:]
+        return list(tables.kv_cache_descs(_block_config(config), **options))[-1:]
 
     @classmethod
     def tensor_parallel_shard(

@@ -3,7 +3,7 @@
 :func:`process_logits` turns a step's (N, V) logits into the logits the draw uses, one row
 per request (:class:`SamplingRow`), in this order:
 
-0. a grammar (``SamplingParams.grammar``, ``rtpcore.engine.grammar``): the tokens the row's
+0. a grammar (``SamplingParams.grammar``, ``rtpcore.engine.sample.grammar``): the tokens the row's
    grammar does not allow next are -inf (rows without one pay nothing);
 1. ``logit_bias``: each named token's bias added to its logit;
 2. ``min_tokens``: while the row's request generated fewer tokens, its stop ids are -inf
@@ -50,8 +50,8 @@ from typing import overload
 import attrs
 import torch
 
-from rtpcore.engine.grammar import GrammarState, apply_grammar_masks
-from rtpcore.engine.sampling import SampledToken, SamplingParams
+from rtpcore.engine.sample.grammar import GrammarState, apply_grammar_masks
+from rtpcore.engine.sample.params import SampledToken, SamplingParams
 from rtpcore.errors import RtpcoreError
 
 __all__ = [
@@ -74,7 +74,7 @@ class SamplingRow:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     stop_ids: frozenset[int] = frozenset()
-    grammar: GrammarState | None = None  # the request's position in its grammar (rtpcore.engine.grammar)
+    grammar: GrammarState | None = None  # the request's position in its grammar (rtpcore.engine.sample.grammar)
 
 
 @attrs.frozen

@@ -3,17 +3,17 @@
 
 These are the shapes vLLM users know as ``RequestOutput`` and ``CompletionOutput``; the
 first name is taken here by the engine core's per-step output
-(:class:`rtpcore.engine.core.RequestOutput`: the new token ids of one step), so the
+(:class:`rtpcore.engine.core.outputs.RequestOutput`: the new token ids of one step), so the
 per-prompt result is called ``GenerationOutput``. ``Engine.generate`` and ``Engine.chat``
 return finished ones; ``AsyncEngine.generate`` yields them cumulatively (``finished``
-False until the last). How they are built is :mod:`rtpcore.engine.output_processor`.
+False until the last). How they are built is :mod:`rtpcore.engine.text.output_processor`.
 """
 
 from __future__ import annotations
 
 import attrs
 
-from rtpcore.engine.sampling import SampledToken
+from rtpcore.engine.sample.params import SampledToken
 
 __all__ = ["CompletionOutput", "GenerationOutput"]
 
@@ -27,7 +27,7 @@ class CompletionOutput:
     token's text is never in it; special tokens left out unless ``skip_special_tokens`` is
     False), None when the checkpoint has no ``tokenizer.json``. ``token_ids``: every token
     generated, a stop token included, up to the one that completed a stop string.
-    ``logprobs``: one :class:`~rtpcore.engine.sampling.SampledToken` per token when the
+    ``logprobs``: one :class:`~rtpcore.engine.sample.params.SampledToken` per token when the
     request asked for ``logprobs`` (the model's raw log-probabilities), else None;
     ``cumulative_logprob``: their sum, None when none were asked. ``finish_reason``: None
     while it runs, then ``"stop"`` (a stop token or a stop string), ``"length"``

@@ -1,7 +1,7 @@
 """The output side of the offline API: the engine core's outputs of a prompt's requests in,
-text and :class:`~rtpcore.engine.outputs.GenerationOutput` out.
+text and :class:`~rtpcore.engine.text.outputs.GenerationOutput` out.
 
-A :class:`PromptRun` is one prompt with its :class:`~rtpcore.engine.sampling.SamplingParams`:
+A :class:`PromptRun` is one prompt with its :class:`~rtpcore.engine.sample.params.SamplingParams`:
 the engine requests it needs and a :class:`SequenceState` per request. It follows
 ``rtpcore serve`` (``rtpcore.serving.app``) rule for rule, so that the same request gives
 the same tokens and text offline:
@@ -11,7 +11,7 @@ the same tokens and text offline:
 - ``n``: a greedy request runs once and its sequence is every output; a sampled one runs
   ``n`` requests, request ``i`` seeded with ``seed + i`` when seeded;
 - text: ids go one at a time through an
-  :class:`~rtpcore.engine.detokenize.IncrementalDecoder` (stop strings across token
+  :class:`~rtpcore.engine.text.detokenize.IncrementalDecoder` (stop strings across token
   boundaries, ``include_stop_str_in_output``, ``skip_special_tokens``); a stop token's text
   is left out; a stop string ends the sequence at the token that completed it, and the
   caller aborts the engine request it came from (:meth:`SequenceState.add` says when).
@@ -23,12 +23,12 @@ from collections.abc import Sequence
 
 import attrs
 
-from rtpcore.engine.core import RequestOutput
-from rtpcore.engine.detokenize import IncrementalDecoder
-from rtpcore.engine.outputs import CompletionOutput, GenerationOutput
-from rtpcore.engine.prompts import Prompt, TextSide
-from rtpcore.engine.sampling import SampledToken, SamplingParams
-from rtpcore.engine.tokenizer import Tokenizer
+from rtpcore.engine.core.outputs import RequestOutput
+from rtpcore.engine.sample.params import SampledToken, SamplingParams
+from rtpcore.engine.text.detokenize import IncrementalDecoder
+from rtpcore.engine.text.outputs import CompletionOutput, GenerationOutput
+from rtpcore.engine.text.prompts import Prompt, TextSide
+from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.errors import InvalidRequestError, RtpcoreError
 
 __all__ = ["PromptRun", "SequenceState"]

@@ -2,11 +2,11 @@
 
 Every layer's pool (and a speculative draft's) holds the same number of blocks and a
 sequence uses the same block ids in each, so one :class:`BlockAllocator` accounts for all
-of them. The scheduler (``rtpcore.engine.scheduler``) takes blocks when a request is
+of them. The scheduler (``rtpcore.engine.core.scheduler``) takes blocks when a request is
 admitted and as its sequence grows, and releases them when it finishes or is preempted.
 
 Prefix caching (docs/design.md §14): a full block whose keys and values are computed can be
-*registered* under its key (``rtpcore.engine.prefix_cache``). A later request whose prompt
+*registered* under its key (``rtpcore.engine.core.prefix_cache``). A later request whose prompt
 starts with the same tokens *acquires* the cached blocks instead of computing them: a block
 is shared by every request holding a reference to it, and nobody writes a shared block (a
 request writes only the positions it has not cached, which lie past its full, shared ones).

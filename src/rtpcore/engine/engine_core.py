@@ -2,8 +2,8 @@
 
 Requests are added (:meth:`EngineCore.add_request`) and aborted (:meth:`~EngineCore.abort`)
 at any time, from any thread. Each :meth:`~EngineCore.step` asks the scheduler for a plan
-(``rtpcore.engine.scheduler``: a token budget, decodes first, chunked prefill, KV blocks on
-demand with preemption), runs it (``rtpcore.engine.step``: one unpadded forward, one batched
+(``rtpcore.engine.core.scheduler``: a token budget, decodes first, chunked prefill, KV blocks on
+demand with preemption), runs it (``rtpcore.engine.step.runner``: one unpadded forward, one batched
 sampler), commits what was computed, retires the requests that reached a stop token or
 ``max_tokens``, and hands each request with new tokens its :class:`RequestOutput` through
 the request's own ``on_output`` callback (called on the stepping thread, outside every lock;
@@ -48,13 +48,13 @@ from typing import Any
 import attrs
 import torch
 
-from rtpcore.engine.batch import ForwardBatch
-from rtpcore.engine.runner import BatchBuilder
-from rtpcore.engine.sampling import SampledToken, SamplingParams
-from rtpcore.engine.scheduler import BlockAllocator, Request, Scheduler, StepPlan, blocks_for
-from rtpcore.engine.speculative import SpeculativeStats
-from rtpcore.engine.staging import Readback
-from rtpcore.engine.step import SeqResult, StepRunner, as_rtpcore_error
+from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
+from rtpcore.engine.core.scheduler import BlockAllocator, Request, Scheduler, StepPlan, blocks_for
+from rtpcore.engine.sample.params import SampledToken, SamplingParams
+from rtpcore.engine.sample.speculative import SpeculativeStats
+from rtpcore.engine.step.inputs import BatchBuilder
+from rtpcore.engine.step.runner import SeqResult, StepRunner, as_rtpcore_error
+from rtpcore.engine.step.staging import Readback
 from rtpcore.errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -62,86 +62,13 @@ from rtpcore.errors import (
     RequestFailedError,
     RtpcoreError,
 )
+from rtpcore.models.forward_batch import ForwardBatch
 
-__all__ = ["EngineCore", "EngineStats", "RequestOutput", "StepReport"]
+__all__ = ["EngineCore"]
 
 logger = logging.getLogger(__name__)
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
 PLACEHOLDER = -1  # a request's newest token while the step that picks it still runs (async scheduling)
-
-
-@attrs.frozen
-class RequestOutput:
-    """What one request produced since its previous output.
-
-    ``token_ids``: the new token ids (a stop token included). ``finish_reason``: None
-    while the request runs; ``"stop"`` (a stop token: ``stop_token_id``), ``"length"``
-    (``max_tokens``), ``"abort"``, or ``"error"`` (then ``error`` holds the
-    RtpcoreError). ``logprobs``: one :class:`~rtpcore.engine.sampling.SampledToken` per
-    new token when the request asked for them, else None. ``arrival_time`` (when the
-    request was added) and ``token_times`` (when each new token was sampled) are
-    ``time.monotonic()`` readings: time to first token and time between tokens.
-    """
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_generated_tokens: int  # over the whole request so far
-    logprobs: tuple[SampledToken, ...] | None = None
-    stop_token_id: int | None = None
-    arrival_time: float = 0.0
-    token_times: tuple[float, ...] = ()
-    error: RtpcoreError | None = None
-    num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def merge(self, later: RequestOutput) -> RequestOutput:
-        """This output followed by ``later`` (of the same request) as one."""
-        logprobs = None
-        if self.logprobs is not None or later.logprobs is not None:
-            logprobs = (*(self.logprobs or ()), *(later.logprobs or ()))
-        return attrs.evolve(
-            later,
-            token_ids=self.token_ids + later.token_ids,
-            logprobs=logprobs,
-            token_times=self.token_times + later.token_times,
-        )
-
-
-@attrs.frozen
-class EngineStats:
-    """A snapshot of an engine's load, for gauges and counters (``as_dict`` for a mapping)."""
-
-    running: int  # requests in the running batch
-    waiting: int  # requests waiting to be admitted
-    kv_blocks_total: int  # KV blocks per layer
-    kv_blocks_free: int  # blocks per layer no request holds
-    generated_tokens_total: int  # tokens handed to requests since the engine started
-    requests_finished_total: int  # requests that ended, whatever the reason
-    steps_total: int  # forward steps run
-    mixed_steps_total: int  # steps that prefilled new requests while others decoded
-    speculative_proposed_total: int = 0  # tokens a draft proposed (rtpcore.engine.speculative)
-    speculative_accepted_total: int = 0  # of those, tokens the target accepted
-    preemptions_total: int = 0  # running requests sent back to recompute for want of blocks
-    request_errors_total: int = 0  # requests ended by their own fault (a model fault, a non-finite row)
-    prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits_total: int = 0  # of those, tokens found cached
-    kv_blocks_cached: int = 0  # blocks in the prefix cache, held by a request or not
-    cuda_graph_replays_total: int = 0  # decode steps a captured CUDA graph served (rtpcore.engine.graphs)
-    eager_decode_steps_total: int = 0  # decode steps run eagerly (on a GPU with graphs on: a fallback)
-    greedy_picked_steps_total: int = 0  # steps whose rows were all plain greedy: picked on the device, no sampler
-    overlapped_steps_total: int = 0  # steps launched before the previous step's tokens were read (async scheduling)
-    async_fallback_steps_total: int = 0  # with async scheduling on, steps run synchronously (a batch it does not cover)
-    async_discarded_tokens_total: int = 0  # tokens computed for requests that had finished a step earlier, dropped
-
-    def as_dict(self) -> dict[str, int]:
-        return attrs.asdict(self)
 
 
 @attrs.define(eq=False)
@@ -154,16 +81,6 @@ class InFlight:
     picks: torch.Tensor
     readback: Readback
     ahead: bool = False
-
-
-@attrs.frozen
-class StepReport:
-    """What one step ran, for observers (metrics): tokens scheduled (proposals included),
-    sequences, and requests preempted while planning it."""
-
-    num_tokens: int
-    num_seqs: int
-    num_preempted: int
 
 
 class EngineCore:
@@ -194,13 +111,13 @@ class EngineCore:
     ):
         """``max_model_len``: the longest prompt + output a request may ask for (the engine
         checked that the pool holds one). ``draft_forward`` and ``num_speculative_tokens`` > 0:
-        speculative decoding (``rtpcore.engine.speculative``); ``draft_shift`` 1 for a draft
+        speculative decoding (``rtpcore.engine.sample.speculative``); ``draft_shift`` 1 for a draft
         that reads the target's hidden states (multi-token prediction, see
         ``BatchBuilder.draft_batch``); ``draft_max_positions``: the draft's longest context (its
         ``max_position_embeddings``), past which a request decodes without proposals.
         ``is_broken()``: whether the worker group can no longer step (a fault is then not a
         request's). ``prefix_cache_namespace``: the root key of prefix caching
-        (``rtpcore.engine.prefix_cache.namespace_key``), None to turn it off. ``counters()``:
+        (``rtpcore.engine.core.prefix_cache.namespace_key``), None to turn it off. ``counters()``:
         more EngineStats fields the model runner keeps (CUDA graph replays, eager decodes).
         ``greedy_forward``: the forward that returns the greedy picks of a step whose rows are all
         plain greedy (``StepRunner``), None to sample every step. ``async_scheduling``: outputs

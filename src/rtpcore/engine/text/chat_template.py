@@ -26,7 +26,7 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
-from rtpcore.engine.tokenizer import read_tokenizer_config, special_tokens
+from rtpcore.engine.text.tokenizer import read_tokenizer_config, special_tokens
 from rtpcore.errors import ChatTemplateError, CheckpointError
 
 __all__ = ["ChatTemplate"]

@@ -20,8 +20,8 @@ from typing import Any
 import attrs
 import torch
 
-from rtpcore.engine.chat_template import TEMPLATE_FILE, ChatTemplate
-from rtpcore.engine.tokenizer import Tokenizer, read_tokenizer_config
+from rtpcore.engine.text.chat_template import TEMPLATE_FILE, ChatTemplate
+from rtpcore.engine.text.tokenizer import Tokenizer, read_tokenizer_config
 from rtpcore.errors import ChatTemplateError, InvalidRequestError
 
 __all__ = ["RESERVED_TEMPLATE_KWARGS", "Prompt", "PromptInputs", "PromptType", "TextSide", "conversations", "prompt_items"]

@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import torch
 
-from rtpcore.engine.memory import memory_limit
+from rtpcore.engine.worker.memory import memory_limit
 from rtpcore.errors import RtpcoreError
 from rtpcore.models.layers import linear_kernels, weight_quantization
 from rtpcore.models.native import native_decode
@@ -98,7 +98,7 @@ class EngineShard:
         self.bytes_read = target.bytes_read + (self.draft.bytes_read if self.draft else 0)
         self.kv_caches: list[Any] = []
         self.draft_kv_caches: list[Any] = []
-        self.graphs: Any = None  # rtpcore.engine.graphs.DecodeGraphs when decode steps replay CUDA graphs
+        self.graphs: Any = None  # rtpcore.engine.worker.graphs.DecodeGraphs when decode steps replay CUDA graphs
         self.draft_graphs: Any = None  # the same for the draft's decode steps
         self.graphs_off: str | None = None  # why decode steps run eagerly on a GPU (None: graphs, or the CPU)
         self.eager_decodes = 0  # target decode steps no graph served
@@ -121,7 +121,7 @@ class EngineShard:
                 self.draft.kv_cache_specs, pool_blocks, workspace=GatherWorkspace(), **options
             )
         if graphs:
-            from rtpcore.engine.graphs import in_place_problem
+            from rtpcore.engine.worker.graphs import in_place_problem
 
             problem = in_place_problem(self.kv_caches, self.ctx.device, self.target.plugin)
             if problem is None and self.draft is not None:
@@ -144,7 +144,7 @@ class EngineShard:
             logger.warning("%s", reason)
 
     def _decode_graphs(self, model: Any, caches: list[Any], scratch_block: int) -> Any:
-        from rtpcore.engine.graphs import DecodeGraphs
+        from rtpcore.engine.worker.graphs import DecodeGraphs
 
         return DecodeGraphs(
             model,
@@ -177,7 +177,7 @@ class EngineShard:
         return self._forward(batch, greedy=False)
 
     def forward_greedy(self, batch: Any) -> torch.Tensor | None:
-        """The greedy picks of one step's batch (``rtpcore.engine.sampler.greedy_pick``: (B,)
+        """The greedy picks of one step's batch (``rtpcore.engine.sample.sampler.greedy_pick``: (B,)
         int64 on the device, -1 for a row that is not finite) on rank 0, None elsewhere: for a
         step whose rows are all plain greedy. A decode graph computes them in the graph, so
         the step reads back B ids, not B rows of logits."""
@@ -186,7 +186,7 @@ class EngineShard:
     def _forward(self, batch: Any, *, greedy: bool) -> torch.Tensor | None:
         """A decode graph where one serves ``batch``, else the model eagerly (counted for a decode
         step); the logits, or their greedy picks."""
-        from rtpcore.engine.sampler import greedy_pick
+        from rtpcore.engine.sample.sampler import greedy_pick
 
         if self.graphs is not None and self.graphs.supports(batch):
             out = self.graphs.run_greedy(batch) if greedy else self.graphs.run(batch)
@@ -218,8 +218,8 @@ class EngineShard:
     def profile_memory(self, num_tokens: int) -> tuple[int, int, int]:
         """Measure one prefill step of ``num_tokens`` tokens on this rank's GPU (before the KV
         pools exist): (the step's peak transient bytes, free bytes, total bytes) after it."""
-        from rtpcore.engine.batch import ForwardBatch
         from rtpcore.kv.pools import allocate_kv_caches
+        from rtpcore.models.forward_batch import ForwardBatch
 
         device = torch.device(self.ctx.device)
         tpb = self.config.tokens_per_block
@@ -411,7 +411,7 @@ def max_positions(hf: dict[str, Any]) -> int:
 
 
 def build_shard(ctx: ParallelContext, config: Any) -> EngineShard:
-    """The worker-group factory of an engine (``"rtpcore.engine.rank:build_shard"``)."""
+    """The worker-group factory of an engine (``"rtpcore.engine.worker.rank:build_shard"``)."""
     return EngineShard(ctx, config)
 
 

@@ -6,7 +6,7 @@ batch-size bucket (1, 2, 4, 8, ... up to ``max_batch_size``) over static input b
 replays it: a step copies its batch into the buffers of the smallest bucket that holds it,
 turns the other rows into dummy sequences that write into a scratch KV block no request
 owns, replays the graph and returns the first B rows of the logits. Each graph also holds
-the greedy pick of its logits (``rtpcore.engine.sampler.greedy_pick``): a step whose rows are
+the greedy pick of its logits (``rtpcore.engine.sample.sampler.greedy_pick``): a step whose rows are
 all plain greedy reads back only B token ids (:meth:`DecodeGraphs.run_greedy`).
 
 Static shapes: block tables as wide as ``max_positions`` needs, and ``max_context_len``
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from rtpcore.engine.batch import ForwardBatch
-from rtpcore.engine.sampler import greedy_pick
+from rtpcore.engine.sample.sampler import greedy_pick
+from rtpcore.models.forward_batch import ForwardBatch
 
 __all__ = ["DecodeGraphs", "buckets", "in_place_problem"]
 
@@ -149,7 +149,7 @@ class DecodeGraphs:
 
     def run_greedy(self, batch: ForwardBatch) -> torch.Tensor:
         """(B,) int64 greedy picks of a decode ``batch``: the argmax of each row's logits, -1
-        where they are not finite (``rtpcore.engine.sampler.greedy_pick``), computed in the
+        where they are not finite (``rtpcore.engine.sample.sampler.greedy_pick``), computed in the
         graph (``supports(batch)`` must hold)."""
         self.greedy_runs += 1
         return self._replay(batch)[1]

@@ -1,13 +1,13 @@
 """Speculative decoding: a draft proposes, the target verifies (docs/design.md §10).
 
-Each engine step with a draft (``rtpcore.engine.core``):
+Each engine step with a draft (``rtpcore.engine.engine_core``):
 
 1. the draft proposes ``k`` tokens for every decoding request, one draft forward per
    proposal over its own paged KV cache (the first one also catches the draft up with
    the tokens the target accepted last step); ``k`` is ``num_speculative_tokens``, less
    near a request's ``max_tokens`` so that no token past it is ever scored;
 2. the target scores the last token and every proposal in one forward (``logits_indices``
-   of :class:`~rtpcore.engine.batch.ForwardBatch`), together with the prefill of the
+   of :class:`~rtpcore.models.forward_batch.ForwardBatch`), together with the prefill of the
    requests admitted in this step;
 3. :func:`verify` keeps the longest accepted run of proposals and adds one token of the
    target's own (the correction at the first rejection, or a bonus after the last
@@ -15,7 +15,7 @@ Each engine step with a draft (``rtpcore.engine.core``):
    positions they hold for accepted tokens, and later writes overwrite the rest.
 
 Both models' logits go through the sampler's processing
-(:func:`rtpcore.engine.sampler.process_logits`: logit_bias, min_tokens, penalties,
+(:func:`rtpcore.engine.sample.sampler.process_logits`: logit_bias, min_tokens, penalties,
 temperature, top-k, top-p, min-p), row ``j`` of a request with the history ``output_ids +
 proposals[:j]``, so verification follows the distribution the sampler would draw from.
 Greedy requests accept a proposal when it is the argmax of the target's processed logits,
@@ -28,7 +28,7 @@ target's processed distribution ``p`` exactly.
 Draws use the exponential race with the request's generator (no ``torch.multinomial``);
 :func:`propose` costs one host transfer per call, :func:`verify_batch` one for all the
 requests of a step (a request with no proposals is an ordinary draw there, the same one
-:func:`rtpcore.engine.sampler.sample` makes). Log-probabilities are the target's raw ones.
+:func:`rtpcore.engine.sample.sampler.sample` makes). Log-probabilities are the target's raw ones.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from rtpcore.engine.sampler import (
+from rtpcore.engine.sample.params import SampledToken, SamplingParams
+from rtpcore.engine.sample.sampler import (
     SamplingRow,
     history_row,
     not_finite,
@@ -47,7 +48,6 @@ from rtpcore.engine.sampler import (
     raw_logprobs,
     unpack_logprobs,
 )
-from rtpcore.engine.sampling import SampledToken, SamplingParams
 from rtpcore.errors import RtpcoreError
 
 __all__ = ["Proposal", "SpeculativeStats", "Verdict", "propose", "verify", "verify_batch"]
@@ -69,7 +69,7 @@ class SpeculativeStats:
 
 @attrs.frozen
 class Proposal:
-    """One request's draft run to verify: its :class:`~rtpcore.engine.sampler.SamplingRow`
+    """One request's draft run to verify: its :class:`~rtpcore.engine.sample.sampler.SamplingRow`
     (history before the proposals), the proposed ``tokens`` and, for a sampled request,
     the (V,) distribution each was drawn from (:func:`propose`'s; None for greedy ones)."""
 

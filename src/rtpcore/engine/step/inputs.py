@@ -1,6 +1,6 @@
 """The ``ForwardBatch`` of a step plan: the model runner's inputs (docs/design.md §13).
 
-:class:`BatchBuilder` turns the scheduler's :class:`~rtpcore.engine.scheduler.ScheduledSeq`
+:class:`BatchBuilder` turns the scheduler's :class:`~rtpcore.engine.core.scheduler.ScheduledSeq`
 list into one flat, unpadded batch: each sequence's scheduled tokens (a decode's last token,
 or a prompt chunk), their positions and KV slots, and the logits rows the sampler needs --
 one per sequence that samples, ``k + 1`` for a decode whose ``k`` draft proposals are
@@ -12,7 +12,7 @@ draft's catch-up with the tokens the target accepted and one proposal at a time,
 target computed it (a draft that reads the target's hidden states has them only then).
 
 Every index tensor of a batch, block tables included, comes from one host buffer moved in
-one copy (``rtpcore.engine.staging``: on a GPU a reused pinned buffer, copied without
+one copy (``rtpcore.engine.step.staging``: on a GPU a reused pinned buffer, copied without
 blocking, so no host synchronisation).
 """
 
@@ -23,9 +23,9 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from rtpcore.engine.batch import ForwardBatch
-from rtpcore.engine.scheduler import Request, ScheduledSeq
-from rtpcore.engine.staging import HostStaging
+from rtpcore.engine.core.scheduler import Request, ScheduledSeq
+from rtpcore.engine.step.staging import HostStaging
+from rtpcore.models.forward_batch import ForwardBatch
 
 __all__ = ["BatchBuilder", "TargetBatch"]
 

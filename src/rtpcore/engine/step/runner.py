@@ -1,11 +1,11 @@
 """Running one step plan: forward, sample, and keep a fault with the request that caused it.
 
-:class:`StepRunner` is the model runner of the engine core (``rtpcore.engine.core``): it
-takes the scheduler's :class:`~rtpcore.engine.scheduler.StepPlan`, builds the batch
-(``rtpcore.engine.runner``), runs the target's forward -- with a speculative draft, the
+:class:`StepRunner` is the model runner of the engine core (``rtpcore.engine.engine_core``): it
+takes the scheduler's :class:`~rtpcore.engine.core.scheduler.StepPlan`, builds the batch
+(``rtpcore.engine.step.inputs``), runs the target's forward -- with a speculative draft, the
 draft's proposals first and its catch-up with fresh prompt chunks after -- and samples every
-row that needs a token in one batched call (``rtpcore.engine.sampler``); when every row is
-plain greedy (``rtpcore.engine.sampler.plain_greedy``) and no draft speculates, the forward
+row that needs a token in one batched call (``rtpcore.engine.sample.sampler``); when every row is
+plain greedy (``rtpcore.engine.sample.sampler.plain_greedy``) and no draft speculates, the forward
 returns the greedy picks on the device instead of the logits (in the decode graph when one
 serves the step) and the step reads back B token ids. It returns one
 :class:`SeqResult` per scheduled sequence and changes no scheduling state but the draft's
@@ -30,11 +30,11 @@ from typing import Any
 import attrs
 import torch
 
-from rtpcore.engine.runner import BatchBuilder
-from rtpcore.engine.sampler import SamplingRow, history_row, plain_greedy, sample
-from rtpcore.engine.sampling import SampledToken
-from rtpcore.engine.scheduler import Request, ScheduledSeq
-from rtpcore.engine.speculative import Proposal, propose, verify_batch
+from rtpcore.engine.core.scheduler import Request, ScheduledSeq
+from rtpcore.engine.sample.params import SampledToken
+from rtpcore.engine.sample.sampler import SamplingRow, history_row, plain_greedy, sample
+from rtpcore.engine.sample.speculative import Proposal, propose, verify_batch
+from rtpcore.engine.step.inputs import BatchBuilder
 from rtpcore.errors import RequestFailedError, RtpcoreError
 
 __all__ = ["SeqResult", "StepRunner", "as_rtpcore_error"]
@@ -68,7 +68,7 @@ class StepRunner:
 
     ``forward`` / ``draft_forward``: the target's and the draft's forward over every rank;
     ``greedy_forward``: the target's forward returning the greedy picks
-    (``rtpcore.engine.sampler.greedy_pick``) instead of the logits, None to always sample;
+    (``rtpcore.engine.sample.sampler.greedy_pick``) instead of the logits, None to always sample;
     ``is_broken()``: whether the worker group can no longer step (then a fault is not a
     request's); ``shift``: 1 for a draft that reads the target's hidden states."""
 
@@ -171,7 +171,7 @@ class StepRunner:
                 results[i] = SeqResult((token,)) if token is not None else SeqResult(error=_non_finite(seqs[i].request))
             return results
         # With a draft: every sampling sequence's rows (k + 1 for a proposer, 1 for the others)
-        # are verified together, one host transfer (rtpcore.engine.speculative.verify_batch).
+        # are verified together, one host transfer (rtpcore.engine.sample.speculative.verify_batch).
         verdicts = verify_batch(logits, [
             Proposal(_row(seqs[i].request), tuple(proposals.get(seqs[i].request, ())), tuple(dists.get(seqs[i].request, ())))
             for i in drawing

@@ -24,7 +24,7 @@ admitted first takes the longest chain of cached full blocks of its tokens (neve
 of its last token, which is always computed: its logits are needed), and its prefill starts
 after them. After every step, each running request's newly computed full blocks join the
 cache (:meth:`Scheduler.cache_blocks`), so requests running together share them too. Blocks
-are reference-counted (``rtpcore.engine.block_pool``): preemption, abort and the end of a
+are reference-counted (``rtpcore.engine.core.block_pool``): preemption, abort and the end of a
 request release references, never a block another request reads; a request never writes
 a block it shares, since it computes only positions past the blocks it found cached. The engine
 refuses at build time a pool that could not hold one ``max_model_len`` sequence, so a
@@ -48,9 +48,9 @@ from typing import Any
 import attrs
 import torch
 
-from rtpcore.engine.block_pool import BlockAllocator, blocks_for
-from rtpcore.engine.prefix_cache import block_keys
-from rtpcore.engine.sampling import SamplingParams
+from rtpcore.engine.core.block_pool import BlockAllocator, blocks_for
+from rtpcore.engine.core.prefix_cache import block_keys
+from rtpcore.engine.sample.params import SamplingParams
 
 __all__ = ["BlockAllocator", "Request", "ScheduledSeq", "Scheduler", "StepPlan", "blocks_for"]
 
@@ -64,7 +64,7 @@ class Request:
     prompt_len: int
     params: SamplingParams
     stop_ids: frozenset[int]
-    on_output: Callable[[Any], None]  # receives the request's RequestOutputs (rtpcore.engine.core)
+    on_output: Callable[[Any], None]  # receives the request's RequestOutputs (rtpcore.engine.engine_core)
     arrival_time: float  # time.monotonic() when added
     generator: torch.Generator | None = None
     blocks: list[int] = attrs.field(factory=list)
@@ -73,20 +73,20 @@ class Request:
     aborted: bool = False  # abort asked while the request was in a step
     num_sent: int = 0  # generated tokens already handed to on_output
     num_preemptions: int = 0
-    # Speculative decoding (rtpcore.engine.speculative): the draft's cached positions; where
+    # Speculative decoding (rtpcore.engine.sample.speculative): the draft's cached positions; where
     # this request's tokens sat in the last target forward (flat row, first position); and
     # whether the draft may propose (the last step sampled for this request, so both models
     # hold everything but the newest token).
     draft_cached: int = 0
     last_rows: tuple[int, int] = (0, 0)
     can_propose: bool = False
-    # Prefix caching (rtpcore.engine.prefix_cache): the keys of the request's full blocks so
+    # Prefix caching (rtpcore.engine.core.prefix_cache): the keys of the request's full blocks so
     # far, how many of its first blocks are in the cache, and the prompt tokens found cached at
     # its first admission (None before it; reported as usage's cached tokens).
     block_keys: list[bytes] = attrs.field(factory=list)
     num_registered: int = 0
     num_cached_tokens: int | None = None
-    grammar: Any = None  # rtpcore.engine.grammar.GrammarState of a constrained request
+    grammar: Any = None  # rtpcore.engine.sample.grammar.GrammarState of a constrained request
 
     @property
     def generated(self) -> list[int]:
@@ -151,7 +151,7 @@ class Scheduler:
         has_draft: bool = False,
         lookahead: int = 0,
     ):
-        """``namespace``: the prefix cache's root key (``rtpcore.engine.prefix_cache``), None to
+        """``namespace``: the prefix cache's root key (``rtpcore.engine.core.prefix_cache``), None to
         cache nothing. ``has_draft``: a speculative draft shares the blocks (a block is cached
         once both models computed it); ``lookahead``: 1 when the draft's bytes of a block depend
         on the token after it (a draft reading the target's hidden states)."""

@@ -1,7 +1,7 @@
 """The settings of one request (:class:`SamplingParams`) and what a draw returns
 (:class:`SampledToken`).
 
-The draw itself is :mod:`rtpcore.engine.sampler`: one batched sampler for a whole step on
+The draw itself is :mod:`rtpcore.engine.sample.sampler`: one batched sampler for a whole step on
 the logits' device, in this order: logit_bias, min_tokens, repetition penalty,
 presence/frequency penalties, then temperature, top-k, top-p, min-p, then the draw.
 Every request draws with its own ``torch.Generator`` (seeded from
@@ -202,7 +202,7 @@ def _frequency_penalty(value: Any) -> float:
 def _grammar(value: Any) -> Any:
     if value is not None and not callable(getattr(value, "state", None)):
         raise InvalidRequestError(
-            f"grammar must be None or an rtpcore.engine.grammar.Grammar, got {type(value).__name__}",
+            f"grammar must be None or an rtpcore.engine.sample.grammar.Grammar, got {type(value).__name__}",
             field="grammar", value=value,
         )
     return value
@@ -258,7 +258,7 @@ class SamplingParams:
     ``frequency_penalty`` (each in [-2, 2]): over the output only, ``logit -= presence *
     (count > 0) + frequency * count`` (OpenAI's).
 
-    ``grammar``: an :class:`rtpcore.engine.grammar.Grammar` the output must follow (a JSON
+    ``grammar``: an :class:`rtpcore.engine.sample.grammar.Grammar` the output must follow (a JSON
     schema); every step samples only the tokens it allows next, and the request ends when it
     is complete. Such a request decodes without speculative proposals.
 
