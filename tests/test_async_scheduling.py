@@ -34,7 +34,7 @@ def _generate(
     """Every prompt with its params through the engine core, stepping until all end; request i is
     aborted from its own output callback once it has ``abort_after[i]`` tokens. Each request's tokens
     and finish reason."""
-    core = engine._core
+    core = engine.core
     tokens: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     reasons: dict[int, str | None] = {}
     ids: dict[int, str] = {}
@@ -60,10 +60,10 @@ def _both(ckpt: Path, params: Sequence[SamplingParams], **options: Any) -> tuple
     runs = []
     for on in (False, True):
         with Engine.from_pretrained(ckpt, tokens_per_block=TPB, async_scheduling=on, **options) as engine:
-            assert engine._core.async_scheduling is on
+            assert engine.core.async_scheduling is on
             runs.append(_generate(engine, params))
             assert engine.num_free_kv_blocks == engine.num_kv_blocks  # nothing leaked, wasted rows included
-            assert not engine._core.has_work and engine._core._pending is None
+            assert not engine.core.has_work and engine.core._pending is None
             stats = engine.stats()
     return runs[0], runs[1], stats
 
@@ -73,7 +73,7 @@ def test_greedy_requests_get_the_synchronous_tokens_with_stops_and_max_tokens(ck
     max_tokens, some stopped by a token they produce: the synchronous engine's tokens and finish
     reasons. Most steps overlap, and requests that finished while the next step ran wasted a row."""
     with Engine.from_pretrained(ckpt, tokens_per_block=TPB) as engine:
-        assert engine._core.async_scheduling is False  # the CPU default
+        assert engine.core.async_scheduling is False  # the CPU default
         free = _generate(engine, [SamplingParams(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS])
     # Stop tokens the requests do produce, a few tokens in (so some stop early).
     stops = {t for toks, _ in free[::3] for t in toks[2:3]}
@@ -139,9 +139,9 @@ def test_a_wasted_row_is_never_streamed_nor_counted(ckpt: Path) -> None:
     """One request of max_tokens 3 alone: three tokens handed out, the fourth computed and dropped."""
     with Engine.from_pretrained(ckpt, tokens_per_block=TPB, async_scheduling=True) as engine:
         outs: list[Any] = []
-        engine._core.add_request([5, 9, 33], SamplingParams(max_tokens=3, ignore_eos=True), outs.append)
-        while engine._core.has_work:
-            engine._core.step()
+        engine.core.add_request([5, 9, 33], SamplingParams(max_tokens=3, ignore_eos=True), outs.append)
+        while engine.core.has_work:
+            engine.core.step()
         assert sum(len(o.token_ids) for o in outs) == 3 and outs[-1].finish_reason == "length"
         stats = engine.stats()
         assert stats.generated_tokens_total == 3 and stats.async_discarded_tokens_total == 1

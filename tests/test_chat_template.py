@@ -1,4 +1,4 @@
-"""serving.chat_template: real-world chat templates render exactly as transformers'
+"""rtpcore.engine.text.chat_template: real-world chat templates render exactly as transformers'
 apply_chat_template(..., tokenize=False) renders them on the same checkpoint folder."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from rtpcore.engine.text.chat_template import ChatTemplate
 from rtpcore.errors import ChatTemplateError, CheckpointError
-from rtpcore.serving.chat_template import ChatTemplate
 from tokenizer_files import write_tokenizer
 
 # --- the templates, as their model cards' tokenizer_config.json ship them ---------------------
@@ -373,10 +373,10 @@ def test_a_template_that_does_not_compile_is_a_checkpoint_error(tmp_path: Path) 
 
 
 def test_importing_the_module_loads_no_jinja2() -> None:
-    """rtpcore.serving.chat_template imports jinja2 only when a template is compiled."""
+    """rtpcore.engine.text.chat_template imports jinja2 only when a template is compiled."""
     import subprocess
     import sys
 
-    code = "import sys, rtpcore.serving.chat_template; print('jinja2' in sys.modules)"
+    code = "import sys, rtpcore.engine.text.chat_template; print('jinja2' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

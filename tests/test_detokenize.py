@@ -1,4 +1,4 @@
-"""serving.detokenize: streamed text pieces equal the decode of the whole output, never
+"""rtpcore.engine.text.detokenize: streamed text pieces equal the decode of the whole output, never
 show half a UTF-8 character, and stop strings are matched across token boundaries."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rtpcore.serving.detokenize import IncrementalDecoder
-from rtpcore.serving.tokenizer import Tokenizer
+from rtpcore.engine.text.detokenize import IncrementalDecoder
+from rtpcore.engine.text.tokenizer import Tokenizer
 from tokenizer_files import CORPUS, byte_bpe
 
 BPE = Tokenizer(byte_bpe())

@@ -233,7 +233,7 @@ def test_async_scheduling_is_on_with_graphs_and_keeps_the_tokens(llama: tuple[Pa
     outs = []
     for on in (False, None):
         with Engine.from_pretrained(path, device="cuda", max_batch_size=4, async_scheduling=on) as engine:
-            assert engine._core.async_scheduling is (on is None)
+            assert engine.core.async_scheduling is (on is None)
             outs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in engine.generate(prompts, params)])
             assert engine.num_free_kv_blocks == engine.num_kv_blocks
             stats = engine.stats()

@@ -19,8 +19,8 @@ jsonschema = pytest.importorskip("jsonschema")
 from rtpcore import AsyncEngine, Engine  # noqa: E402
 from rtpcore.engine.sample.grammar import GrammarCompiler, apply_grammar_masks  # noqa: E402
 from rtpcore.engine.sample.params import SamplingParams  # noqa: E402
+from rtpcore.engine.text.tokenizer import Tokenizer  # noqa: E402
 from rtpcore.errors import InvalidRequestError  # noqa: E402
-from rtpcore.serving.tokenizer import Tokenizer  # noqa: E402
 from test_llama import make_checkpoint  # noqa: E402
 from test_serve import write_tokenizer  # noqa: E402
 

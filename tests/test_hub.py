@@ -378,7 +378,7 @@ def rtpcore(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
 def test_generate_takes_a_hub_id(hub: FakeHub, home: Path, repos: dict[str, Path]) -> None:
     """`rtpcore generate org/name` in a fresh process (HF_ENDPOINT and HF_HOME from its
     environment) tokenizes with the fetched tokenizer and answers as the local folder does."""
-    from rtpcore.serving.tokenizer import Tokenizer
+    from rtpcore.engine.text.tokenizer import Tokenizer
 
     env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(home)}
     done = rtpcore("generate", "org/tiny", "--prompt", "Hello world", "--max-new-tokens", "5", "--json", env=env)

@@ -93,7 +93,7 @@ def test_an_engine_step_issues_one_input_copy(tmp_path: Path) -> None:
 
     make_checkpoint(tmp_path)
     with Engine.from_pretrained(tmp_path, tokens_per_block=4) as engine:
-        core = engine._core
+        core = engine.core
         staging = core.runner.builder.staging
         steps_before, copies_before = core.stats().steps_total, staging.copies
         engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=6, stop_token_ids=[])

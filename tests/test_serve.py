@@ -170,14 +170,14 @@ def engine(checkpoint: Path) -> Iterator[Engine]:
 
 
 def encode(checkpoint: Path, text: str) -> list[int]:
-    from rtpcore.serving.tokenizer import Tokenizer
+    from rtpcore.engine.text.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(checkpoint).encode(text)
 
 
 def test_greedy_completion_equals_engine_generate(server: Server, engine: Engine, checkpoint: Path) -> None:
     """A greedy completion of token ids returns the text of Engine.generate's tokens, and usage counts them."""
-    from rtpcore.serving.tokenizer import Tokenizer
+    from rtpcore.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(checkpoint)
     for prompt in ([1, 40, 41, 42], encode(checkpoint, "The capital of France is")):
@@ -413,8 +413,8 @@ def test_health_stays_200_after_a_requests_fault_and_is_503_once_the_device_faul
     hang) and /health stays 200; a device fault breaks the engine: its stream says so and /health
     answers 503 naming it."""
     from rtpcore import AsyncEngine
+    from rtpcore.engine.text.tokenizer import Tokenizer
     from rtpcore.serving.app import build_app
-    from rtpcore.serving.tokenizer import Tokenizer
 
     async def main() -> None:
         engine = AsyncEngine.from_pretrained(checkpoint)

@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from rtpcore.engine.sample.params import SamplingParams  # noqa: E402
-from rtpcore.serving.tokenizer import Tokenizer  # noqa: E402
+from rtpcore.engine.text.tokenizer import Tokenizer  # noqa: E402
 from test_llama import make_checkpoint  # noqa: E402
 from test_serve import Server, write_tokenizer  # noqa: E402
 
@@ -212,7 +212,7 @@ def test_context_overflow_names_the_code_and_the_maximum_context_length(server: 
 def test_chat_template_controls(server: Server, checkpoint: Path, tok: Tokenizer) -> None:
     """add_generation_prompt=false leaves the assistant header out; continue_final_message renders
     the last assistant message open, so the prompt ends with its text."""
-    from rtpcore.serving.chat_template import ChatTemplate
+    from rtpcore.engine.text.chat_template import ChatTemplate
 
     template = ChatTemplate.from_pretrained(checkpoint)
     msgs = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon"}]

@@ -52,7 +52,7 @@ def histogram(metrics: dict[str, float], name: str) -> dict[str, float]:
 def test_a_900_token_prompt_prefilled_64_tokens_a_step_gives_the_unchunked_greedy_output(checkpoint: Path) -> None:
     """With --max-num-batched-tokens 64 a 900-token prompt is prefilled in chunks: the greedy text
     equals the unchunked engine's, and rtpcore_iteration_tokens shows no step above 64 tokens."""
-    from rtpcore.serving.tokenizer import Tokenizer
+    from rtpcore.engine.text.tokenizer import Tokenizer
 
     prompt = [(13 * i + 5) % 300 + 5 for i in range(900)]
     with Engine.from_pretrained(checkpoint, max_num_batched_tokens=1024) as e:
@@ -120,7 +120,7 @@ def test_twelve_long_requests_on_a_96_block_pool_run_together_preempt_and_keep_t
 
         with ThreadPoolExecutor(12) as pool:
             answers = list(pool.map(one, prompts))
-        from rtpcore.serving.tokenizer import Tokenizer
+        from rtpcore.engine.text.tokenizer import Tokenizer
 
         tok = Tokenizer.from_pretrained(checkpoint)
         for answer, tokens in zip(answers, want, strict=True):
@@ -185,7 +185,7 @@ def test_a_model_fault_and_a_degenerate_temperature_each_fail_or_touch_one_reque
     prompts = [[(11 * r + 3 * i) % 300 + 8 for i in range(5 + 9 * r)] for r in range(4)]
     with Engine.from_pretrained(checkpoint) as e:
         want = e.generate(prompts, max_new_tokens=32, stop_token_ids=[])
-    from rtpcore.serving.tokenizer import Tokenizer
+    from rtpcore.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(checkpoint)
     texts = [tok.decode(w, skip_special_tokens=True) for w in want]

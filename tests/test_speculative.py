@@ -282,8 +282,8 @@ def test_logprobs_with_a_draft_are_the_targets(ckpts: dict[str, Path]) -> None:
 
     def run(engine: Engine) -> list[Any]:
         got: list[RequestOutput] = []
-        engine._core.add_request([5, 9, 33], SamplingParams(max_tokens=10, logprobs=2), got.append)
-        while engine._core.step():
+        engine.core.add_request([5, 9, 33], SamplingParams(max_tokens=10, logprobs=2), got.append)
+        while engine.core.step():
             pass
         return [t for out in got for t in (out.logprobs or ())]
 

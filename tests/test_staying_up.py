@@ -24,8 +24,8 @@ pytest.importorskip("transformers")
 
 from rtpcore import AsyncEngine, Engine, SamplingParams
 from rtpcore.engine.sample.grammar import _JSON_OPTIONS, Grammar, GrammarCompiler
+from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.errors import InvalidRequestError, RequestFailedError, RtpcoreError
-from rtpcore.serving.tokenizer import Tokenizer
 from test_llama import make_checkpoint
 from test_serve import write_tokenizer
 
@@ -227,7 +227,7 @@ def test_a_fault_in_the_engine_loop_outside_any_request_breaks_the_engine_at_onc
     engine = AsyncEngine.from_pretrained(checkpoint)
     told: list[RtpcoreError] = []
     engine.on_broken.append(told.append)
-    scheduler = engine.engine._core.scheduler  # the fault is planted on this instance only
+    scheduler = engine.engine.core.scheduler  # the fault is planted on this instance only
     real = scheduler.schedule
     armed = asyncio.Event()
 

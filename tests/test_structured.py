@@ -200,8 +200,8 @@ def test_the_openai_client_reads_the_calls(server: Server) -> None:
 
 
 def test_tools_reach_the_template_and_a_conversation_with_calls_continues(server: Server, checkpoint: Path) -> None:
-    from rtpcore.serving.chat_template import ChatTemplate
-    from rtpcore.serving.tokenizer import Tokenizer
+    from rtpcore.engine.text.chat_template import ChatTemplate
+    from rtpcore.engine.text.tokenizer import Tokenizer
 
     template, tok = ChatTemplate.from_pretrained(checkpoint), Tokenizer.from_pretrained(checkpoint)
 

@@ -1,4 +1,4 @@
-"""serving.tokenizer: a checkpoint's tokenizer.json gives the ids and text transformers'
+"""rtpcore.engine.text.tokenizer: a checkpoint's tokenizer.json gives the ids and text transformers'
 AutoTokenizer gives on the same folder."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from rtpcore.engine.text.tokenizer import Tokenizer, special_tokens
 from rtpcore.errors import CheckpointError, ConfigFieldError
-from rtpcore.serving.tokenizer import Tokenizer, special_tokens
 from tokenizer_files import write_tokenizer
 
 TEXTS = [
@@ -123,11 +123,11 @@ def test_unreadable_tokenizer_files_are_checkpoint_errors(tmp_path: Path, file: 
 
 
 def test_importing_the_module_loads_no_tokenizers(tmp_path: Path) -> None:
-    """rtpcore.serving.tokenizer imports `tokenizers` only when a tokenizer is loaded."""
+    """rtpcore.engine.text.tokenizer imports `tokenizers` only when a tokenizer is loaded."""
     import subprocess
     import sys
 
-    code = "import sys, rtpcore.serving.tokenizer; print('tokenizers' in sys.modules)"
+    code = "import sys, rtpcore.engine.text.tokenizer; print('tokenizers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -1,8 +1,8 @@
 """``rtpcore generate``: run a checkpoint (or a demo model) on one prompt.
 
 ``--prompt`` text is encoded with the checkpoint's ``tokenizer.json``
-(:mod:`rtpcore.serving.tokenizer`); with ``--chat`` it is first rendered as one user
-message by the checkpoint's chat template (:mod:`rtpcore.serving.chat_template`).
+(:mod:`rtpcore.engine.text.tokenizer`); with ``--chat`` it is first rendered as one user
+message by the checkpoint's chat template (:mod:`rtpcore.engine.text.chat_template`).
 
 A thin shell over :meth:`rtpcore.Engine.from_pretrained` and
 :func:`rtpcore.cli.demo.demo_checkpoint`. torch is imported only when the command runs.
@@ -71,7 +71,7 @@ def add_parser(subparsers: Any) -> None:
 def _load_tokenizer(path: Path, demo: bool) -> Any | None:
     """The checkpoint's tokenizer; a demo without tokenizer.json gets the byte tokenizer."""
     if (path / "tokenizer.json").is_file():
-        from rtpcore.serving.tokenizer import Tokenizer
+        from rtpcore.engine.text.tokenizer import Tokenizer
 
         return Tokenizer.from_pretrained(path)
     if demo:
@@ -100,7 +100,7 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
 def _chat_prompt(path: Path, tokenizer: Any, text: str) -> list[int]:
     """``text`` as one user message through the checkpoint's chat template; the rendered
     prompt carries its own special tokens, so none are added (as transformers encodes it)."""
-    from rtpcore.serving.chat_template import ChatTemplate
+    from rtpcore.engine.text.chat_template import ChatTemplate
 
     rendered = ChatTemplate.from_pretrained(path).render([{"role": "user", "content": text}])
     return _encode(tokenizer, rendered, add_special_tokens=False)

@@ -161,10 +161,10 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rtpcore.engine.async_engine import AsyncEngine
+    from rtpcore.engine.text.chat_template import ChatTemplate
+    from rtpcore.engine.text.tokenizer import Tokenizer, read_tokenizer_config
     from rtpcore.serving.app import begin_drain, build_app, cut_requests
-    from rtpcore.serving.chat_template import ChatTemplate
     from rtpcore.serving.server import Server, protocol_class
-    from rtpcore.serving.tokenizer import Tokenizer, read_tokenizer_config
 
     tokenizer = Tokenizer.from_pretrained(path)  # before the engine: a missing tokenizer fails fast
     has_template = (path / "chat_template.jinja").is_file() or "chat_template" in read_tokenizer_config(path)

@@ -48,7 +48,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from rtpcore.engine.core.outputs import EngineStats, RequestOutput
+from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
 from rtpcore.engine.engine import Engine
 from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.engine.sample.speculative import SpeculativeStats
@@ -127,7 +127,7 @@ class AsyncEngine:
             raise RtpcoreError(f"max_waiting must be a positive integer or None, got {max_waiting!r}")
         self.engine = engine
         self.max_waiting = max_waiting
-        self._core = engine._core
+        self._core = engine.core
         self._stop = False
         self._closed = False
         self._groups: dict[str, list[str]] = {}  # a generate request of n sequences -> their engine requests
@@ -209,7 +209,7 @@ class AsyncEngine:
         elif not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}",
                                       field="request_id", value=request_id)
-        text = self.engine._text
+        text = self.engine.text
         # Loading the tokenizer (the first time) and encoding stay off the event loop.
         run = await asyncio.to_thread(lambda: PromptRun(request_id, text.encode(items)[0], params, text))
         ids = self._core.check_prompt(list(run.prompt.token_ids), params.max_tokens)
@@ -276,6 +276,10 @@ class AsyncEngine:
         it was closed): every later request fails. A server's health check."""
         return self.broken if self.broken is not None else self.engine.failure
 
+    def add_step_observer(self, observe: Callable[[StepReport], None]) -> None:
+        """:meth:`Engine.add_step_observer <rtpcore.engine.engine.Engine.add_step_observer>`."""
+        self.engine.add_step_observer(observe)
+
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV blocks and counters, now."""
         return self._core.stats()
@@ -294,7 +298,7 @@ class AsyncEngine:
             if self._stop:
                 return
             try:
-                if not self.engine._step():
+                if not self.engine.step():
                     time.sleep(0.001)  # work, but nothing to run yet
             except EngineClosedError:
                 return  # closed under us: the core ended every request

@@ -67,7 +67,7 @@ from typing import Any, overload
 import attrs
 import torch
 
-from rtpcore.engine.core.outputs import EngineStats, RequestOutput
+from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
 from rtpcore.engine.core.prefix_cache import namespace_key
 from rtpcore.engine.core.scheduler import BlockAllocator
 from rtpcore.engine.engine_core import EngineCore
@@ -756,11 +756,31 @@ class Engine:
         self._check_open()
         return self._core.speculative_stats
 
-    def _step(self) -> bool:
-        """One core step under the step lock (AsyncEngine's loop); False when idle."""
+    def step(self) -> bool:
+        """One core step under the step lock (what AsyncEngine's loop calls); False when there
+        was nothing to run. ``generate`` steps for itself; call this only to drive requests
+        added to :attr:`core` by hand."""
         with self._step_lock:
             self._check_open()
             return self._core.step()
+
+    @property
+    def core(self) -> EngineCore:
+        """The request-level core (``rtpcore.engine.engine_core``) that ``generate``,
+        :class:`~rtpcore.engine.async_engine.AsyncEngine` and the server share: requests are
+        added and aborted there, from any thread."""
+        return self._core
+
+    @property
+    def text(self) -> TextSide:
+        """The checkpoint's text side -- tokenizer, chat template, stop ids -- that
+        ``generate``'s outputs form, ``chat``, AsyncEngine and the server share (one text path)."""
+        return self._text
+
+    def add_step_observer(self, observe: Callable[[StepReport], None]) -> None:
+        """Call ``observe(report)`` after every step, on the stepping thread (metrics read what
+        each step ran). It must not block; an exception it raises is logged, never the step's."""
+        self._core.step_observers.append(observe)
 
     def stats(self) -> EngineStats:
         """Running and waiting requests, KV blocks and counters (a snapshot)."""

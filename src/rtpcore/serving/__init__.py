@@ -1,10 +1,6 @@
-"""Serving: text in, text out.
-
-The OpenAI-compatible server (``rtpcore serve``), the tokenizer and chat templates:
-:mod:`rtpcore.serving.tokenizer` reads a checkpoint's ``tokenizer.json``,
-:mod:`rtpcore.serving.chat_template` renders its chat template as transformers
-does, and :mod:`rtpcore.serving.detokenize` turns generated ids into text
-incrementally, matching stop strings across token boundaries. This package imports
-nothing on import; torch, ``tokenizers`` and ``jinja2`` load with the module that
-needs them.
+"""Serving: text in, text out, over HTTP. AsyncEngine (``rtpcore.engine``) -> the
+OpenAI-compatible app (``app.build_app``: validates, renders, streams) -> uvicorn with the
+connection rules of ``server`` (``rtpcore serve``). The tokenizer, chat template and
+detokenizer it uses are the engine's modules (``rtpcore.engine.text``). This package imports
+nothing on import; torch, ``tokenizers`` and ``jinja2`` load with the module that needs them.
 """

@@ -49,6 +49,9 @@ from rtpcore.engine.async_engine import AsyncEngine, RequestStream
 from rtpcore.engine.core.outputs import RequestOutput
 from rtpcore.engine.sample.grammar import Grammar, GrammarCompiler
 from rtpcore.engine.sample.params import SampledToken, SamplingParams
+from rtpcore.engine.text.chat_template import ChatTemplate
+from rtpcore.engine.text.detokenize import IncrementalDecoder
+from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -57,8 +60,6 @@ from rtpcore.errors import (
     RtpcoreError,
 )
 from rtpcore.plugins.tool_parser import ToolCall
-from rtpcore.serving.chat_template import ChatTemplate
-from rtpcore.serving.detokenize import IncrementalDecoder
 from rtpcore.serving.metrics import ServerMetrics
 from rtpcore.serving.protocol import (
     ChatCompletionRequest,
@@ -68,7 +69,6 @@ from rtpcore.serving.protocol import (
     ResponseFormat,
     lone_surrogate,
 )
-from rtpcore.serving.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "begin_drain", "build_app", "cut_requests"]
 
@@ -112,7 +112,7 @@ class _Served:
         eos = tokenizer.eos_token_id
         self.tokenizer_eos = () if eos is None or eos in engine.engine.eos_token_ids else (eos,)
         self.metrics = ServerMetrics(lambda: engine.stats().as_dict())
-        engine.engine._core.step_observers.append(self.metrics.observe_step)
+        engine.add_step_observer(self.metrics.observe_step)
         self.created = int(time.time())
         self.draining = False  # shutting down: new requests are 503s
         self.cutting = False  # past the shutdown timeout: running requests are aborted
