@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rtpcore.engine.async_engine import AsyncEngine
+    from rtpcore.engine.config import EngineConfig
     from rtpcore.engine.core.outputs import EngineStats, RequestOutput
-    from rtpcore.engine.engine import Engine, EngineConfig
+    from rtpcore.engine.engine import Engine
     from rtpcore.engine.sample.params import SamplingParams
     from rtpcore.engine.text.outputs import CompletionOutput, GenerationOutput
 
