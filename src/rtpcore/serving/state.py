@@ -1,0 +1,76 @@
+"""What the handlers of one app share (:class:`Served`): the engine, its text side, the model's
+limits, the metrics, the grammar compiler, the requests being answered and the shutdown state."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from rtpcore.engine.async_engine import AsyncEngine
+from rtpcore.engine.sample.grammar import GrammarCompiler
+from rtpcore.engine.text.chat_template import ChatTemplate
+from rtpcore.engine.text.tokenizer import Tokenizer
+from rtpcore.serving.errors import ApiError
+from rtpcore.serving.metrics import ServerMetrics
+
+__all__ = ['Served']
+
+logger = logging.getLogger(__name__)
+
+class Served:
+    """What the handlers share: the engine, the text side, the model's limits, metrics."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
+                 model_name: str, api_key: str | None, max_request_bytes: int, tool_parser: Any = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+        self.max_model_len = engine.engine.max_model_len  # prompt + output, at most
+        self.vocab_size = engine.engine.vocab_size
+        # Stop ids (docs/design.md §15): the engine's (generation_config.json, else config.json)
+        # plus the tokenizer's eos_token, which some checkpoints name nowhere else.
+        eos = tokenizer.eos_token_id
+        self.tokenizer_eos = () if eos is None or eos in engine.engine.eos_token_ids else (eos,)
+        self.metrics = ServerMetrics(lambda: engine.stats().as_dict())
+        engine.add_step_observer(self.metrics.observe_step)
+        self.created = int(time.time())
+        self.draining = False  # shutting down: new requests are 503s
+        self.cutting = False  # past the shutdown timeout: running requests are aborted
+        self.responses: weakref.WeakSet[Any] = weakref.WeakSet()  # the HTTP requests being answered (streaming)
+        # Connection rules (docs/design.md §22), set by the server that runs the app (rtpcore.serving.server).
+        self.header_timeout: float | None = None  # a request body idle this long is a 408
+        self.max_connections: int | None = None
+        self.open_connections: Callable[[], int] | None = None
+        self.tool_parser = tool_parser  # the ToolCallParser class of --tool-call-parser, or None
+        self._grammars: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
+
+    def cut(self) -> int:
+        """Abort every request running (shutdown past its timeout): each ends with
+        finish_reason "abort", streams with their last chunk and [DONE]. How many HTTP requests
+        were running."""
+        self.draining = self.cutting = True
+        cut = len(self.responses)
+        self.engine.abort_all()
+        return cut
+
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler over this model's vocabulary (built on first use; call it from
+        a worker thread)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                stops = [*self.engine.engine.eos_token_ids, *self.tokenizer_eos]
+                if not stops:
+                    raise ApiError(400, "this model names no stop token (eos_token_id), which a grammar needs to "
+                                        "end: structured outputs and tool calls are unavailable",
+                                   param="response_format")
+                size = max(self.vocab_size or 0, self.tokenizer.vocab_size)
+                self._grammars = GrammarCompiler(self.tokenizer.json_path, vocab_size=size, stop_token_ids=stops)
+            return self._grammars

@@ -1,0 +1,444 @@
+"""Running one HTTP request: its choices' engine requests -> text deltas (stop strings cut,
+logprobs) -> a whole answer or server-sent events; a client that leaves aborts them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from rtpcore.engine.async_engine import RequestStream
+from rtpcore.engine.core.outputs import RequestOutput
+from rtpcore.engine.sample.params import SampledToken, SamplingParams
+from rtpcore.engine.text.detokenize import IncrementalDecoder
+from rtpcore.engine.text.tokenizer import Tokenizer
+from rtpcore.errors import (
+    EngineClosedError,
+    InvalidRequestError,
+    QueueFullError,
+    RtpcoreError,
+)
+from rtpcore.serving.errors import ApiError, failure_body, failure_status
+from rtpcore.serving.protocol import (
+    ErrorBody,
+)
+from rtpcore.serving.state import Served
+from rtpcore.serving.tools import Tools, ToolStream, tool_finish
+
+__all__ = ['respond']
+
+logger = logging.getLogger(__name__)
+
+@attrs.frozen
+class _Delta:
+    """New text of one choice, and its new tokens: (the token's draw, the text it added)."""
+
+    text: str
+    tokens: tuple[tuple[SampledToken, str], ...] = ()
+
+
+class _Choice:
+    """One engine request's trip: outputs -> text deltas (stop strings cut), per-token text."""
+
+    def __init__(self, served: Served, params: SamplingParams, *, skip_special: bool, include_stop: bool):
+        self.served, self.params = served, params
+        self.stream: RequestStream | None = None
+        self.decoder = IncrementalDecoder(served.tokenizer, skip_special_tokens=skip_special, stop=params.stop,
+                                          include_stop=include_stop)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.started = asyncio.Event()  # the first output came: the prompt is computed (and cached)
+        self.last_time: float | None = None
+
+    def submit(self, ids: list[int]) -> None:
+        """Queue the engine request; raises an ApiError (nothing queued) when it is refused."""
+        try:
+            self.stream = self.served.engine.stream(ids, self.params)
+        except QueueFullError as exc:
+            raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc), param=getattr(exc, "field", None), code=getattr(exc, "code", None)) from None
+        except EngineClosedError as exc:
+            raise ApiError(503, str(exc), type="server_error") from None
+
+    def end_unsubmitted(self, reason: str) -> None:
+        """End a choice that was never queued (its deltas are none)."""
+        self._finish(reason)
+
+    @property
+    def request_id(self) -> str:
+        return self.stream.request_id if self.stream is not None else "-"
+
+    async def deltas(self) -> AsyncIterator[_Delta]:
+        """The choice's deltas until it ends; raises the RtpcoreError of a failed request. A
+        choice cut short (its client left, the server stopped) ends as "abort"."""
+        if self.stream is None:  # never queued (end_unsubmitted)
+            assert self.finish_reason is not None
+            return
+        try:
+            async with self.stream as stream:
+                async for out in stream:
+                    self.started.set()
+                    delta = self._take(out)
+                    if self.decoder.stopped:  # a stop string: the text is cut, the request ends here
+                        self._finish("stop")
+                        yield delta
+                        return
+                    if out.finished:
+                        self._finish({"length": "length", "abort": "abort"}.get(out.finish_reason or "", "stop"))
+                        tail = self.decoder.finish()
+                        if tail and delta.tokens:  # the held-back text belongs to the last token
+                            *head, (token, piece) = delta.tokens
+                            delta = _Delta(delta.text + tail, (*head, (token, piece + tail)))
+                        elif tail:
+                            delta = _Delta(delta.text + tail)
+                        yield delta
+                        return
+                    if delta.text or delta.tokens:
+                        yield delta
+        except RtpcoreError:
+            self._finish("error")
+            raise
+        finally:
+            if self.finish_reason is None:
+                self._finish("abort")
+            self.started.set()  # a failed or cut choice 0 must not hold the others back
+
+    def _finish(self, reason: str) -> None:
+        """End the choice with ``reason`` (what clients see), counted once in the metrics."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.served.metrics.requests.labels(finish_reason=reason).inc()
+
+    def _take(self, out: RequestOutput) -> _Delta:
+        self._observe(out)
+        self.cached_tokens = out.num_cached_tokens
+        ids = list(out.token_ids)
+        stop_token = out.stop_token_id is not None and bool(ids) and ids[-1] == out.stop_token_id
+        draws = list(out.logprobs or ())
+        # One token at a time: an output holds several tokens (a lagging consumer, an accepted
+        # speculative run), and tokens after the one completing a stop string are not the client's.
+        tokens: list[tuple[SampledToken, str]] = []
+        pieces = []
+        for i, token in enumerate(ids):
+            if stop_token and i == len(ids) - 1:
+                break
+            piece = self.decoder.push([token])
+            pieces.append(piece)
+            tokens.append((draws[i] if i < len(draws) else SampledToken(token), piece))
+            if self.decoder.stopped:
+                break
+        # a stop token counts, its text is not returned
+        self.completion_tokens += len(tokens) + (stop_token and not self.decoder.stopped)
+        return _Delta("".join(pieces), tuple(tokens) if self.params.logprobs is not None else ())
+
+    def _observe(self, out: RequestOutput) -> None:
+        m = self.served.metrics
+        m.generated_tokens.inc(len(out.token_ids))
+        for t in out.token_times:
+            if self.last_time is None:
+                m.time_to_first_token.observe(max(0.0, t - out.arrival_time))
+            else:
+                m.time_between_tokens.observe(max(0.0, t - self.last_time))
+            self.last_time = t
+
+
+class _Response:
+    """One HTTP request's choices, and the shapes they are returned in."""
+
+    def __init__(self, served: Served, body: Any, ids: list[int], params: SamplingParams, *, chat: bool,
+                 tools: Tools | None = None):
+        self.served, self.params, self.chat, self.model = served, params, chat, body.model
+        self.tools = tools
+        # Per choice index: how its text becomes content and tool calls.
+        self.tool_streams = [tools.stream() if tools is not None else None for _ in range(body.num_choices)]
+        self.ids = ids
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.n = body.num_choices
+        options = {"skip_special": body.skip_special_tokens is not False,
+                   "include_stop": bool(body.include_stop_str_in_output)}
+        # Greedy choices are equal: run one. Sampled ones each draw (seed + i when seeded).
+        runs = 1 if params.greedy else self.n
+        self.choices = [
+            _Choice(served, params if i == 0 or params.seed is None else attrs.evolve(params, seed=params.seed + i),
+                    **options)
+            for i in range(runs)
+        ]
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def submit_first(self) -> None:
+        self.choices[0].submit(self.ids)
+
+    async def _start_others(self) -> None:
+        """Choices 1.. once choice 0's prompt is computed: they find it in the prefix cache."""
+        if len(self.choices) > 1:
+            await self.choices[0].started.wait()
+            for choice in self.choices[1:]:
+                if self.served.cutting:  # shutdown cut choice 0: the others end as it did, never run
+                    choice.end_unsubmitted("abort")
+                else:
+                    choice.submit(self.ids)
+
+    def _indices(self, run: int) -> range:
+        """The choice indices run ``run`` answers (every one for a shared greedy run)."""
+        return range(self.n) if len(self.choices) == 1 else range(run, run + 1)
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        per_run = [c.completion_tokens for c in self.choices]
+        completion = per_run[0] * self.n if len(self.choices) == 1 else sum(per_run)
+        prompt = len(self.ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.choices[0].cached_tokens}}
+
+    async def collect(self) -> dict[str, Any]:
+        """The whole answer (non-streamed)."""
+
+        async def run(choice: _Choice) -> list[_Delta]:
+            return [d async for d in choice.deltas()]
+
+        first = asyncio.ensure_future(run(self.choices[0]))
+        rest: list[asyncio.Future[list[_Delta]]] = []
+        try:
+            await self._start_others()
+            rest = [asyncio.ensure_future(run(c)) for c in self.choices[1:]]
+            results = await asyncio.gather(first, *rest)
+        except BaseException:
+            for task in (first, *rest):
+                task.cancel()
+            raise
+        choices = []
+        for r, (choice, deltas) in enumerate(zip(self.choices, results, strict=True)):
+            for index in self._indices(r):
+                choices.append(self._whole_choice(index, choice, deltas))
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage}
+
+    def _whole_choice(self, index: int, choice: _Choice, deltas: list[_Delta]) -> dict[str, Any]:
+        text = "".join(d.text for d in deltas)
+        tokens = [t for d in deltas for t in d.tokens]
+        out: dict[str, Any] = {"index": index, "finish_reason": choice.finish_reason,
+                               "logprobs": self._logprobs(tokens, 0)}
+        stream = self.tool_streams[index]
+        if stream is not None:
+            content, _ = stream.feed(text)
+            rest, _ = stream.finish()
+            message: dict[str, Any] = {"role": "assistant", "content": (content + rest) or None}
+            if stream.calls:
+                message["tool_calls"] = stream.call_objects()
+                out["finish_reason"] = tool_finish(choice.finish_reason)
+            else:
+                message["content"] = content + rest
+            out["message"] = message
+        elif self.chat:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["text"] = text
+        return out
+
+    async def events(self, include_usage: bool, request: Request) -> AsyncIterator[str]:
+        """Server-sent events: chunks of every choice as they come, each finish, usage if asked,
+        [DONE]. The client leaving (noticed at once, not only at the next write) or closing
+        the generator aborts every choice's request."""
+        queue: asyncio.Queue[tuple[int, _Delta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(r: int, choice: _Choice) -> None:
+            try:
+                async for delta in choice.deltas():
+                    await queue.put((r, delta))
+                await queue.put((r, None))
+            except BaseException as exc:  # handed to the consumer, which reports it in the stream
+                await queue.put((r, exc))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+
+        async def start_others() -> None:
+            try:
+                await self._start_others()
+            except ApiError as exc:  # refused later (a full queue): those choices fail in the stream
+                for r in range(1, len(self.choices)):
+                    await queue.put((r, exc))
+                return
+            for r, choice in enumerate(self.choices[1:], start=1):
+                tasks.append(asyncio.ensure_future(pump(r, choice)))
+
+        tasks = [asyncio.ensure_future(pump(0, self.choices[0]))]
+        starter = asyncio.ensure_future(start_others())
+        gone = asyncio.ensure_future(_disconnected(request))
+        offsets = [0] * self.n
+        try:
+            if self.chat:
+                for i in range(self.n):
+                    yield _sse(self._chunk(i, {"role": "assistant", "content": ""}, None, []))
+            pending = len(self.choices)
+            while pending:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():  # the client left
+                    getter.cancel()
+                    return
+                r, item = getter.result()
+                if item is None or isinstance(item, BaseException):
+                    pending -= 1
+                if isinstance(item, BaseException):
+                    yield _sse(self._failure(self.choices[r], item).wrap())
+                    continue
+                choice = self.choices[r]
+                done = item is None
+                delta = item or _Delta("")
+                for index in self._indices(r):
+                    stream = self.tool_streams[index]
+                    if stream is not None:
+                        for chunk in self._tool_chunks(index, stream, delta, done, choice.finish_reason):
+                            yield _sse(chunk)
+                        continue
+                    if delta.text or delta.tokens or done:
+                        body = {"content": delta.text} if self.chat else delta.text
+                        yield _sse(self._chunk(index, body, choice.finish_reason if done else None,
+                                               list(delta.tokens), offsets[index]))
+                    offsets[index] += len(delta.text)
+            if include_usage:
+                yield _sse({"id": self.id, "object": self._chunk_object, "created": self.created,
+                            "model": self.model, "choices": [], "usage": self.usage})
+            yield "data: [DONE]\n\n"
+        finally:
+            self.served.responses.discard(self)
+            gone.cancel()
+            starter.cancel()
+            for task in tasks:
+                task.cancel()
+
+    def _tool_chunks(self, index: int, stream: ToolStream, delta: _Delta, done: bool,
+                     finish: str | None) -> list[dict[str, Any]]:
+        """The chunks of one delta of a choice with tools: content that cannot be a call yet,
+        then tool-call pieces; at the end, what was held back and the finish."""
+        content, calls = stream.feed(delta.text)
+        chunks = []
+        if content or delta.tokens:
+            chunks.append(self._chunk(index, {"content": content}, None, list(delta.tokens)))
+        if calls:
+            chunks.append(self._chunk(index, {"tool_calls": calls}, None, []))
+        if done:
+            rest, calls = stream.finish()
+            if rest:
+                chunks.append(self._chunk(index, {"content": rest}, None, []))
+            if calls:
+                chunks.append(self._chunk(index, {"tool_calls": calls}, None, []))
+            reason = tool_finish(finish) if stream.calls else finish
+            chunks.append(self._chunk(index, {}, reason, []))
+        return chunks
+
+    def _failure(self, choice: _Choice, exc: BaseException) -> ErrorBody:
+        """What a client is told about its failed request, and the log line with its id."""
+        if isinstance(exc, ApiError):
+            return exc.body
+        error = exc if isinstance(exc, RtpcoreError) else RtpcoreError(f"{type(exc).__name__}: {exc}")
+        return failure_body(self.id, choice.request_id, error, choice.params)
+
+    def _chunk(self, index: int, delta: Any, finish: str | None, tokens: list[tuple[SampledToken, str]],
+               offset: int = 0) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": self._logprobs(tokens, offset)}
+        if self.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        return {"id": self.id, "object": self._chunk_object, "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+    def _logprobs(self, tokens: list[tuple[SampledToken, str]], offset: int) -> dict[str, Any] | None:
+        """OpenAI's logprobs of ``tokens`` (the model's raw log-probabilities, exactly the number
+        of alternatives asked). Chat: each token's text and own bytes. Completions: ``tokens``
+        are the text each token added (joined, the choice's text), ``text_offset`` where each
+        starts (``offset``: the text before these tokens)."""
+        if self.params.logprobs is None:
+            return None
+        tok = self.served.tokenizer
+        if self.chat:
+            return {"content": [
+                {"token": _piece(tok, t.token_id), "logprob": t.logprob, "bytes": list(tok.token_bytes(t.token_id)),
+                 "top_logprobs": [{"token": _piece(tok, i), "logprob": lp, "bytes": list(tok.token_bytes(i))}
+                                  for i, lp in t.top]}
+                for t, _ in tokens
+            ]}
+        offsets = []
+        for _, piece in tokens:
+            offsets.append(offset)
+            offset += len(piece)
+        return {"tokens": [piece for _, piece in tokens],
+                "token_logprobs": [t.logprob for t, _ in tokens],
+                "top_logprobs": [_top_by_text(tok, t.top) for t, _ in tokens],
+                "text_offset": offsets}
+
+
+# -- tools ------------------------------------------------------------------------------------------
+
+
+def _piece(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _top_by_text(tokenizer: Tokenizer, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+    """Completions' alternatives keyed by their text; two ids of one text (halves of characters
+    decode alike) fall back to the vocabulary entry, then to the id, so none is lost."""
+    out: dict[str, float] = {}
+    for token_id, lp in top:
+        for key in (_piece(tokenizer, token_id), tokenizer.id_to_token(token_id), f"<id {token_id}>"):
+            if key not in out:
+                out[key] = lp
+                break
+    return out
+
+
+async def respond(served: Served, request: Request, body: Any, ids: list[int], params: SamplingParams,
+                   *, chat: bool, tools: Tools | None = None) -> Any:
+    if served.draining:
+        raise ApiError(503, "the server is shutting down", type="server_error")
+    response = _Response(served, body, ids, params, chat=chat, tools=tools)
+    response.submit_first()
+    served.responses.add(response)  # until its answer is written (a stream: its generator ends)
+    if body.stream:
+        return StreamingResponse(response.events(body.include_usage, request), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    task = asyncio.ensure_future(response.collect())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        served.responses.discard(response)
+    if not task.done():  # the client left before the answer: abort its requests now
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)
+    try:
+        return JSONResponse(task.result())
+    except RtpcoreError as exc:  # this request failed while it ran
+        failed = failure_body(response.id, response.choices[0].request_id, exc, response.params)
+        return JSONResponse(failed.wrap(), status_code=failure_status(exc, engine_broken=served.engine.failure is not None))
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body is read: the next message is that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
