@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 
 from rtpcore.engine.sample.params import SamplingParams  # noqa: E402
 from rtpcore.engine.text.tokenizer import Tokenizer  # noqa: E402
+from slow_model import slow_checkpoint  # noqa: E402
 from test_llama import make_checkpoint  # noqa: E402
 from test_serve import Server, write_tokenizer  # noqa: E402
 
@@ -231,50 +230,11 @@ def test_chat_template_controls(server: Server, checkpoint: Path, tok: Tokenizer
 
 # -- disconnects: a model too slow to finish on its own --------------------------------------------
 
-SLOW_PLUGIN = """
-import time
-
-from rtpcore import hookimpl
-from rtpcore.models.llama import LlamaPlugin
-
-
-class SlowLlama(LlamaPlugin):
-    model_type = "slow_llama"
-    architectures = ("SlowLlamaForCausalLM",)
-
-    @classmethod
-    def build_model(cls, config, weights, **options):
-        model = super().build_model(config, weights, **options)
-        forward = model.forward
-
-        def slow(batch, kv_caches):
-            time.sleep(0.05)  # 4000 tokens take over 200 s: no request here finishes on its own
-            return forward(batch, kv_caches)
-
-        model.forward = slow
-        return model
-
-
-@hookimpl
-def rtpcore_register_models(registry):
-    registry.register(SlowLlama)
-"""
-
-
 @pytest.fixture(scope="module")
 def slow_server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("slow")
-    ckpt = root / "ckpt"
-    ckpt.mkdir()
-    for f in checkpoint.iterdir():
-        if f.is_file():
-            (ckpt / f.name).write_bytes(f.read_bytes())
-    config = json.loads((ckpt / "config.json").read_text())
-    config["architectures"] = ["SlowLlamaForCausalLM"]
-    config["max_position_embeddings"] = 4096
-    (ckpt / "config.json").write_text(json.dumps(config))
-    (root / "slow_llama.py").write_text(textwrap.dedent(SLOW_PLUGIN))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    # 50 ms more a step: 4000 tokens take over 200 s, so no request here finishes on its own
+    ckpt, env = slow_checkpoint(checkpoint, tmp_path_factory.mktemp("slow"), step_seconds=0.05,
+                                max_position_embeddings=4096)
     srv = Server(ckpt, "--external-model-packages", "slow_llama", "--kv-cache-memory", "64MiB", env=env)
     yield srv
     code, out = srv.stop()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import textwrap
 import threading
@@ -28,39 +27,15 @@ import pytest
 pytest.importorskip("transformers")
 httpx = pytest.importorskip("httpx")
 
+from slow_model import slow_checkpoint  # noqa: E402
 from test_llama import make_checkpoint  # noqa: E402
 from test_serve import Server, write_tokenizer  # noqa: E402
+from test_staying_up import MANY_PROPERTIES, REQUIRED_RECURSION, SELF_REFERENCE  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT = 300.0  # a bound against hanging, never a speed requirement
 SENTINEL = 77  # a prompt starting with this token makes the planted scheduler raise
-
-SLOW_PLUGIN = """
-import time
-from rtpcore import hookimpl
-from rtpcore.models.llama import LlamaPlugin
-
-class SlowLlama(LlamaPlugin):
-    model_type = "slow_llama"
-    architectures = ("SlowLlamaForCausalLM",)
-
-    @classmethod
-    def build_model(cls, config, weights, **options):
-        model = super().build_model(config, weights, **options)
-        forward = model.forward
-
-        def slow(batch, kv_caches):
-            time.sleep(0.02)  # a model that takes 20 ms a step, whatever the machine
-            return forward(batch, kv_caches)
-
-        model.forward = slow
-        return model
-
-@hookimpl
-def rtpcore_register_models(registry):
-    registry.register(SlowLlama)
-"""
 
 PLANTED = f"""
 import sys
@@ -79,10 +54,6 @@ scheduler.Scheduler.schedule = schedule
 sys.exit(main(sys.argv[1:]))
 """
 
-SELF_REFERENCE = {"$ref": "#"}
-REQUIRED_RECURSION = {"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}},
-                                      "required": ["x"]}}, "$ref": "#/$defs/a"}
-MANY_PROPERTIES = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +66,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def slow(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """The checkpoint served by SlowLlama, and the environment that finds the plugin's module."""
-    root = tmp_path_factory.mktemp("slow")
-    path = root / "checkpoint"
-    path.mkdir()
-    for f in checkpoint.iterdir():
-        if f.is_file():
-            (path / f.name).write_bytes(f.read_bytes())
-    config = json.loads((path / "config.json").read_text())
-    config["architectures"] = ["SlowLlamaForCausalLM"]
-    (path / "config.json").write_text(json.dumps(config))
-    (root / "slow_llama.py").write_text(textwrap.dedent(SLOW_PLUGIN))
-    env = {k: v for k, v in os.environ.items() if k != "RTPCORE_API_KEY"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    return path, env
+    """The checkpoint served by SlowLlama (20 ms more a step), and the environment that finds it."""
+    return slow_checkpoint(checkpoint, tmp_path_factory.mktemp("slow"), step_seconds=0.02)
 
 
 @pytest.fixture(scope="module")
