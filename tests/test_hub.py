@@ -294,7 +294,7 @@ def test_offline_a_shard_the_cache_lacks_is_named(hub: FakeHub, home: Path, repo
 
 def resolve(ref: str, draft: str | None = None) -> tuple[str, str | None]:
     """What EngineConfig.create does with a checkpoint and a draft, without building an engine."""
-    from rtpcore.engine.worker.rank import resolve_checkpoints
+    from rtpcore.checkpoint.resolve import resolve_checkpoints
     from rtpcore.plugins.allowlist import Allowlist
 
     return resolve_checkpoints(ref, draft, plan=Allowlist.from_cli([], []).resolve())

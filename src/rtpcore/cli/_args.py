@@ -137,7 +137,7 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
     then the device (a device torch cannot see raises DeviceError before a demo is built).
 
     A Hub id (``org/name[@revision]``, not an existing path) as CHECKPOINT or ``--draft-model``
-    is fetched here (:func:`rtpcore.engine.worker.rank.resolve_checkpoints`: only the shards the engine
+    is fetched here (:func:`rtpcore.checkpoint.resolve.resolve_checkpoints`: only the shards the engine
     reads): the folder returned, and the draft among the keywords, are its snapshot folders."""
     if (args.checkpoint is None) == (args.demo is None):
         parser.error("give exactly one of CHECKPOINT or --demo NAME")
@@ -154,7 +154,7 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         path = Path(args.checkpoint)
     draft = args.draft_model
     if hub_id(args.checkpoint) is not None or hub_id(draft) is not None:
-        from rtpcore.engine.worker.rank import resolve_checkpoints
+        from rtpcore.checkpoint.resolve import resolve_checkpoints
 
         checkpoint = args.checkpoint if args.demo is None else path  # an id stays a str: a Path is a folder
         local, draft = resolve_checkpoints(checkpoint, draft, plan=allow.resolve())

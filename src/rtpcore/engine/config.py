@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import torch
 
-from rtpcore.engine.worker.rank import resolve_checkpoints
+from rtpcore.checkpoint.resolve import resolve_checkpoints
 from rtpcore.errors import RtpcoreError
 from rtpcore.models.layers import QUANTIZATIONS
 from rtpcore.plugins.resolution import Plan
@@ -103,7 +103,7 @@ class EngineConfig:
         """Validate the arguments, resolve the device (:func:`~rtpcore.engine.worker.devices.resolve_device`:
         a device torch cannot see raises DeviceError here, before anything loads) and the
         allowlist (imports no plugin). A Hub id as ``path`` or ``draft_model`` is fetched here,
-        once, into the Hub cache (:func:`~rtpcore.engine.worker.rank.resolve_checkpoints`: it loads the
+        once, into the Hub cache (:func:`~rtpcore.checkpoint.resolve.resolve_checkpoints`: it loads the
         plan's plugins to learn which shards), so the config carries local folders to every rank."""
         from rtpcore.engine.worker.devices import resolve_device
         from rtpcore.kv.specs import resolve_kv_cache_dtype

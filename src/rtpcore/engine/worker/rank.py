@@ -23,13 +23,13 @@ rank's :class:`~rtpcore.parallel.context.ParallelContext`, whose ``all_reduce`` 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import torch
 
+from rtpcore.checkpoint.resolve import mtp_plugin
 from rtpcore.engine.worker.memory import memory_limit
 from rtpcore.errors import RtpcoreError
 from rtpcore.models.layers import linear_kernels, weight_quantization
@@ -37,7 +37,7 @@ from rtpcore.models.native import native_decode
 from rtpcore.parallel.context import ParallelContext
 from rtpcore.plugins.model_plugin import call_optional, forward_contract_problem
 
-__all__ = ["EngineShard", "LoadedModel", "build_shard", "resolve_checkpoints"]
+__all__ = ["EngineShard", "LoadedModel", "build_shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _draft_source(
     if path is None:
         return None
     if path == "mtp":
-        draft_plugin = _mtp_plugin(plugin, model_type, model_config, config.checkpoint)
+        draft_plugin = mtp_plugin(plugin, model_type, model_config, config.checkpoint)
         return config.checkpoint, hf_config, str(draft_plugin.model_type), draft_plugin, draft_plugin.config_from_hf(hf_config)
     hf = read_hf_config(path)
     draft_type = registry.infer_model_type(hf)
@@ -288,55 +288,6 @@ def _draft_source(
             f"has vocab_size={target_vocab!r}: a draft must share the target's vocabulary"
         )
     return path, hf, draft_type, draft_plugin, draft_plugin.config_from_hf(hf)
-
-
-def _mtp_plugin(plugin: Any, model_type: str, model_config: Any, checkpoint: str) -> Any:
-    """The target plugin's multi-token-prediction draft (``mtp_draft``), else an RtpcoreError."""
-    draft_plugin = call_optional(plugin, "mtp_draft", model_config)
-    if draft_plugin is None:
-        raise RtpcoreError(
-            f"draft_model='mtp': model type {model_type!r} ({plugin.__module__}.{plugin.__qualname__}) "
-            f"offers no multi-token-prediction draft for {checkpoint!r}; pass a draft checkpoint instead"
-        )
-    return draft_plugin
-
-
-def resolve_checkpoints(
-    path: str | os.PathLike[str], draft_model: str | None, *, plan: Any, model_type: str | None = None
-) -> tuple[str, str | None]:
-    """The local folders of an engine's checkpoint and draft (``"mtp"`` and None stay as
-    they are). A Hub id (``org/name[@revision]``, :mod:`rtpcore.checkpoint.hub`) is fetched
-    into the Hub cache with only the shards holding what the ranks will read: the plan's
-    plugins are loaded, and each model's :class:`~rtpcore.checkpoint.request.WeightRequest`
-    is the one :func:`_load` passes to the loader (the target's, its MTP draft's with
-    ``draft_model="mtp"``, a draft checkpoint's). Anything else loads nothing."""
-    from rtpcore.checkpoint.hub import hub_id, resolve_checkpoint
-    from rtpcore.checkpoint.request import WeightRequest
-    from rtpcore.plugins.loading import load_plugins
-
-    draft_is_id = draft_model not in (None, "mtp") and hub_id(draft_model) is not None
-    if hub_id(path) is None and not draft_is_id:
-        return os.fspath(path), draft_model
-    registry = load_plugins(plan)  # once per process: the ranks' EngineShard finds it loaded
-
-    def target(hf: dict[str, Any]) -> list[WeightRequest]:
-        kind = model_type or registry.infer_model_type(hf)
-        plugin = registry.get(kind)
-        model_config = plugin.config_from_hf(hf)
-        requests = [WeightRequest.for_model(plugin, model_config, hf)]
-        if draft_model == "mtp":
-            mtp = _mtp_plugin(plugin, kind, model_config, os.fspath(path))
-            requests.append(WeightRequest.for_model(mtp, mtp.config_from_hf(hf), hf))
-        return requests
-
-    def draft(hf: dict[str, Any]) -> list[WeightRequest]:
-        plugin = registry.get(registry.infer_model_type(hf))
-        return [WeightRequest.for_model(plugin, plugin.config_from_hf(hf), hf)]
-
-    local = resolve_checkpoint(path, weights=target)
-    if draft_model is None or draft_model == "mtp":
-        return local, draft_model
-    return local, resolve_checkpoint(draft_model, weights=draft)
 
 
 def _load(
@@ -360,7 +311,7 @@ def _load(
     if problem is not None:  # before any weight is read: never run a model on a layout it does not know
         raise RtpcoreError(problem)
     # What the loader reads (fp8 block-quantized weights dequantized at load, for every model);
-    # resolve_checkpoints fetches a Hub checkpoint's shards by the same request.
+    # rtpcore.checkpoint.resolve.resolve_checkpoints fetches a Hub checkpoint's shards by the same request.
     request = WeightRequest.for_model(plugin, model_config, hf_config)
     local_config, slices = _shard(plugin, model_type, model_config, ctx)
     # Before the weights: a bad layout fails fast.

@@ -1,0 +1,63 @@
+"""Which local folders an engine reads: a checkpoint path as it is, or a Hugging Face Hub id
+fetched into the Hub cache with only the shards the model's plugin declares
+(:mod:`rtpcore.checkpoint.hub`). Runs once, in the process that builds the engine, before any
+rank starts: every rank then reads local folders."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rtpcore.errors import RtpcoreError
+from rtpcore.plugins.model_plugin import call_optional
+
+__all__ = ["mtp_plugin", "resolve_checkpoints"]
+
+
+def mtp_plugin(plugin: Any, model_type: str, model_config: Any, checkpoint: str) -> Any:
+    """The target plugin's multi-token-prediction draft (``mtp_draft``), else an RtpcoreError."""
+    draft_plugin = call_optional(plugin, "mtp_draft", model_config)
+    if draft_plugin is None:
+        raise RtpcoreError(
+            f"draft_model='mtp': model type {model_type!r} ({plugin.__module__}.{plugin.__qualname__}) "
+            f"offers no multi-token-prediction draft for {checkpoint!r}; pass a draft checkpoint instead"
+        )
+    return draft_plugin
+
+
+def resolve_checkpoints(
+    path: str | os.PathLike[str], draft_model: str | None, *, plan: Any, model_type: str | None = None
+) -> tuple[str, str | None]:
+    """The local folders of an engine's checkpoint and draft (``"mtp"`` and None stay as
+    they are). A Hub id (``org/name[@revision]``, :mod:`rtpcore.checkpoint.hub`) is fetched
+    into the Hub cache with only the shards holding what the ranks will read: the plan's
+    plugins are loaded, and each model's :class:`~rtpcore.checkpoint.request.WeightRequest` is
+    the one each rank passes to the loader in ``rtpcore.engine.worker.rank``: the target's, its
+    MTP draft's with ``draft_model="mtp"``, a draft checkpoint's. Anything else loads nothing."""
+    from rtpcore.checkpoint.hub import hub_id, resolve_checkpoint
+    from rtpcore.checkpoint.request import WeightRequest
+    from rtpcore.plugins.loading import load_plugins
+
+    draft_is_id = draft_model not in (None, "mtp") and hub_id(draft_model) is not None
+    if hub_id(path) is None and not draft_is_id:
+        return os.fspath(path), draft_model
+    registry = load_plugins(plan)  # once per process: the ranks' EngineShard finds it loaded
+
+    def target(hf: dict[str, Any]) -> list[WeightRequest]:
+        kind = model_type or registry.infer_model_type(hf)
+        plugin = registry.get(kind)
+        model_config = plugin.config_from_hf(hf)
+        requests = [WeightRequest.for_model(plugin, model_config, hf)]
+        if draft_model == "mtp":
+            mtp = mtp_plugin(plugin, kind, model_config, os.fspath(path))
+            requests.append(WeightRequest.for_model(mtp, mtp.config_from_hf(hf), hf))
+        return requests
+
+    def draft(hf: dict[str, Any]) -> list[WeightRequest]:
+        plugin = registry.get(registry.infer_model_type(hf))
+        return [WeightRequest.for_model(plugin, plugin.config_from_hf(hf), hf)]
+
+    local = resolve_checkpoint(path, weights=target)
+    if draft_model is None or draft_model == "mtp":
+        return local, draft_model
+    return local, resolve_checkpoint(draft_model, weights=draft)
