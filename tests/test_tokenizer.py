@@ -186,10 +186,13 @@ def test_encoding_new_text_on_many_threads_holds_no_word_cache(tmp_path: Path) -
     from tokenizers import Tokenizer as Raw
 
     assert hasattr(Raw.from_file(str(tmp_path / "tokenizer.json")).model, "_resize_cache")
-    grown = {}
-    for mode in ("tokenizers", "rtpcore"):
+    grown: dict[str, int] = {}
+    for mode in ("tokenizers", "rtpcore", "tokenizers", "rtpcore"):
+        # Each mode twice, the larger growth kept: on a loaded machine one tokenizers probe in a few
+        # showed no cache growth at all. The control must show the cache once; every rtpcore run
+        # must stay small.
         out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path), mode], capture_output=True,
                              text=True, check=True)
-        grown[mode] = int(out.stdout.strip())
+        grown[mode] = max(grown.get(mode, 0), int(out.stdout.strip()))
     assert grown["tokenizers"] > 24 << 20, f"tokenizers' cache no longer grows ({grown}): revisit _no_word_cache"
     assert grown["rtpcore"] < grown["tokenizers"] / 8, grown
