@@ -522,11 +522,7 @@ class EngineCore:
         if r.finish_reason is not None:  # retired already (its output was being built): say it failed
             r.finish_reason = "error"
             self._requests.pop(r.request_id, None)
-            return RequestOutput(
-                request_id=r.request_id, token_ids=(), finish_reason="error", num_prompt_tokens=r.prompt_len,
-                num_generated_tokens=r.num_sent, logprobs=None if r.params.logprobs is None else (),
-                arrival_time=r.arrival_time, error=error, num_cached_tokens=r.num_cached_tokens or 0,
-            )
+            return self._last_output(r, "error", error)
         return self._finish(r, "error", error)
 
     def reset_prefix_cache(self) -> int:
@@ -620,6 +616,11 @@ class EngineCore:
     def _finish(self, r: Request, reason: str, error: RtpcoreError | None = None) -> RequestOutput:
         """End ``r`` early (abort or error): its last output, with nothing new."""
         self._retire(r, reason)
+        return self._last_output(r, reason, error)
+
+    @staticmethod
+    def _last_output(r: Request, reason: str, error: RtpcoreError | None) -> RequestOutput:
+        """The output that ends ``r`` with ``reason`` and no new token."""
         return RequestOutput(
             request_id=r.request_id,
             token_ids=(),
