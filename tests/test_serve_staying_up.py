@@ -366,3 +366,13 @@ def test_health_is_503_from_the_moment_the_engine_loop_breaks(checkpoint: Path) 
             await engine.aclose()
 
     asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+
+
+def test_the_command_line_defaults_are_the_servers() -> None:
+    """rtpcore serve's --header-timeout and --max-connections defaults (written in the CLI, which
+    does not import uvicorn for --help) are rtpcore.serving.server's."""
+    from rtpcore.cli import _serve
+    from rtpcore.serving import server
+
+    assert (_serve.DEFAULT_HEADER_TIMEOUT, _serve.DEFAULT_MAX_CONNECTIONS) == (
+        server.DEFAULT_HEADER_TIMEOUT, server.DEFAULT_MAX_CONNECTIONS)
