@@ -12,8 +12,10 @@ from array import array
 import pytest
 
 from rtpcore.engine.core.block_pool import BlockAllocator
-from rtpcore.engine.core.prefix_cache import block_keys, namespace_key
-from rtpcore.engine.core.scheduler import Request, Scheduler
+from rtpcore.engine.core.kv_manager import KVManager
+from rtpcore.engine.core.prefix_cache import PrefixCache, block_keys, namespace_key
+from rtpcore.engine.core.request import Request
+from rtpcore.engine.core.scheduler import Scheduler
 from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.errors import KVBlockError
 
@@ -116,8 +118,8 @@ def request(name: str, tokens: list[int], max_tokens: int = 64) -> Request:
 
 
 def scheduler(num_blocks: int = 64, *, budget: int = 64, **kw: object) -> Scheduler:
-    s = Scheduler(BlockAllocator(num_blocks), tokens_per_block=4, max_batch_size=8,
-                  max_num_batched_tokens=budget, namespace=ROOT, **kw)  # type: ignore[arg-type]
+    kv = KVManager(BlockAllocator(num_blocks), 4, PrefixCache(ROOT, 4, **kw))  # type: ignore[arg-type]
+    s = Scheduler(kv, max_batch_size=8, max_num_batched_tokens=budget)
     s.watermark = 0
     return s
 
@@ -130,7 +132,7 @@ def step(s: Scheduler, token: int = 0) -> list[tuple[str, int, int]]:
         s.commit(seq)
         if seq.samples:
             seq.request.tokens.append(token)
-        s.cache_blocks(seq.request)
+        s.kv.cache_blocks(seq.request)
     return [(q.request.request_id, q.start, q.num_tokens) for q in plan.seqs]
 
 
@@ -147,11 +149,11 @@ def test_a_repeated_prompt_starts_after_its_full_blocks_and_counts_its_hit() -> 
     s.waiting.append(again)
     assert step(s) == [("again", 12, 1)]  # 3 cached blocks, the last token computed
     assert again.blocks[:3] == first_blocks(s, PROMPT) and again.num_cached_tokens == 12
-    assert (s.prefix_cache_queries_total, s.prefix_cache_hits_total) == (26, 12)
+    assert (s.kv.prefix_cache.queries_total, s.kv.prefix_cache.hits_total) == (26, 12)
 
 
 def first_blocks(s: Scheduler, tokens: list[int]) -> list[int]:
-    return s.allocator.lookup(block_keys(tokens, 4, ROOT))
+    return s.kv.pool.lookup(block_keys(tokens, 4, ROOT))
 
 
 def test_a_prompt_of_whole_blocks_recomputes_its_last_block_and_a_different_prompt_finds_nothing() -> None:
@@ -176,12 +178,12 @@ def test_two_requests_forked_from_one_cached_prefix_share_its_blocks_and_never_w
     s.waiting.extend([x, y])
     assert step(s) == [("x", 12, 2), ("y", 12, 1)]
     assert x.blocks[:3] == y.blocks[:3] and x.blocks[3] != y.blocks[3]
-    assert all(s.allocator.refcount(b) == 2 for b in x.blocks[:3])
+    assert all(s.kv.pool.refcount(b) == 2 for b in x.blocks[:3])
     for _ in range(6):
         for name, start, _n in step(s):
             assert start >= 12, f"{name} would write a shared block"
     s.retire(x)
-    assert all(s.allocator.refcount(b) == 1 for b in y.blocks[:3])
+    assert all(s.kv.pool.refcount(b) == 1 for b in y.blocks[:3])
 
 
 def test_preempting_a_request_that_shares_blocks_releases_only_its_references() -> None:
@@ -199,7 +201,7 @@ def test_preempting_a_request_that_shares_blocks_releases_only_its_references() 
     while not s.preemptions_total:
         step(s)
     assert b.blocks == [] and s.waiting[0] is b
-    assert all(s.allocator.refcount(blk) == 1 for blk in a.blocks[:2])
+    assert all(s.kv.pool.refcount(blk) == 1 for blk in a.blocks[:2])
     s.retire(a)
     readmitted = step(s)
     assert readmitted[0][0] == "b" and readmitted[0][1] >= 8  # its prefix (and its own full blocks) were cached
@@ -212,10 +214,10 @@ def test_with_a_draft_a_block_is_cached_once_both_models_computed_it() -> None:
     r = request("r", [*PROMPT[:8], 1, 2])
     s.waiting.append(r)
     step(s)
-    assert s.allocator.num_cached == 0  # the draft has computed nothing
+    assert s.kv.pool.num_cached == 0  # the draft has computed nothing
     r.draft_cached = 8
-    s.cache_blocks(r)
-    assert s.allocator.num_cached == 2
+    s.kv.cache_blocks(r)
+    assert s.kv.pool.num_cached == 2
     s.waiting.append(same := request("same", [*PROMPT[:8], 1, 5]))
     s.waiting.append(other := request("other", [*PROMPT[:8], 3, 5]))
     step(s)
@@ -223,13 +225,13 @@ def test_with_a_draft_a_block_is_cached_once_both_models_computed_it() -> None:
 
 
 def test_without_a_namespace_nothing_is_cached_or_counted() -> None:
-    s = Scheduler(BlockAllocator(16), tokens_per_block=4, max_batch_size=8, max_num_batched_tokens=64)
+    s = Scheduler(KVManager(BlockAllocator(16), 4), max_batch_size=8, max_num_batched_tokens=64)
     s.waiting.append(r := request("r", PROMPT))
     step(s)
     s.retire(r)
     s.waiting.append(again := request("again", PROMPT))
-    assert step(s) == [("again", 0, 13)] and s.allocator.num_cached == 0
-    assert (s.prefix_cache_queries_total, again.num_cached_tokens) == (0, None)
+    assert step(s) == [("again", 0, 13)] and s.kv.pool.num_cached == 0
+    assert (s.kv.prefix_cache.queries_total, again.num_cached_tokens) == (0, None)
 
 
 def test_a_request_that_cannot_be_admitted_gives_back_the_cached_blocks_it_found() -> None:
@@ -242,11 +244,11 @@ def test_a_request_that_cannot_be_admitted_gives_back_the_cached_blocks_it_found
     s.retire(seed)
     s.waiting.append(hog := request("hog", [99] * 5))  # the 2 empty blocks; decodes to 8 tokens in them
     step(s)
-    assert s.allocator.num_free == 3 == s.allocator.num_cached_free
+    assert s.kv.pool.num_free == 3 == s.kv.pool.num_cached_free
     s.waiting.append(late := request("late", PROMPT))
     assert step(s) == [("hog", 5, 1)] and late.blocks == [] and s.waiting[0] is late and late.num_cached == 0
-    assert late.num_cached_tokens is None and s.prefix_cache_hits_total == 0  # not admitted: nothing counted
+    assert late.num_cached_tokens is None and s.kv.prefix_cache.hits_total == 0  # not admitted: nothing counted
     found = first_blocks(s, PROMPT)
-    assert len(found) == 3 and all(s.allocator.refcount(b) == 0 for b in found) and s.allocator.num_free == 3
+    assert len(found) == 3 and all(s.kv.pool.refcount(b) == 0 for b in found) and s.kv.pool.num_free == 3
     s.retire(hog)
     assert step(s) == [("late", 12, 1)] and late.num_cached_tokens == 12

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rtpcore.engine.core.scheduler import Request, ScheduledSeq
+from rtpcore.engine.core.request import Request, ScheduledSeq
 from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.engine.step.inputs import BatchBuilder
 from rtpcore.engine.step.staging import HostStaging

@@ -9,7 +9,10 @@ import time
 
 import pytest
 
-from rtpcore.engine.core.scheduler import BlockAllocator, Request, Scheduler, StepPlan
+from rtpcore.engine.core.block_pool import BlockAllocator
+from rtpcore.engine.core.kv_manager import KVManager
+from rtpcore.engine.core.request import Request, RequestStatus, StepPlan
+from rtpcore.engine.core.scheduler import Scheduler
 from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.errors import EngineClosedError, KVBlockError, RtpcoreError
 
@@ -126,7 +129,7 @@ def run(s: Scheduler) -> StepPlan:
 def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget_and_decodes_come_first() -> None:
     """Budget 8: a running request decodes first in every step; a 20-token prompt arriving later is
     prefilled in chunks of what the budget leaves (7, 7, 6), only the last one sampling."""
-    s = Scheduler(BlockAllocator(64), tokens_per_block=4, max_batch_size=4, max_num_batched_tokens=8)
+    s = Scheduler(KVManager(BlockAllocator(64), 4), max_batch_size=4, max_num_batched_tokens=8)
     short, long = request("short", 3), request("long", 20)
     s.waiting.append(short)
     assert [(q.start, q.num_tokens, q.samples) for q in run(s).seqs] == [(0, 3, True)]
@@ -146,12 +149,12 @@ def test_blocks_are_taken_on_demand_and_the_newest_request_is_preempted_when_non
     """Two requests on 4 blocks of 4 tokens: each starts with its prompt's blocks; when the older needs
     a block and none is free, the newer is preempted (blocks freed, back at the head of the queue to
     recompute everything it holds)."""
-    s = Scheduler(BlockAllocator(4), tokens_per_block=4, max_batch_size=4, max_num_batched_tokens=64)
+    s = Scheduler(KVManager(BlockAllocator(4), 4), max_batch_size=4, max_num_batched_tokens=64)
     s.watermark = 0
     old, new = request("old", 8), request("new", 7)
     s.waiting.extend([old, new])
     run(s)
-    assert (len(old.blocks), len(new.blocks)) == (2, 2) and s.allocator.num_free == 0
+    assert (len(old.blocks), len(new.blocks)) == (2, 2) and s.kv.pool.num_free == 0
     plan = run(s)  # old decodes position 8: a third block, none free -> new is preempted
     assert [q.request for q in plan.seqs] == [old] and plan.preempted == (new,)
     assert new.blocks == [] and new.num_cached == 0 and s.waiting[0] is new and new.num_preemptions == 1
@@ -163,17 +166,17 @@ def test_a_request_that_would_preempt_itself_waits_and_the_running_batch_is_capp
     """When the older request takes the last free block, the newest one, needing a block too, is preempted
     itself (nobody newer to take one from) and the older one runs alone; and no more requests run than
     the budget can give a token each."""
-    s = Scheduler(BlockAllocator(3), tokens_per_block=4, max_batch_size=8, max_num_batched_tokens=64)
+    s = Scheduler(KVManager(BlockAllocator(3), 4), max_batch_size=8, max_num_batched_tokens=64)
     s.watermark = 0
     old, new = request("old", 4), request("new", 4)
     s.waiting.extend([old, new])
     run(s)
     plan = run(s)  # both decode position 4: old takes the free block, new has none left
     assert [q.request for q in plan.seqs] == [old] and plan.preempted == (new,)
-    assert s.running == [old] and list(s.waiting) == [new] and s.allocator.num_free == 1
-    capped = Scheduler(BlockAllocator(64), tokens_per_block=4, max_batch_size=8, max_num_batched_tokens=3)
+    assert s.running == [old] and list(s.waiting) == [new] and s.kv.pool.num_free == 1
+    capped = Scheduler(KVManager(BlockAllocator(64), 4), max_batch_size=8, max_num_batched_tokens=3)
     assert capped.max_running == 3
-    spec = Scheduler(BlockAllocator(64), tokens_per_block=4, max_batch_size=8, max_num_batched_tokens=10,
+    spec = Scheduler(KVManager(BlockAllocator(64), 4), max_batch_size=8, max_num_batched_tokens=10,
                      num_speculative_tokens=4)
     assert spec.max_running == 2  # 1 + 4 tokens per decode
 
@@ -181,11 +184,12 @@ def test_a_request_that_would_preempt_itself_waits_and_the_running_batch_is_capp
 def test_prompt_chunks_holding_every_block_never_deadlock_the_newest_is_preempted() -> None:
     """Two running prompts partly prefilled, no decode and no free block: neither chunk can grow, so
     the newest is preempted and the older one goes on (a request alone always fits)."""
-    s = Scheduler(BlockAllocator(4), tokens_per_block=4, max_batch_size=4, max_num_batched_tokens=64)
+    s = Scheduler(KVManager(BlockAllocator(4), 4), max_batch_size=4, max_num_batched_tokens=64)
     s.watermark = 0
     a, b = request("a", 12), request("b", 12)
     s.running += [a, b]
-    a.blocks, b.blocks = s.allocator.allocate(2), s.allocator.allocate(2)
+    a.status = b.status = RequestStatus.RUNNING
+    a.blocks, b.blocks = s.kv.pool.allocate(2), s.kv.pool.allocate(2)
     a.num_cached = b.num_cached = 8  # both hold 8 cached tokens and need a third block
     plan = s.schedule()
     assert plan.preempted == (b,) and [(q.request, q.start, q.num_tokens, q.samples) for q in plan.seqs] == [(a, 8, 4, True)]

@@ -67,9 +67,9 @@ from typing import Any, overload
 import torch
 
 from rtpcore.engine.config import DEFAULT_MAX_BATCH_SIZE, EngineConfig
+from rtpcore.engine.core.block_pool import BlockAllocator
 from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
 from rtpcore.engine.core.prefix_cache import namespace_key
-from rtpcore.engine.core.scheduler import BlockAllocator
 from rtpcore.engine.engine_core import EngineCore
 from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.engine.sample.speculative import SpeculativeStats

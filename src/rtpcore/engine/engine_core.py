@@ -48,8 +48,12 @@ from typing import Any
 import attrs
 import torch
 
+from rtpcore.engine.core.block_pool import BlockAllocator, blocks_for
+from rtpcore.engine.core.kv_manager import KVManager
 from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
-from rtpcore.engine.core.scheduler import BlockAllocator, Request, Scheduler, StepPlan, blocks_for
+from rtpcore.engine.core.prefix_cache import NoPrefixCache, PrefixCache
+from rtpcore.engine.core.request import FinishReason, Request, StepPlan
+from rtpcore.engine.core.scheduler import Scheduler
 from rtpcore.engine.sample.params import SampledToken, SamplingParams
 from rtpcore.engine.sample.speculative import SpeculativeStats
 from rtpcore.engine.step.inputs import BatchBuilder
@@ -130,16 +134,16 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.block_bytes = block_bytes
         self.device = torch.device(device)
+        prefix_cache = NoPrefixCache() if prefix_cache_namespace is None else PrefixCache(
+            prefix_cache_namespace, tokens_per_block, has_draft=k > 0, lookahead=draft_shift if k else 0,
+        )
+        self.kv = KVManager(allocator, tokens_per_block, prefix_cache)
         self.scheduler = Scheduler(
-            allocator,
-            tokens_per_block=tokens_per_block,
+            self.kv,
             max_batch_size=max_batch_size,
             max_num_batched_tokens=max_num_batched_tokens,
             num_speculative_tokens=k,
             draft_max_positions=draft_max_positions,
-            namespace=prefix_cache_namespace,
-            has_draft=k > 0,
-            lookahead=draft_shift if k else 0,
         )
         self.runner = StepRunner(
             forward=forward,
@@ -256,7 +260,7 @@ class EngineCore:
                     max_waiting=max_waiting,
                 )
             self._requests[request_id] = r
-            self.scheduler.waiting.append(r)
+            self.scheduler.add(r)
             self._cv.notify_all()
         return request_id
 
@@ -270,7 +274,7 @@ class EngineCore:
             if r in self._in_step_requests:
                 r.aborted = True
                 return True
-            out = self._finish(r, "abort")
+            out = self._finish(r, FinishReason.ABORT)
         _deliver(r, out)
         return True
 
@@ -284,7 +288,7 @@ class EngineCore:
         """Refuse every later request and end each current one with ``error``."""
         with self._cv:
             self._closed = True
-            ended = [(r, self._finish(r, "error", error)) for r in list(self._requests.values())]
+            ended = [(r, self._finish(r, FinishReason.ERROR, error)) for r in list(self._requests.values())]
             self._cv.notify_all()
         for r, out in ended:
             _deliver(r, out)
@@ -481,13 +485,13 @@ class EngineCore:
             self._discarded += launched
             return None
         if r.aborted:
-            return self._finish(r, "abort")
+            return self._finish(r, FinishReason.ABORT)
         if error is not None:
-            return self._finish(r, "error", error)
+            return self._finish(r, FinishReason.ERROR, error)
         assert result is not None  # a step without an error has a result per sequence
         if result.error is not None:
             self._request_errors += 1
-            return self._finish(r, "error", result.error)
+            return self._finish(r, FinishReason.ERROR, result.error)
         return self._apply(seq, result, now)
 
     def _apply(self, seq: Any, result: SeqResult, now: float) -> RequestOutput | None:
@@ -499,7 +503,7 @@ class EngineCore:
         self._accepted += result.accepted
         out = self._record(r, result.tokens, now) if result.tokens else None
         if r.finish_reason is None:
-            self.scheduler.cache_blocks(r)
+            self.kv.cache_blocks(r)
         return out
 
     def _fail_alone(self, r: Request, exc: BaseException) -> RequestOutput:
@@ -520,10 +524,10 @@ class EngineCore:
             )
             error.__cause__ = exc
         if r.finish_reason is not None:  # retired already (its output was being built): say it failed
-            r.finish_reason = "error"
+            r.finish_reason = FinishReason.ERROR
             self._requests.pop(r.request_id, None)
-            return self._last_output(r, "error", error)
-        return self._finish(r, "error", error)
+            return self._last_output(r, FinishReason.ERROR, error)
+        return self._finish(r, FinishReason.ERROR, error)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block key (blocks requests hold stay theirs); how many there were."""
@@ -550,8 +554,8 @@ class EngineCore:
                 speculative_accepted_total=self._accepted,
                 preemptions_total=self.scheduler.preemptions_total,
                 request_errors_total=self._request_errors,
-                prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
-                prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
+                prefix_cache_queries_total=self.kv.prefix_cache.queries_total,
+                prefix_cache_hits_total=self.kv.prefix_cache.hits_total,
                 kv_blocks_cached=self.allocator.num_cached,
                 greedy_picked_steps_total=self.runner.greedy_steps,
                 overlapped_steps_total=self._overlapped,
@@ -573,7 +577,7 @@ class EngineCore:
         """Append a step's tokens to ``r`` (one, or an accepted speculative run); finish it
         at a stop token or max_tokens (the tokens after it are dropped)."""
         kept: list[SampledToken] = []
-        reason = None
+        reason: FinishReason | None = None
         for token in sampled:
             t = token.token_id
             if r.grammar is not None and not r.grammar.accept(t):
@@ -585,13 +589,13 @@ class EngineCore:
                     )
                 # The sampler masked the row to what the grammar allows: a refusal ends the output here.
                 logger.warning("request %r: token %d is outside its grammar; the request ends here", r.request_id, t)
-                reason = "stop"
+                reason = FinishReason.STOP
                 break
             r.tokens.append(t)
             kept.append(token)
             n = len(r.tokens) - r.prompt_len
             done = r.grammar is not None and r.grammar.done  # the grammar is complete: it took a stop id
-            reason = "stop" if t in r.stop_ids or done else "length" if n >= r.params.max_tokens else None
+            reason = FinishReason.STOP if t in r.stop_ids or done else FinishReason.LENGTH if n >= r.params.max_tokens else None
             if reason is not None:
                 break
         self._generated += len(kept)
@@ -603,7 +607,7 @@ class EngineCore:
             num_prompt_tokens=r.prompt_len,
             num_generated_tokens=n,
             logprobs=None if r.params.logprobs is None else tuple(kept),
-            stop_token_id=kept[-1].token_id if reason == "stop" and kept and kept[-1].token_id in stop_set(r) else None,
+            stop_token_id=kept[-1].token_id if reason is FinishReason.STOP and kept and kept[-1].token_id in stop_set(r) else None,
             arrival_time=r.arrival_time,
             token_times=(now,) * len(kept),
             num_cached_tokens=r.num_cached_tokens or 0,
@@ -613,13 +617,13 @@ class EngineCore:
             self._retire(r, reason)
         return out
 
-    def _finish(self, r: Request, reason: str, error: RtpcoreError | None = None) -> RequestOutput:
+    def _finish(self, r: Request, reason: FinishReason, error: RtpcoreError | None = None) -> RequestOutput:
         """End ``r`` early (abort or error): its last output, with nothing new."""
         self._retire(r, reason)
         return self._last_output(r, reason, error)
 
     @staticmethod
-    def _last_output(r: Request, reason: str, error: RtpcoreError | None) -> RequestOutput:
+    def _last_output(r: Request, reason: FinishReason, error: RtpcoreError | None) -> RequestOutput:
         """The output that ends ``r`` with ``reason`` and no new token."""
         return RequestOutput(
             request_id=r.request_id,
@@ -633,9 +637,9 @@ class EngineCore:
             num_cached_tokens=r.num_cached_tokens or 0,
         )
 
-    def _retire(self, r: Request, reason: str) -> None:
+    def _retire(self, r: Request, reason: FinishReason) -> None:
         r.finish_reason = reason
-        self.scheduler.retire(r, cache=reason != "error")
+        self.scheduler.retire(r, cache=reason is not FinishReason.ERROR)
         self._requests.pop(r.request_id, None)
         self._finished += 1
 

@@ -13,6 +13,10 @@ p what it computed from token p + 1: the block's bytes depend on the first token
 next block too. Such an engine keys each block over its tokens and ``lookahead`` = 1 token
 after it, so a block is cached only once that token is known and found only by a prompt
 that has it.
+
+Which blocks a request finds and which it adds is the policy of :class:`PrefixCache`; its "off"
+is an implementation too (:class:`NoPrefixCache`), so the KV manager
+(``rtpcore.engine.core.kv_manager``) never asks whether caching is on.
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ import hashlib
 import json
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["KEY_VERSION", "block_keys", "namespace_key"]
+if TYPE_CHECKING:
+    from rtpcore.engine.core.block_pool import BlockAllocator
+    from rtpcore.engine.core.request import Request
+
+__all__ = ["KEY_VERSION", "NoPrefixCache", "PrefixCache", "block_keys", "namespace_key"]
 
 KEY_VERSION = 1  # changes when the key's content changes
 
@@ -49,3 +57,76 @@ def block_keys(
         parent = h.digest()
         keys.append(parent)
     return keys
+
+
+class PrefixCache:
+    """Prefix caching on: a request finds the longest chain of cached full blocks of its tokens
+    and adds its own full blocks once computed. ``namespace``: the key of every chain's root
+    (:func:`namespace_key`); ``has_draft``: a speculative draft shares the blocks (a block is
+    cached once both models computed it); ``lookahead``: 1 when the draft's bytes of a block
+    depend on the token after it (a draft reading the target's hidden states).
+
+    Counts what admitted requests looked up (``queries_total`` tokens) and found
+    (``hits_total``)."""
+
+    enabled = True
+
+    def __init__(self, namespace: bytes, tokens_per_block: int, *, has_draft: bool = False, lookahead: int = 0):
+        self.namespace = namespace
+        self.tpb = tokens_per_block
+        self.has_draft = has_draft
+        self.lookahead = lookahead
+        self.queries_total = 0
+        self.hits_total = 0
+
+    def keys(self, r: Request) -> list[bytes]:
+        """``r``'s block keys, extended to the full blocks its tokens now make."""
+        keys = r.block_keys
+        if (len(r.tokens) - self.lookahead) // self.tpb > len(keys):
+            parent = keys[-1] if keys else self.namespace
+            keys += block_keys(r.tokens, self.tpb, parent, start=len(keys), lookahead=self.lookahead)
+        return keys
+
+    def find(self, pool: BlockAllocator, r: Request) -> list[int]:
+        """The cached blocks of ``r``'s longest cached prefix, never the block of its last
+        token (always computed: its logits are needed); takes no reference."""
+        usable = (len(r.tokens) - 1) // self.tpb
+        return pool.lookup(self.keys(r)[:usable])
+
+    def register(self, pool: BlockAllocator, r: Request) -> None:
+        """Put ``r``'s full blocks that both models (with a draft) have computed in the cache.
+        A block whose key is cached already (another request computed the same prefix in the
+        same steps) stays the request's own."""
+        limit = min(r.num_cached, r.draft_cached) if self.has_draft else r.num_cached
+        full = min(limit // self.tpb, len(r.blocks))
+        if full <= r.num_registered:
+            return
+        keys = self.keys(r)
+        full = min(full, len(keys))
+        for i in range(r.num_registered, full):
+            pool.register(r.blocks[i], keys[i])
+        r.num_registered = max(r.num_registered, full)
+
+    def count(self, r: Request, hit: int) -> None:
+        """An admitted request looked up its tokens and found ``hit`` of them cached."""
+        self.queries_total += len(r.tokens)
+        self.hits_total += hit
+        if r.num_cached_tokens is None:
+            r.num_cached_tokens = min(hit, r.prompt_len)
+
+
+class NoPrefixCache:
+    """Prefix caching off: nothing is found, nothing is added, nothing is counted."""
+
+    enabled = False
+    queries_total = 0
+    hits_total = 0
+
+    def find(self, pool: BlockAllocator, r: Request) -> list[int]:
+        return []
+
+    def register(self, pool: BlockAllocator, r: Request) -> None:
+        pass
+
+    def count(self, r: Request, hit: int) -> None:
+        pass

@@ -1,6 +1,6 @@
 """The ``ForwardBatch`` of a step plan: the model runner's inputs (docs/design.md §13).
 
-:class:`BatchBuilder` turns the scheduler's :class:`~rtpcore.engine.core.scheduler.ScheduledSeq`
+:class:`BatchBuilder` turns the scheduler's :class:`~rtpcore.engine.core.request.ScheduledSeq`
 list into one flat, unpadded batch: each sequence's scheduled tokens (a decode's last token,
 or a prompt chunk), their positions and KV slots, and the logits rows the sampler needs --
 one per sequence that samples, ``k + 1`` for a decode whose ``k`` draft proposals are
@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import torch
 
-from rtpcore.engine.core.scheduler import Request, ScheduledSeq
+from rtpcore.engine.core.request import Request, ScheduledSeq
 from rtpcore.engine.step.staging import HostStaging
 from rtpcore.models.forward_batch import ForwardBatch
 

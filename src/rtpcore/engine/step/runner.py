@@ -1,7 +1,7 @@
 """Running one step plan: forward, sample, and keep a fault with the request that caused it.
 
 :class:`StepRunner` is the model runner of the engine core (``rtpcore.engine.engine_core``): it
-takes the scheduler's :class:`~rtpcore.engine.core.scheduler.StepPlan`, builds the batch
+takes the scheduler's :class:`~rtpcore.engine.core.request.StepPlan`, builds the batch
 (``rtpcore.engine.step.inputs``), runs the target's forward -- with a speculative draft, the
 draft's proposals first and its catch-up with fresh prompt chunks after -- and samples every
 row that needs a token in one batched call (``rtpcore.engine.sample.sampler``); when every row is
@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import torch
 
-from rtpcore.engine.core.scheduler import Request, ScheduledSeq
+from rtpcore.engine.core.request import Request, ScheduledSeq
 from rtpcore.engine.sample.params import SampledToken
 from rtpcore.engine.sample.sampler import SamplingRow, history_row, plain_greedy, sample
 from rtpcore.engine.sample.speculative import Proposal, propose, verify_batch
