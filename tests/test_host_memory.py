@@ -96,7 +96,7 @@ def test_a_gpu_engine_sizes_its_pool_from_every_ranks_measured_step_and_refuses_
     import pytest
 
     from rtpcore import Engine
-    from rtpcore.engine.engine import _plan_blocks
+    from rtpcore.engine.worker.memory import kv_cache_blocks
     from rtpcore.errors import KVCacheCapacityError
     from rtpcore.kv.specs import plan_blocks
 
@@ -105,10 +105,10 @@ def test_a_gpu_engine_sizes_its_pool_from_every_ranks_measured_step_and_refuses_
     block = sum(s.block_bytes for s in specs)
     gpu = attrs.evolve(config, device="cuda:0", gpu_memory_utilization=0.5, max_num_batched_tokens=512)
     ranks = _Ranks([(10 * block, 1000 * block, 1000 * block), (20 * block, 900 * block, 1000 * block)])
-    blocks = _plan_blocks(specs, gpu, 256, ranks)
+    blocks = kv_cache_blocks(specs, gpu, 256, ranks)
     # rank 1 is tighter: 500 - 100 in use - 20 peak = 380 blocks' worth
     assert blocks == plan_blocks(specs, 380 * block) == 380
     assert ranks.calls == [("profile_memory", 512)]
     with pytest.raises(KVCacheCapacityError, match="--max-model-len") as excinfo:
-        _plan_blocks(specs, gpu, 256, _Ranks([(0, 520 * block, 1000 * block)]))
+        kv_cache_blocks(specs, gpu, 256, _Ranks([(0, 520 * block, 1000 * block)]))
     assert excinfo.value.blocks_needed == 64 and excinfo.value.blocks_available == 20

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from rtpcore.checkpoint.hub import hub_id
+from rtpcore.engine.config import CliFlag, EngineOptions
 from rtpcore.engine.worker.devices import check_device_form, resolve_device
 from rtpcore.errors import DeviceError
 from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
@@ -75,51 +79,51 @@ def device_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """CHECKPOINT or ``--demo NAME``, the allowlist flags, and the engine's dtype and KV options."""
+def add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
+    """CHECKPOINT or ``--demo NAME``, the allowlist flags, and the engine options ``command``
+    takes (:func:`add_engine_arguments`)."""
     p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
                    "give it or --demo")
     p.add_argument("--demo", metavar="NAME", help="use the demo model of this model type (random weights, "
                    "built on first use under $XDG_CACHE_HOME/rtpcore/demo)")
     add_allowlist_arguments(p)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="dtype of the weights and activations; auto (the default): the checkpoint's "
-                   "torch_dtype on a GPU, float32 on the CPU")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"],
-                   help="dtype of the KV cache (fp8: e4m3 bytes, see --kv-layout); auto (the default) "
-                   "follows --dtype")
-    p.add_argument("--kv-layout", default=None, metavar="NAME",
-                   help="byte layout of the fp8 MLA KV-cache layers: padded, compact, or one a loaded plugin "
-                   "registers (default: the one the model's plugin chooses)")
-    p.add_argument("--device", type=device_arg, default="auto", metavar="DEVICE",
-                   help="auto (default: the first CUDA/ROCm GPU torch sees, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
-                   help="run every decode step eagerly on a GPU (default: replay CUDA graphs, one engine rank)")
-    p.add_argument("--draft-model", metavar="PATH|mtp", default=None,
-                   help="speculative decoding: a draft checkpoint sharing the vocabulary (any model type the "
-                   "loaded plugins serve), or 'mtp' for the checkpoint's own multi-token-prediction layers "
-                   "(default: none, no speculative decoding)")
-    p.add_argument("--num-speculative-tokens", type=positive_int, metavar="K", default=None,
-                   help="tokens the draft proposes per step (default 4 with --draft-model)")
-    # Scheduling (docs/design.md §13)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="N",
-                   help="most new tokens one step computes: decodes first, long prompts in chunks "
-                   "(default: 8192 on a GPU, 256 on the CPU)")
-    p.add_argument("--max-model-len", type=positive_int, default=None, metavar="N",
-                   help="longest prompt + output a request may ask for (default: the checkpoint's context)")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_const", const=False, default=None,
-                   help="read each step's tokens before planning the next (default: with CUDA graphs, plan and "
-                   "launch the next step while the current one runs, outputs one step behind)")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not reuse the KV blocks of prompts seen before (default: reuse them)")
-    p.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
-                   help="share of a GPU's memory the engine fills, weights and KV cache (default: %(default)s)")
-    p.add_argument("--no-native-decode", dest="native_decode", action="store_false",
-                   help="run CPU decode steps with torch's modules, bit-identical to transformers in float32 "
-                   "(default: rtpcore's native decode step where the model allows it, within float32 rounding)")
-    p.add_argument("--quantization", choices=("int8",), default=None,
-                   help="weight-only quantization of every linear layer at load, on the CPU: int8 (one scale per "
-                   "output channel; the checkpoint stays float) (default: none)")
+    add_engine_arguments(p, command)
+
+
+_KINDS: dict[str, Callable[[str], Any]] = {
+    "positive_int": positive_int, "bytes": parse_bytes, "fraction": _fraction, "device": device_arg,
+}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, command: str) -> None:
+    """A flag for every engine option that ``command`` takes, generated from the options'
+    declarations (``rtpcore.engine.config.EngineOptions``: one field each, with its default and
+    its :class:`~rtpcore.engine.config.CliFlag`); :func:`engine_options` reads them back."""
+    for field in attrs.fields(EngineOptions):
+        flag: CliFlag | None = field.metadata["cli"]
+        if flag is None or (flag.commands is not None and command not in flag.commands):
+            continue
+        if flag.negative:  # --no-NAME: False; unset: the option's default (True, or None = automatic)
+            if field.default is True:
+                p.add_argument(flag.flag(field.name), dest=field.name, action="store_false", help=flag.help)
+            else:
+                p.add_argument(flag.flag(field.name), dest=field.name, action="store_const", const=False,
+                               default=field.default, help=flag.help)
+            continue
+        kwargs: dict[str, Any] = {"dest": field.name, "default": field.default, "help": flag.help}
+        if flag.kind is not None:
+            kwargs["type"] = _KINDS[flag.kind]
+        if flag.choices is not None:
+            kwargs["choices"] = list(flag.choices)
+        if flag.metavar is not None:
+            kwargs["metavar"] = flag.metavar
+        p.add_argument(flag.flag(field.name), **kwargs)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options the command line gave (every flag :func:`add_engine_arguments` added,
+    its default when not given), as ``Engine.from_pretrained`` keywords."""
+    return {name: getattr(args, name) for name in EngineOptions.names() if hasattr(args, name)}
 
 
 def checkpoint_name(args: argparse.Namespace, path: Path) -> str:
@@ -141,7 +145,7 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
     reads): the folder returned, and the draft among the keywords, are its snapshot folders."""
     if (args.checkpoint is None) == (args.demo is None):
         parser.error("give exactly one of CHECKPOINT or --demo NAME")
-    if args.num_speculative_tokens is not None and args.draft_model is None:
+    if args.num_speculative_tokens and args.draft_model is None:
         parser.error("--num-speculative-tokens needs --draft-model (a draft checkpoint or 'mtp')")
     allow = Allowlist.from_args(args)
     device = resolve_device(args.device)  # the engine checks it against tensor_parallel_size too
@@ -160,20 +164,9 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         local, draft = resolve_checkpoints(checkpoint, draft, plan=allow.resolve())
         path = Path(local)
     return path, {
+        **engine_options(args),
         "plugins": plugins,
         "external_model_packages": allow.external_model_packages,
-        "dtype": args.dtype,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "kv_layout": args.kv_layout,
         "device": device,
-        "cuda_graphs": args.cuda_graphs,
         "draft_model": draft,
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "async_scheduling": args.async_scheduling,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "quantization": args.quantization,
-        "native_decode": args.native_decode,
     }

@@ -39,7 +39,7 @@ def add_parser(subparsers: Any) -> None:
         description="Generate tokens with the rtpcore engine. --demo NAME builds a small random-weight "
         "model of that model type on first use (cached under $XDG_CACHE_HOME/rtpcore/demo).",
     )
-    add_model_arguments(p)
+    add_model_arguments(p, "generate")
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json, or --demo); "
                         "give it or --prompt-ids")

@@ -79,7 +79,7 @@ def add_parser(subparsers: Any) -> None:
         description="Serve a checkpoint (or a demo model) with continuous batching over an "
         "OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.",
     )
-    add_model_arguments(p)
+    add_model_arguments(p, "serve")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port to listen on (default: %(default)s)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: the "
@@ -91,15 +91,6 @@ def add_parser(subparsers: Any) -> None:
                       "no key: every client is served)")
     keys.add_argument("--api-key-file", metavar="PATH", type=Path, help="read the API key from this file "
                       "(surrounding whitespace stripped), instead of --api-key")
-    p.add_argument("--max-batch-size", type=positive_int, default=256, metavar="N",
-                   help="most requests running at once (default: %(default)s)")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
-                   help="bytes of KV cache per rank, e.g. 2GiB (default: on a GPU, what "
-                   "--gpu-memory-utilization leaves after the weights and one step; on the CPU, "
-                   "--max-batch-size sequences of --max-model-len tokens, at most a quarter of the memory)")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, metavar="N",
-                   help="tensor-parallel ranks the model's layers are split over; on GPUs rank r uses "
-                   "cuda:r (default: %(default)s)")
     p.add_argument("--tool-call-parser", metavar="NAME", default=None,
                    help="how the model writes tool calls, for tool_choice 'auto': hermes, llama3_json, or a "
                    "parser a loaded plugin registers (rtpcore_register_tool_parsers) (default: none; "
@@ -172,9 +163,6 @@ def run(args: argparse.Namespace) -> int:
     engine = AsyncEngine.from_pretrained(
         path,
         max_waiting=args.max_waiting,
-        max_batch_size=args.max_batch_size,
-        kv_cache_memory=args.kv_cache_memory,
-        tensor_parallel_size=args.tensor_parallel_size,
         **engine_options,
     )
     if args.threads is not None and args.tensor_parallel_size == 1:  # a group sets its ranks' threads

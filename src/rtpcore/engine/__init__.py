@@ -1,19 +1,20 @@
-"""The engine: one model, its paged KV cache, and batched generation.
+"""The engine, above models/ and below serving/: one model, its paged KV cache, and batched generation.
 
-``rank`` builds one rank's state (plugins from the plan, config, KV specs,
-weights, model, pools); ``engine`` wires the stages into :class:`Engine`; ``core``
-runs requests step by step through ``scheduler`` (admission, ``batch``: the
-ForwardBatch a model receives) and ``sampling`` (``SamplingParams``, the draw);
-``async_engine`` steps the core in a background thread for asyncio callers;
-``memory`` reads the memory limit the default KV cache is sized from.
+Its folders say when their code runs (docs/design.md §7; docs/architecture.md walks one request
+through them), from the bottom:
 
-The text side of the offline API (``Engine.generate`` on text, ``Engine.chat``,
-``AsyncEngine.generate``) lives here too, below the server that uses the same modules:
-``tokenizer`` (a checkpoint's ``tokenizer.json``), ``chat_template``, ``prompts`` (the
-forms a prompt takes), ``detokenize`` (ids to text, stop strings), ``output_processor``
-(engine outputs to text and ``n`` sequences) and ``outputs`` (``GenerationOutput``,
-``CompletionOutput``). Names are resolved lazily: importing ``rtpcore.models.forward_batch``
-imports no torch.
+- ``sample/``: sampling params, the batched sampler, rejection sampling, grammar masks;
+- ``core/``: per step on rank 0: requests and their states, the step plan, the scheduler (policy),
+  the KV manager (blocks per request), the block pool and the prefix cache;
+- ``step/``: once per step on rank 0: build the inputs, stage them, run the ranks' forward, sample,
+  keep a fault with its request;
+- ``worker/``: on every rank: the shard (model, KV pools, CUDA graphs), devices, KV memory sizing;
+- ``text/``: per request, in the caller's thread: tokenizer, chat template, prompts, detokenizer,
+  output processor, outputs;
+
+then ``engine_core`` (the step loop), ``config`` (the options, declared once), ``engine``
+(:class:`Engine`, offline) and ``async_engine`` (:class:`AsyncEngine`, a background step loop
+for asyncio callers). Names are resolved lazily: importing ``rtpcore.engine`` imports no torch.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ _LAZY = {
     "AsyncEngine": "rtpcore.engine.async_engine",
     "CompletionOutput": "rtpcore.engine.text.outputs",
     "Engine": "rtpcore.engine.engine",
-    "EngineConfig": "rtpcore.engine.engine",
-    "EngineStats": "rtpcore.engine.engine_core",
+    "EngineConfig": "rtpcore.engine.config",
+    "EngineStats": "rtpcore.engine.core.outputs",
     "GenerationOutput": "rtpcore.engine.text.outputs",
-    "RequestOutput": "rtpcore.engine.engine_core",
+    "RequestOutput": "rtpcore.engine.core.outputs",
     "SamplingParams": "rtpcore.engine.sample.params",
 }
 

@@ -45,9 +45,10 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
+from rtpcore.engine.config import options_signature
 from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
 from rtpcore.engine.engine import Engine
 from rtpcore.engine.sample.params import SamplingParams
@@ -139,11 +140,19 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
+    @options_signature
     def from_pretrained(
-        cls, path: str | os.PathLike[str], *, max_waiting: int | None = None, **engine_kwargs: Any
+        cls,
+        path: str | os.PathLike[str],
+        plugins: Iterable[str] = (),
+        external_model_packages: Iterable[str] = (),
+        *,
+        max_waiting: int | None = None,
+        **options: Any,
     ) -> AsyncEngine:
-        """Build the engine (blocking: it loads the checkpoint) and start its loop."""
-        return cls(Engine.from_pretrained(path, **engine_kwargs), max_waiting=max_waiting)
+        """Build the engine (blocking: it loads the checkpoint; the arguments of
+        ``Engine.from_pretrained``) and start its loop."""
+        return cls(Engine.from_pretrained(path, plugins, external_model_packages, **options), max_waiting=max_waiting)
 
     # -- requests --------------------------------------------------------------------------
 

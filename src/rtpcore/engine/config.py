@@ -1,26 +1,70 @@
-"""The engine's options, validated and resolved once: :class:`EngineConfig` (picklable, so
-every rank rebuilds the same engine from it without rediscovering plugins). Above the engine's
-parts; ``Engine.from_pretrained`` builds one with :meth:`EngineConfig.create`."""
+"""The engine's options, declared once (:class:`EngineOptions`), and their resolved form
+(:class:`EngineConfig`). Above the engine's parts.
+
+Each option is one attrs field of :class:`EngineOptions`: its name is the keyword of
+``Engine.from_pretrained`` / ``AsyncEngine.from_pretrained`` / :meth:`EngineConfig.create`, its
+default is theirs, and its :func:`option` metadata says how ``rtpcore generate`` / ``rtpcore
+serve`` spell it (``rtpcore.cli._args.add_engine_arguments`` generates the flags from it, and
+``engine_options`` reads them back). A new option is one field here; nothing else lists them.
+:meth:`EngineConfig.create` validates and resolves them (the device, the dtypes, the token
+budget, the allowlist's plan, a Hub id's folder) into an :class:`EngineConfig`: picklable, so
+every rank rebuilds the same engine from it without rediscovering plugins.
+
+This module imports no torch (the command line's ``--help`` reads the options).
+"""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
 from rtpcore.checkpoint.resolve import resolve_checkpoints
 from rtpcore.errors import RtpcoreError
-from rtpcore.models.layers import QUANTIZATIONS
 from rtpcore.plugins.resolution import Plan
 
-__all__ = ["DEFAULT_BATCHED_TOKENS", "DEFAULT_MAX_BATCH_SIZE", "DTYPES", "EngineConfig"]
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = [
+    "DEFAULT_BATCHED_TOKENS", "DEFAULT_MAX_BATCH_SIZE", "DTYPES", "QUANTIZATIONS", "CliFlag", "EngineConfig",
+    "EngineOptions", "option", "options_signature",
+]
+
+DTYPES = ("float32", "bfloat16", "float16")  # the torch dtype names the engine runs
 DEFAULT_BATCHED_TOKENS = {"cuda": 8192, "cpu": 256}  # max_num_batched_tokens by device type
 DEFAULT_MAX_BATCH_SIZE = 256
+QUANTIZATIONS = ("int8",)  # rtpcore.models.layers.QUANTIZATIONS (a test keeps the two equal)
+
+
+@attrs.frozen
+class CliFlag:
+    """How an option is spelled on the command line. ``help`` names the default. ``kind``: how
+    the CLI parses the value ("positive_int", "bytes", "fraction", "device", or None for plain
+    text; the parsers are the CLI's); ``negative``: a ``--no-NAME`` switch that sets False, for
+    an option that is on (or automatic, None) by default; ``commands``: the subcommands that
+    take it (None: every one that runs an engine)."""
+
+    help: str
+    kind: str | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    negative: bool = False
+    commands: tuple[str, ...] | None = None
+
+    def flag(self, name: str) -> str:
+        dashed = name.replace("_", "-")
+        return f"--no-{dashed}" if self.negative else f"--{dashed}"
+
+
+def option(default: Any, doc: str, cli: CliFlag | None = None) -> Any:
+    """One engine option: its default, what it does (``doc``), and its command-line flag (None:
+    a keyword of the Python API only)."""
+    return attrs.field(default=default, kw_only=True, metadata={"doc": doc, "cli": cli})
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -29,110 +73,164 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _tristate(name: str, value: Any) -> None:
+    if value not in (None, True, False):
+        raise RtpcoreError(f"{name} must be None (automatic), True or False, got {value!r}")
+
+
 @attrs.frozen
-class EngineConfig:
-    """Everything needed to build an engine, resolved and validated; picklable, so a
-    worker process can rebuild the same engine from it without rediscovering plugins."""
+class EngineOptions:
+    """Every option of an engine, as the caller gives it (see the module docstring)."""
+
+    model_type: str | None = option(
+        None, "the registered model type to build; None: inferred from config.json (docs/design.md §4)")
+    dtype: str = option("auto", "dtype of the weights and activations", CliFlag(
+        "dtype of the weights and activations; auto (the default): the checkpoint's torch_dtype on a GPU, "
+        "float32 on the CPU", choices=("auto", *DTYPES)))
+    kv_cache_dtype: str = option("auto", "dtype of the KV cache", CliFlag(
+        "dtype of the KV cache (fp8: e4m3 bytes, see --kv-layout); auto (the default) follows --dtype",
+        choices=("auto", "fp32", "fp16", "bf16", "fp8")))
+    kv_layout: str | None = option(None, "byte layout of fp8 MLA KV-cache layers", CliFlag(
+        "byte layout of the fp8 MLA KV-cache layers: padded, compact, or one a loaded plugin registers "
+        "(default: the one the model's plugin chooses)", metavar="NAME"))
+    tokens_per_block: int = option(16, "tokens per KV block")
+    kv_cache_memory: int | None = option(None, "bytes of KV cache per rank", CliFlag(
+        "bytes of KV cache per rank, e.g. 2GiB (default: on a GPU, what --gpu-memory-utilization leaves after "
+        "the weights and one step; on the CPU, --max-batch-size sequences of --max-model-len tokens, at most a "
+        "quarter of the memory)", kind="bytes", metavar="BYTES", commands=("serve",)))
+    max_batch_size: int = option(DEFAULT_MAX_BATCH_SIZE, "most requests running at once", CliFlag(
+        "most requests running at once (default: %(default)s)", kind="positive_int", metavar="N",
+        commands=("serve",)))
+    tensor_parallel_size: int = option(1, "tensor-parallel ranks", CliFlag(
+        "tensor-parallel ranks the model's layers are split over; on GPUs rank r uses cuda:r "
+        "(default: %(default)s)", kind="positive_int", metavar="N", commands=("serve",)))
+    fp32_batched_linear: bool | None = option(
+        None, "whether bf16/fp16 linear layers keep a float32 copy for several-row inputs "
+        "(rtpcore.models.layers, kernel 'packed+fp32'); None: automatic, see rtpcore.engine.worker.rank")
+    draft_model: str | os.PathLike[str] | None = option(None, "speculative decoding's draft", CliFlag(
+        "speculative decoding: a draft checkpoint sharing the vocabulary (any model type the loaded plugins "
+        "serve), or 'mtp' for the checkpoint's own multi-token-prediction layers (default: none, no "
+        "speculative decoding)", metavar="PATH|mtp"))
+    num_speculative_tokens: int = option(0, "tokens the draft proposes per step (0: 4 with a draft)", CliFlag(
+        "tokens the draft proposes per step (default 0: 4 with --draft-model)", kind="positive_int", metavar="K"))
+    device: Any = option("auto", "where weights, KV pools and sampling live", CliFlag(
+        "auto (default: the first CUDA/ROCm GPU torch sees, else cpu), cpu, cuda or cuda:N", kind="device",
+        metavar="DEVICE"))
+    cuda_graphs: bool | None = option(None, "decode steps replayed from CUDA graphs; None: on for one GPU rank", CliFlag(
+        "run every decode step eagerly on a GPU (default: replay CUDA graphs, one engine rank)", negative=True))
+    max_num_batched_tokens: int | None = option(None, "most new tokens one step computes", CliFlag(
+        "most new tokens one step computes: decodes first, long prompts in chunks (default: 8192 on a GPU, "
+        "256 on the CPU)", kind="positive_int", metavar="N"))
+    max_model_len: int | None = option(None, "longest prompt + output; None: the checkpoint's context", CliFlag(
+        "longest prompt + output a request may ask for (default: the checkpoint's context)", kind="positive_int",
+        metavar="N"))
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompts seen before", CliFlag(
+        "do not reuse the KV blocks of prompts seen before (default: reuse them)", negative=True))
+    gpu_memory_utilization: float = option(0.9, "share of a GPU's memory the engine fills", CliFlag(
+        "share of a GPU's memory the engine fills, weights and KV cache (default: %(default)s)", kind="fraction",
+        metavar="F"))
+    quantization: str | None = option(None, "weight-only quantization of every Linear at load", CliFlag(
+        "weight-only quantization of every linear layer at load, on the CPU: int8 (one scale per output channel; "
+        "the checkpoint stays float) (default: none)", choices=QUANTIZATIONS))
+    native_decode: bool = option(True, "CPU decode steps in rtpcore_native where the model allows", CliFlag(
+        "run CPU decode steps with torch's modules, bit-identical to transformers in float32 (default: rtpcore's "
+        "native decode step where the model allows it, within float32 rounding)", negative=True))
+    async_scheduling: bool | None = option(None, "outputs one step behind; None: on with CUDA graphs", CliFlag(
+        "read each step's tokens before planning the next (default: with CUDA graphs, plan and launch the next "
+        "step while the current one runs, outputs one step behind)", negative=True))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in attrs.fields(cls))
+
+    @classmethod
+    def check_names(cls, options: Mapping[str, Any], what: str) -> None:
+        """An unknown name in ``options`` is a TypeError from ``what`` naming it (and the
+        closest known one)."""
+        known = cls.names()
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"{what}() got an unexpected option {name!r}{hint} (options: {', '.join(known)})")
+
+
+def options_signature(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` (whose ``**options`` are engine options) with a signature that lists each
+    option as a keyword with its default, for ``help()``, ``inspect.signature`` and editors;
+    ``func`` is returned (a decorator)."""
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type or inspect.Parameter.empty)
+        for f in attrs.fields(EngineOptions)
+        if f.name not in sig.parameters
+    ]
+    func.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return func
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig(EngineOptions):
+    """Everything needed to build an engine: the options resolved and validated (the fields
+    below are the resolved forms of :class:`EngineOptions`' own), the checkpoint's folder and
+    the allowlist's plan; picklable, so a worker process can rebuild the same engine from it
+    without rediscovering plugins."""
 
     checkpoint: str
     plan: Plan
-    model_type: str | None
-    dtype: str
+    dtype: str  # resolved: "float32", "bfloat16" or "float16"
     kv_cache_dtype: str  # resolved: "fp32", "fp16", "bf16" or "fp8_e4m3"
-    kv_layout: str | None
-    tokens_per_block: int
-    kv_cache_memory: int | None
-    max_batch_size: int
-    tensor_parallel_size: int
-    # resolved (rtpcore.engine.worker.devices): "cpu" or "cuda:N", rank 0's device when sharded
-    device: str = "cpu"
-    # Whether bf16/fp16 linear layers keep a float32 copy for several-row inputs
-    # (rtpcore.models.layers, kernel "packed+fp32"); None: automatic, see rtpcore.engine.worker.rank.
-    fp32_batched_linear: bool | None = None
-    # Speculative decoding (docs/design.md §10): a draft checkpoint's path or "mtp", and
-    # how many tokens it proposes per step (0: no speculation).
-    draft_model: str | None = None
-    num_speculative_tokens: int = 0
-    # Decode steps replayed from CUDA graphs (rtpcore.engine.worker.graphs): None = on for a
-    # single-rank engine on a CUDA/ROCm device, off otherwise.
-    cuda_graphs: bool | None = None
-    # Scheduling (docs/design.md §13), resolved: the token budget of a step, the longest
-    # prompt + output (None: the checkpoint's max_position_embeddings), prefix caching, and
-    # the share of a GPU's memory the engine may fill.
+    device: str = "cpu"  # resolved (rtpcore.engine.worker.devices): "cpu" or "cuda:N", rank 0's device when sharded
+    draft_model: str | None = None  # a local folder or "mtp"
     max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS["cpu"]
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    # Weight-only quantization of every Linear at load (rtpcore.models.layers): None or "int8" (CPU).
-    quantization: str | None = None
-    # CPU decode steps of float32 / int8 Llama-family models in rtpcore_native
-    # (rtpcore.models.native) where they can run; False keeps torch's modules.
-    native_decode: bool = True
-    # Outputs one step behind (rtpcore.engine.engine_core, docs/design.md §13): None = on for a
-    # single-rank engine whose decode steps replay CUDA graphs, off otherwise.
-    async_scheduling: bool | None = None
 
     @classmethod
+    @options_signature
     def create(
         cls,
         path: str | os.PathLike[str],
         *,
         plugins: Iterable[str] = (),
         external_model_packages: Iterable[str] = (),
-        model_type: str | None = None,
-        dtype: str = "auto",
-        kv_cache_dtype: str = "auto",
-        kv_layout: str | None = None,
-        tokens_per_block: int = 16,
-        kv_cache_memory: int | None = None,
-        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-        tensor_parallel_size: int = 1,
-        fp32_batched_linear: bool | None = None,
-        draft_model: str | os.PathLike[str] | None = None,
-        num_speculative_tokens: int = 0,
-        device: Any = "auto",
-        cuda_graphs: bool | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        gpu_memory_utilization: float = 0.9,
-        quantization: str | None = None,
-        native_decode: bool = True,
-        async_scheduling: bool | None = None,
+        **options: Any,
     ) -> EngineConfig:
-        """Validate the arguments, resolve the device (:func:`~rtpcore.engine.worker.devices.resolve_device`:
-        a device torch cannot see raises DeviceError here, before anything loads) and the
-        allowlist (imports no plugin). A Hub id as ``path`` or ``draft_model`` is fetched here,
-        once, into the Hub cache (:func:`~rtpcore.checkpoint.resolve.resolve_checkpoints`: it loads the
-        plan's plugins to learn which shards), so the config carries local folders to every rank."""
+        """Validate the options (:class:`EngineOptions`' names), resolve the device
+        (:func:`~rtpcore.engine.worker.devices.resolve_device`: a device torch cannot see raises
+        DeviceError here, before anything loads) and the allowlist (imports no plugin). A Hub id
+        as ``path`` or ``draft_model`` is fetched here, once, into the Hub cache
+        (:func:`~rtpcore.checkpoint.resolve.resolve_checkpoints`: it loads the plan's plugins to
+        learn which shards), so the config carries local folders to every rank."""
+        EngineOptions.check_names(options, "EngineConfig.create")
+        o = EngineOptions(**options)
+
         from rtpcore.engine.worker.devices import resolve_device
         from rtpcore.kv.specs import resolve_kv_cache_dtype
         from rtpcore.parallel.context import env_world_size
         from rtpcore.plugins.allowlist import Allowlist
 
-        if dtype != "auto" and dtype not in DTYPES:
+        if o.dtype != "auto" and o.dtype not in DTYPES:
             raise RtpcoreError(
-                f"dtype {dtype!r} is not supported; choose 'auto' or one of {', '.join(map(repr, DTYPES))}"
+                f"dtype {o.dtype!r} is not supported; choose 'auto' or one of {', '.join(map(repr, DTYPES))}"
             )
-        _positive_int("tokens_per_block", tokens_per_block)
-        _positive_int("max_batch_size", max_batch_size)
-        if kv_cache_memory is not None:
-            _positive_int("kv_cache_memory", kv_cache_memory)
-        _positive_int("tensor_parallel_size", tensor_parallel_size)
-        if fp32_batched_linear not in (None, True, False):
-            raise RtpcoreError(f"fp32_batched_linear must be None (automatic), True or False, got {fp32_batched_linear!r}")
-        draft, k = _speculative_options(draft_model, num_speculative_tokens)
+        _positive_int("tokens_per_block", o.tokens_per_block)
+        _positive_int("max_batch_size", o.max_batch_size)
+        if o.kv_cache_memory is not None:
+            _positive_int("kv_cache_memory", o.kv_cache_memory)
+        _positive_int("tensor_parallel_size", o.tensor_parallel_size)
+        _tristate("fp32_batched_linear", o.fp32_batched_linear)
+        draft, k = _speculative_options(o.draft_model, o.num_speculative_tokens)
         if isinstance(plugins, str) or isinstance(external_model_packages, str):
             raise RtpcoreError("plugins and external_model_packages take a sequence of strings, not one string")
         # Under env:// rendezvous (torchrun) the ranks may sit on other machines: this process
         # checks only its own device; every rank checks its own when the group forms.
-        local_ranks = 1 if tensor_parallel_size > 1 and env_world_size() is not None else tensor_parallel_size
-        resolved_device = resolve_device(device, tensor_parallel_size=local_ranks)
-        if cuda_graphs not in (None, True, False):
-            raise RtpcoreError(f"cuda_graphs must be None (automatic), True or False, got {cuda_graphs!r}")
-        if cuda_graphs and resolved_device == "cpu":
+        local_ranks = 1 if o.tensor_parallel_size > 1 and env_world_size() is not None else o.tensor_parallel_size
+        resolved_device = resolve_device(o.device, tensor_parallel_size=local_ranks)
+        _tristate("cuda_graphs", o.cuda_graphs)
+        if o.cuda_graphs and resolved_device == "cpu":
             raise RtpcoreError("cuda_graphs=True needs a CUDA/ROCm device; the engine runs on the CPU")
         device_type = "cpu" if resolved_device == "cpu" else "cuda"
+        max_num_batched_tokens = o.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_BATCHED_TOKENS[device_type]
         _positive_int("max_num_batched_tokens", max_num_batched_tokens)
@@ -141,65 +239,50 @@ class EngineConfig:
                 f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one decode step with "
                 f"num_speculative_tokens={k} (1 + {k} tokens); raise it"
             )
-        if max_model_len is not None:
-            _positive_int("max_model_len", max_model_len)
-        if quantization is not None and quantization not in QUANTIZATIONS:
-            raise RtpcoreError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-        if quantization is not None and resolved_device != "cpu":
+        if o.max_model_len is not None:
+            _positive_int("max_model_len", o.max_model_len)
+        if o.quantization is not None and o.quantization not in QUANTIZATIONS:  # (what Linear builds)
+            raise RtpcoreError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {o.quantization!r}")
+        if o.quantization is not None and resolved_device != "cpu":
             raise RtpcoreError(
-                f"quantization={quantization!r} runs on the CPU only for now (rtpcore's and torch's int8-weight CPU kernels); "
+                f"quantization={o.quantization!r} runs on the CPU only for now (rtpcore's and torch's int8-weight CPU kernels); "
                 f"this engine runs on {resolved_device}"
             )
-        if native_decode not in (True, False):
-            raise RtpcoreError(f"native_decode must be True or False, got {native_decode!r}")
-        if async_scheduling not in (None, True, False):
-            raise RtpcoreError(f"async_scheduling must be None (automatic), True or False, got {async_scheduling!r}")
-        if async_scheduling and tensor_parallel_size > 1:
+        if o.native_decode not in (True, False):
+            raise RtpcoreError(f"native_decode must be True or False, got {o.native_decode!r}")
+        _tristate("async_scheduling", o.async_scheduling)
+        if o.async_scheduling and o.tensor_parallel_size > 1:
             raise RtpcoreError(
-                f"async_scheduling=True needs tensor_parallel_size=1, got {tensor_parallel_size}: the next step's "
+                f"async_scheduling=True needs tensor_parallel_size=1, got {o.tensor_parallel_size}: the next step's "
                 "input ids stay on rank 0's device"
             )
-        if enable_prefix_caching not in (True, False):
-            raise RtpcoreError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        if o.enable_prefix_caching not in (True, False):
+            raise RtpcoreError(f"enable_prefix_caching must be True or False, got {o.enable_prefix_caching!r}")
         if (
-            isinstance(gpu_memory_utilization, bool)
-            or not isinstance(gpu_memory_utilization, int | float)
-            or not 0.0 < gpu_memory_utilization <= 1.0
+            isinstance(o.gpu_memory_utilization, bool)
+            or not isinstance(o.gpu_memory_utilization, int | float)
+            or not 0.0 < o.gpu_memory_utilization <= 1.0
         ):
-            raise RtpcoreError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+            raise RtpcoreError(f"gpu_memory_utilization must be in (0, 1], got {o.gpu_memory_utilization!r}")
         plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages).resolve()
         # A Hub id (org/name[@revision]) becomes its snapshot folder, holding the shards the ranks read.
-        path, draft = resolve_checkpoints(path, draft, plan=plan, model_type=model_type)
-        dtype = _resolve_dtype(dtype, resolved_device, path)
-        kv = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
-        return cls(
-            checkpoint=str(path),
-            plan=plan,
-            model_type=model_type,
-            dtype=dtype,
-            kv_cache_dtype=kv,
-            kv_layout=kv_layout,
-            tokens_per_block=tokens_per_block,
-            kv_cache_memory=kv_cache_memory,
-            max_batch_size=max_batch_size,
-            tensor_parallel_size=tensor_parallel_size,
-            device=resolved_device,
-            fp32_batched_linear=fp32_batched_linear,
-            draft_model=draft,
-            num_speculative_tokens=k,
-            cuda_graphs=cuda_graphs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            quantization=quantization,
-            native_decode=native_decode,
-            async_scheduling=async_scheduling,
-        )
+        path, draft = resolve_checkpoints(path, draft, plan=plan, model_type=o.model_type)
+        dtype = _resolve_dtype(o.dtype, resolved_device, path)
+        kv = resolve_kv_cache_dtype(o.kv_cache_dtype, dtype)
+        resolved = {
+            "dtype": dtype, "kv_cache_dtype": kv, "device": resolved_device, "draft_model": draft,
+            "num_speculative_tokens": k, "max_num_batched_tokens": max_num_batched_tokens,
+            "gpu_memory_utilization": float(o.gpu_memory_utilization),
+        }
+        given = {name: getattr(o, name) for name in EngineOptions.names()}
+        return cls(checkpoint=str(path), plan=plan, **{**given, **resolved})
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
 
 DEFAULT_SPECULATIVE_TOKENS = 4  # proposals per step when a draft is given without a count

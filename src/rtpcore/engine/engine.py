@@ -66,7 +66,8 @@ from typing import Any, overload
 
 import torch
 
-from rtpcore.engine.config import DEFAULT_MAX_BATCH_SIZE, EngineConfig
+from rtpcore.checkpoint.generation_config import eos_token_ids
+from rtpcore.engine.config import EngineConfig, EngineOptions, options_signature
 from rtpcore.engine.core.block_pool import BlockAllocator
 from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
 from rtpcore.engine.core.prefix_cache import namespace_key
@@ -77,12 +78,12 @@ from rtpcore.engine.text.output_processor import PromptRun
 from rtpcore.engine.text.outputs import GenerationOutput
 from rtpcore.engine.text.prompts import Prompt, PromptInputs, TextSide, conversations, prompt_items
 from rtpcore.engine.text.tokenizer import Tokenizer
+from rtpcore.engine.worker.memory import kv_cache_blocks
 from rtpcore.engine.worker.rank import max_positions
 from rtpcore.errors import (
     EngineBuildError,
     EngineClosedError,
     InvalidRequestError,
-    KVCacheCapacityError,
     RtpcoreError,
 )
 from rtpcore.plugins.resolution import PlanEntry
@@ -91,7 +92,6 @@ __all__ = ["Engine"]
 
 logger = logging.getLogger(__name__)
 
-RAM_FRACTION = 0.25  # cap of the default KV memory on the CPU
 
 
 def _async_scheduling(config: EngineConfig, shard: Any) -> bool:
@@ -131,34 +131,20 @@ class Engine:
     _text: TextSide  # the checkpoint's tokenizer and chat template, for the outputs form of generate, and chat
 
     @classmethod
+    @options_signature
     def from_pretrained(
         cls,
         path: str | os.PathLike[str],
         plugins: Iterable[str] = (),
         external_model_packages: Iterable[str] = (),
-        model_type: str | None = None,
-        dtype: str = "auto",
-        kv_cache_dtype: str = "auto",
-        kv_layout: str | None = None,
-        tokens_per_block: int = 16,
-        kv_cache_memory: int | None = None,
-        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-        tensor_parallel_size: int = 1,
-        fp32_batched_linear: bool | None = None,
-        draft_model: str | os.PathLike[str] | None = None,
-        num_speculative_tokens: int = 0,
-        device: Any = "auto",
-        cuda_graphs: bool | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        gpu_memory_utilization: float = 0.9,
-        quantization: str | None = None,
-        native_decode: bool = True,
-        async_scheduling: bool | None = None,
+        **options: Any,
     ) -> Engine:
         """Resolve the allowlist, load the plugins and the checkpoint at ``path``, and
         preallocate the KV cache (see the module docstring for its default size).
+
+        ``options``: the engine's options, each a field of
+        :class:`~rtpcore.engine.config.EngineOptions` with its default (``inspect.signature``
+        lists them all; an unknown name is a TypeError). The ones that need a word:
 
         ``draft_model``: speculative decoding with a draft checkpoint (any model type the
         loaded plugins serve, inferred from its config.json) or ``"mtp"`` (the target's own
@@ -195,31 +181,8 @@ class Engine:
         greedy; other steps run synchronously (counted in ``stats().async_fallback_steps_total``).
         None (the default) turns it on where it helps, a single-rank engine whose decode steps
         replay CUDA graphs; True forces it on (on the CPU it gains nothing: for tests)."""
-        config = EngineConfig.create(
-            path,
-            plugins=plugins,
-            external_model_packages=external_model_packages,
-            model_type=model_type,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            kv_layout=kv_layout,
-            tokens_per_block=tokens_per_block,
-            kv_cache_memory=kv_cache_memory,
-            max_batch_size=max_batch_size,
-            tensor_parallel_size=tensor_parallel_size,
-            fp32_batched_linear=fp32_batched_linear,
-            draft_model=draft_model,
-            num_speculative_tokens=num_speculative_tokens,
-            device=device,
-            cuda_graphs=cuda_graphs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            gpu_memory_utilization=gpu_memory_utilization,
-            quantization=quantization,
-            native_decode=native_decode,
-            async_scheduling=async_scheduling,
-        )
+        EngineOptions.check_names(options, "Engine.from_pretrained")
+        config = EngineConfig.create(path, plugins=plugins, external_model_packages=external_model_packages, **options)
         return cls.from_config(config)
 
     @classmethod
@@ -257,10 +220,10 @@ class Engine:
             specs = [*self.kv_cache_specs, *self.draft_kv_cache_specs]  # the draft's blocks are the target's
             self.max_positions = max_positions(hf)
             self.max_model_len = _max_model_len(config, self.max_positions)
-            self.num_kv_blocks = _plan_blocks(specs, config, self.max_model_len, self._group)
+            self.num_kv_blocks = kv_cache_blocks(specs, config, self.max_model_len, self._group)
             self._group.run("allocate", self.num_kv_blocks)
             self.kv_caches = shard.kv_caches
-            self.eos_token_ids = _eos_token_ids(hf, Path(config.checkpoint))
+            self.eos_token_ids = eos_token_ids(hf, Path(config.checkpoint))
             self._text = TextSide(config.checkpoint, self.eos_token_ids)  # tokenizer, chat template: on first use
             vocab = hf.get("vocab_size")
             self.vocab_size = vocab if isinstance(vocab, int) else None
@@ -755,60 +718,3 @@ def _max_model_len(config: EngineConfig, max_positions: int) -> int:
             f"{max_positions} ({config.checkpoint!r}); choose at most {max_positions}"
         )
     return config.max_model_len
-
-
-def _plan_blocks(specs: Sequence[Any], config: EngineConfig, max_model_len: int, group: Any) -> int:
-    """Blocks per layer for ``kv_cache_memory`` or the documented default; at least one
-    ``max_model_len`` sequence's worth, else a KVCacheCapacityError."""
-    from rtpcore.engine.worker.memory import gpu_kv_cache_bytes, memory_limit
-    from rtpcore.kv.specs import plan_blocks
-
-    block_bytes = sum(s.block_bytes for s in specs)
-    tpb = config.tokens_per_block
-    memory = config.kv_cache_memory
-    if memory is None and config.device != "cpu":
-        # Every rank measures its own device: the step's peak, then what is free.
-        readings = group.run("profile_memory", config.max_num_batched_tokens, gather=True)
-        memory = min(
-            gpu_kv_cache_bytes(total=total, free=free, peak_step=peak, utilization=config.gpu_memory_utilization)
-            for peak, free, total in readings
-        )
-    elif memory is None:
-        want = -(-config.max_batch_size * max_model_len // tpb) * block_bytes
-        # Every rank allocates this much; spawned ranks share this machine's RAM.
-        cap = int(memory_limit() * RAM_FRACTION) // config.tensor_parallel_size
-        memory = min(want, cap)
-    blocks = plan_blocks(specs, memory)
-    need = -(-max_model_len // tpb)
-    if blocks < need:
-        raise KVCacheCapacityError(
-            f"the KV cache holds {blocks} blocks of {tpb} tokens ({blocks * tpb} tokens, {memory} bytes per "
-            f"rank), but one max_model_len={max_model_len} sequence needs {need} blocks "
-            f"({need * block_bytes} bytes over all layers): lower --max-model-len (max_model_len=) "
-            "or raise --kv-cache-memory (kv_cache_memory=)",
-            tokens_needed=max_model_len,
-            blocks_needed=need,
-            blocks_available=blocks,
-        )
-    return blocks
-
-
-def _eos_token_ids(hf: dict[str, Any], path: Path) -> tuple[int, ...]:
-    """``eos_token_id`` of generation_config.json when it has one (what transformers uses),
-    else of config.json: null, a token id or a list of them; anything else is a
-    ``ConfigFieldError`` naming the file."""
-    import json
-
-    from rtpcore.plugins import config_fields
-
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        try:
-            fields = json.loads(gen.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            fields = None
-        if not isinstance(fields, dict):
-            logger.warning("ignoring unreadable %s", gen)
-        elif "eos_token_id" in fields:
-            return config_fields.token_ids(fields, "eos_token_id", file=gen.name)
-    return config_fields.token_ids(hf, "eos_token_id")

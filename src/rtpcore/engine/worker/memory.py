@@ -1,5 +1,6 @@
 """How much memory this process may use: physical RAM, or less under a cgroup limit; and
-how much of a GPU the KV cache may take (:func:`gpu_kv_cache_bytes`).
+how much of a GPU the KV cache may take (:func:`gpu_kv_cache_bytes`); how many KV blocks an engine
+allocates (:func:`kv_cache_blocks`).
 
 A container's memory limit is a cgroup's, not the host's RAM: a KV cache sized
 from the host's RAM gets the process killed. :func:`memory_limit` is the smaller
@@ -20,9 +21,15 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
+from typing import Any
 
-__all__ = ["cgroup_memory_limit", "gpu_kv_cache_bytes", "memory_limit", "physical_memory"]
+from rtpcore.errors import KVCacheCapacityError
+
+__all__ = ["RAM_FRACTION", "cgroup_memory_limit", "gpu_kv_cache_bytes", "kv_cache_blocks", "memory_limit", "physical_memory"]
+
+RAM_FRACTION = 0.25  # cap of the default KV memory on the CPU
 
 logger = logging.getLogger(__name__)
 
@@ -100,3 +107,41 @@ def _read_limit(file: Path) -> int | None:
         logger.debug("ignoring %s: %r is not a byte count", file, text)
         return None
     return None if value <= 0 or value >= _V1_UNLIMITED else value
+
+
+def kv_cache_blocks(specs: Sequence[Any], config: Any, max_model_len: int, group: Any) -> int:
+    """KV blocks per layer for ``config.kv_cache_memory`` (an ``rtpcore.engine.config.EngineConfig``)
+    or the default: on a GPU what :func:`gpu_kv_cache_bytes` leaves after every rank's measured step
+    (``group.run("profile_memory", ...)``), on the CPU ``max_batch_size`` sequences of
+    ``max_model_len`` tokens, at most :data:`RAM_FRACTION` of :func:`memory_limit` over the ranks.
+    At least one ``max_model_len`` sequence's worth, else a KVCacheCapacityError."""
+    from rtpcore.kv.specs import plan_blocks
+
+    block_bytes = sum(s.block_bytes for s in specs)
+    tpb = config.tokens_per_block
+    memory = config.kv_cache_memory
+    if memory is None and config.device != "cpu":
+        # Every rank measures its own device: the step's peak, then what is free.
+        readings = group.run("profile_memory", config.max_num_batched_tokens, gather=True)
+        memory = min(
+            gpu_kv_cache_bytes(total=total, free=free, peak_step=peak, utilization=config.gpu_memory_utilization)
+            for peak, free, total in readings
+        )
+    elif memory is None:
+        want = -(-config.max_batch_size * max_model_len // tpb) * block_bytes
+        # Every rank allocates this much; spawned ranks share this machine's RAM.
+        cap = int(memory_limit() * RAM_FRACTION) // config.tensor_parallel_size
+        memory = min(want, cap)
+    blocks = plan_blocks(specs, memory)
+    need = -(-max_model_len // tpb)
+    if blocks < need:
+        raise KVCacheCapacityError(
+            f"the KV cache holds {blocks} blocks of {tpb} tokens ({blocks * tpb} tokens, {memory} bytes per "
+            f"rank), but one max_model_len={max_model_len} sequence needs {need} blocks "
+            f"({need * block_bytes} bytes over all layers): lower --max-model-len (max_model_len=) "
+            "or raise --kv-cache-memory (kv_cache_memory=)",
+            tokens_needed=max_model_len,
+            blocks_needed=need,
+            blocks_available=blocks,
+        )
+    return blocks
