@@ -1,5 +1,7 @@
 """What the handlers of one app share (:class:`Served`): the engine, its text side, the model's
-limits, the metrics, the grammar compiler, the requests being answered and the shutdown state."""
+limits, the metrics, the grammar compiler, the requests being answered and the shutdown state.
+A router's handler takes it as a parameter annotated :data:`ServedDep` (FastAPI reads
+``request.app.state.served``, where ``build_app`` put it)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
 
 from rtpcore.engine.async_engine import AsyncEngine
 from rtpcore.engine.sample.grammar import GrammarCompiler
@@ -17,7 +21,7 @@ from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.metrics import ServerMetrics
 
-__all__ = ['Served']
+__all__ = ["Served", "ServedDep", "served_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,3 +78,13 @@ class Served:
                 size = max(self.vocab_size or 0, self.tokenizer.vocab_size)
                 self._grammars = GrammarCompiler(self.tokenizer.json_path, vocab_size=size, stop_token_ids=stops)
             return self._grammars
+
+
+def served_state(request: Request) -> Served:
+    """The :class:`Served` of the app answering ``request`` (a FastAPI dependency)."""
+    served: Served = request.app.state.served
+    return served
+
+
+#: A handler parameter annotated so receives the app's :class:`Served`.
+ServedDep = Annotated[Served, Depends(served_state)]

@@ -1,0 +1,39 @@
+"""``POST /v1/chat/completions``: the tool plan and ``response_format`` grammar, the conversation
+rendered with the chat template (in a worker thread, never on the event loop) -> SamplingParams
+-> the answer, whole or streamed, with tool calls when the request has tools."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rtpcore.serving.protocol import ChatCompletionRequest
+from rtpcore.serving.requests import (
+    check_model,
+    format_grammar,
+    render_chat,
+    sampling_params,
+    tool_plan,
+)
+from rtpcore.serving.state import ServedDep
+from rtpcore.serving.streaming import respond
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request, served: ServedDep) -> Any:
+    check_model(served, body.model)
+    tools, grammar = await asyncio.to_thread(tool_plan, served, body)
+    if grammar is None:
+        grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
+    ids = await asyncio.to_thread(render_chat, served, body)
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    limit = body.token_limit if body.token_limit is not None else max(1, served.max_model_len - len(ids))  # chat may run to max_model_len
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(served, body, ids, limit, field, top, grammar)
+    return await respond(served, request, body, ids, params, chat=True, tools=tools)

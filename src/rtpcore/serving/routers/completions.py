@@ -1,0 +1,37 @@
+"""``POST /v1/completions``: a prompt (text, encoded in a worker thread, or token ids) and its
+``response_format`` grammar -> SamplingParams -> the answer, whole or streamed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rtpcore.serving.errors import ApiError
+from rtpcore.serving.protocol import CompletionRequest
+from rtpcore.serving.requests import check_model, format_grammar, sampling_params
+from rtpcore.serving.state import ServedDep
+from rtpcore.serving.streaming import respond
+
+__all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "router"]
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the default of OpenAI for /v1/completions
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request, served: ServedDep) -> Any:
+    check_model(served, body.model)
+    if isinstance(body.prompt, str):
+        ids = await asyncio.to_thread(served.tokenizer.encode, body.prompt, True)
+    else:
+        ids = list(body.prompt)
+        if served.vocab_size is not None and max(ids) >= served.vocab_size:
+            raise ApiError(400, f"prompt: token id {max(ids)} is not below the vocabulary size "
+                                f"{served.vocab_size}", param="prompt")
+    limit = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
+    params = sampling_params(served, body, ids, limit, "max_tokens", body.logprobs, grammar)
+    return await respond(served, request, body, ids, params, chat=False)
