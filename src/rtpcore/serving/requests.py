@@ -16,13 +16,14 @@ from rtpcore.errors import (
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
     NamedToolChoice,
     ResponseFormat,
 )
 from rtpcore.serving.state import Served
 from rtpcore.serving.tools import Tools
 
-__all__ = ['check_model', 'format_grammar', 'render_chat', 'sampling_params', 'tool_plan']
+__all__ = ["check_model", "format_grammar", "params_for", "render_chat", "tool_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,36 +119,11 @@ def check_model(served: Served, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def sampling_params(served: Served, body: Any, ids: list[int], limit: int, field: str, logprobs: int | None,
-            grammar: Grammar | None = None) -> SamplingParams:
-    if not ids:
-        raise ApiError(400, "the prompt encodes to no tokens", param="prompt" if field == "max_tokens" else "messages")
-    if len(ids) + limit > served.max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {served.max_model_len} tokens (max_model_len); "
-                            f"the prompt has {len(ids)} tokens and {field}={limit} asks for {limit} more "
-                            f"({len(ids) + limit} in all): shorten the prompt or lower {field}", param=field,
-                       code="context_length_exceeded")
-    vocab = served.vocab_size
-    for name, tokens in (("logit_bias", [int(k) for k in body.logit_bias or {}]), ("stop_token_ids", body.stop_token_ids or [])):
-        if vocab is not None and tokens and max(tokens) >= vocab:
-            raise ApiError(400, f"{name}: token id {max(tokens)} is not below the vocabulary size {vocab}", param=name)
-    top_k = body.top_k if body.top_k not in (None, -1, 0) else None
-    top_p = body.top_p if body.top_p not in (None, 1.0) else None
-    ignore_eos = bool(body.ignore_eos)
-    stop_ids = [*(body.stop_token_ids or ()), *(() if ignore_eos else served.tokenizer_eos)]
+def params_for(served: Served, body: CompletionRequest | ChatCompletionRequest, ids: list[int],
+               grammar: Grammar | None = None) -> SamplingParams:
+    """The request's SamplingParams (``body.to_sampling_params``) within this model's limits."""
     try:
-        return SamplingParams(
-            max_tokens=limit,
-            temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
-            top_k=top_k, top_p=top_p, min_p=body.min_p, seed=body.seed, logprobs=logprobs,
-            stop=body.stop_strings, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
-            logit_bias=body.logit_bias, min_tokens=body.min_tokens or 0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            grammar=grammar,
-        )
+        return body.to_sampling_params(len(ids), max_model_len=served.max_model_len, vocab_size=served.vocab_size,
+                                       grammar=grammar)
     except InvalidRequestError as exc:
-        raise ApiError(400, str(exc), param=getattr(exc, "field", None)) from None
-
-
-# -- running a request ------------------------------------------------------------------------
+        raise ApiError.invalid_request(exc) from None

@@ -67,7 +67,7 @@ class _Choice:
         except QueueFullError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from None
         except InvalidRequestError as exc:
-            raise ApiError(400, str(exc), param=getattr(exc, "field", None), code=getattr(exc, "code", None)) from None
+            raise ApiError.invalid_request(exc) from None
         except EngineClosedError as exc:
             raise ApiError(503, str(exc), type="server_error") from None
 
@@ -160,19 +160,20 @@ class _Response:
                  tools: Tools | None = None):
         self.served, self.params, self.chat, self.model = served, params, chat, body.model
         self.tools = tools
+        self.n = params.n
         # Per choice index: how its text becomes content and tool calls.
-        self.tool_streams = [tools.stream() if tools is not None else None for _ in range(body.num_choices)]
+        self.tool_streams = [tools.stream() if tools is not None else None for _ in range(self.n)]
         self.ids = ids
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.n = body.num_choices
-        options = {"skip_special": body.skip_special_tokens is not False,
-                   "include_stop": bool(body.include_stop_str_in_output)}
+        options = {"skip_special": params.skip_special_tokens, "include_stop": params.include_stop_str_in_output}
+        # One engine request per run: the tokenizer's eos_token also stops it (docs/design.md §15).
+        extra = () if params.ignore_eos else served.tokenizer_eos
+        base = attrs.evolve(params, n=1, stop_token_ids=(*params.stop_token_ids, *extra))
         # Greedy choices are equal: run one. Sampled ones each draw (seed + i when seeded).
         runs = 1 if params.greedy else self.n
         self.choices = [
-            _Choice(served, params if i == 0 or params.seed is None else attrs.evolve(params, seed=params.seed + i),
-                    **options)
+            _Choice(served, base if i == 0 or base.seed is None else attrs.evolve(base, seed=base.seed + i), **options)
             for i in range(runs)
         ]
 

@@ -13,8 +13,8 @@ from rtpcore.serving.protocol import ChatCompletionRequest
 from rtpcore.serving.requests import (
     check_model,
     format_grammar,
+    params_for,
     render_chat,
-    sampling_params,
     tool_plan,
 )
 from rtpcore.serving.state import ServedDep
@@ -32,8 +32,5 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, served
     if grammar is None:
         grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
     ids = await asyncio.to_thread(render_chat, served, body)
-    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    limit = body.token_limit if body.token_limit is not None else max(1, served.max_model_len - len(ids))  # chat may run to max_model_len
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(served, body, ids, limit, field, top, grammar)
+    params = params_for(served, body, ids, grammar)
     return await respond(served, request, body, ids, params, chat=True, tools=tools)

@@ -10,13 +10,11 @@ from fastapi import APIRouter, Request
 
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.protocol import CompletionRequest
-from rtpcore.serving.requests import check_model, format_grammar, sampling_params
+from rtpcore.serving.requests import check_model, format_grammar, params_for
 from rtpcore.serving.state import ServedDep
 from rtpcore.serving.streaming import respond
 
-__all__ = ["COMPLETIONS_DEFAULT_MAX_TOKENS", "router"]
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the default of OpenAI for /v1/completions
+__all__ = ["router"]
 
 router = APIRouter()
 
@@ -31,7 +29,6 @@ async def completions(body: CompletionRequest, request: Request, served: ServedD
         if served.vocab_size is not None and max(ids) >= served.vocab_size:
             raise ApiError(400, f"prompt: token id {max(ids)} is not below the vocabulary size "
                                 f"{served.vocab_size}", param="prompt")
-    limit = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
-    params = sampling_params(served, body, ids, limit, "max_tokens", body.logprobs, grammar)
+    params = params_for(served, body, ids, grammar)
     return await respond(served, request, body, ids, params, chat=False)
