@@ -46,15 +46,12 @@ def test_build_app_serves_exactly_the_routers_endpoints(checkpoint: Path) -> Non
     from fastapi.routing import APIRoute
 
     from rtpcore import AsyncEngine
-    from rtpcore.engine.text.chat_template import ChatTemplate
-    from rtpcore.engine.text.tokenizer import Tokenizer
     from rtpcore.serving.app import build_app
 
     async def main() -> dict[str, Any]:
         engine = AsyncEngine.from_pretrained(checkpoint)
         try:
-            app = build_app(engine, tokenizer=Tokenizer.from_pretrained(checkpoint),
-                            chat_template=ChatTemplate.from_pretrained(checkpoint), model_name="tiny")
+            app = build_app(engine, model_name="tiny")
             own = [r for r in app.router.routes if isinstance(r, APIRoute) and r.endpoint.__module__ == "rtpcore.serving.app"]
             assert own == []
             transport = httpx.ASGITransport(app=app)

@@ -41,8 +41,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from rtpcore.engine.async_engine import AsyncEngine
-from rtpcore.engine.text.chat_template import ChatTemplate
-from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.serving.errors import ApiError, validation_body
 from rtpcore.serving.guard import Guard
 from rtpcore.serving.protocol import ErrorBody
@@ -60,8 +58,6 @@ ROUTERS = (health.router, prometheus.router, models.router, completions.router, 
 def build_app(
     engine: AsyncEngine,
     *,
-    tokenizer: Tokenizer,
-    chat_template: ChatTemplate | None,
     model_name: str,
     api_key: str | None = None,
     on_shutdown: Callable[[], Any] | None = None,
@@ -71,15 +67,18 @@ def build_app(
     max_connections: int | None = None,
     open_connections: Callable[[], int] | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine`` as ``model_name``. ``on_shutdown`` runs when the
-    app's lifespan ends (after uvicorn has drained or cut the open requests).
+    """The FastAPI app serving ``engine`` as ``model_name``, with the engine's own text side
+    (``engine.engine.text``: its tokenizer, which the checkpoint must have -- else a
+    CheckpointError --, and its chat template, without which chat completions are a 400).
+    ``on_shutdown`` runs when the app's lifespan ends (after uvicorn has drained or cut the
+    open requests).
     ``tool_call_parser``: the ``ToolCallParser`` class that finds calls in answers to requests
     with tools and ``tool_choice: "auto"`` (None: such requests are a 400). Connection rules
     (docs/design.md §22; the server that runs the app enforces the rest, see
     ``rtpcore.serving.server``): ``header_timeout``, seconds a request body may stop arriving
     before it is a 408 (None: no limit); ``max_connections`` with ``open_connections()``, the
     connections open, past which every request but ``/health`` is a 503."""
-    served = Served(engine, tokenizer, chat_template, model_name, api_key, max_request_bytes, tool_call_parser)
+    served = Served(engine, model_name, api_key, max_request_bytes, tool_call_parser)
     served.header_timeout = header_timeout
     served.max_connections = max_connections
     served.open_connections = open_connections

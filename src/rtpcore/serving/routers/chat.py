@@ -1,5 +1,5 @@
 """``POST /v1/chat/completions``: the tool plan and ``response_format`` grammar, the conversation
-rendered with the chat template (in a worker thread, never on the event loop) -> SamplingParams
+rendered as ``Engine.chat`` renders it (in a worker thread, never on the event loop) -> SamplingParams
 -> the answer, whole or streamed, with tool calls when the request has tools."""
 
 from __future__ import annotations
@@ -31,6 +31,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, served
     tools, grammar = await asyncio.to_thread(tool_plan, served, body)
     if grammar is None:
         grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
-    ids = await asyncio.to_thread(render_chat, served, body)
-    params = params_for(served, body, ids, grammar)
-    return await respond(served, request, body, ids, params, chat=True, tools=tools)
+    prompt = await asyncio.to_thread(render_chat, served, body)
+    params = params_for(served, body, prompt, grammar)
+    return await respond(served, request, body, prompt, params, chat=True, tools=tools)
