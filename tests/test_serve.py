@@ -225,6 +225,47 @@ def test_a_stop_string_cuts_the_text_across_tokens(server: Server) -> None:
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == whole[: whole.index(stop)]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_and_text_completions_equal_engine_chat_and_generate(server: Server, engine: Engine, stream: bool) -> None:
+    """For the same conversation (or text prompt) and params -- greedy; a stop string from the middle
+    of the answer, cut or kept; special tokens kept; n=2 -- the server answers (whole or streamed) the
+    text, finish reason and token count of Engine.chat (or Engine.generate): one text path."""
+    from rtpcore import SamplingParams
+
+    c = server.client()
+    messages: list[Any] = [{"role": "user", "content": "Hello, world! How are you today?"}]
+    prompt = "The capital of France is"
+    plain = engine.chat(messages, SamplingParams(max_tokens=24))[0].outputs[0].text or ""
+    assert len(plain) >= 6
+    stop = plain[3:6]
+    cases: list[dict[str, Any]] = [
+        {}, {"stop": [stop]}, {"stop": [stop], "include_stop_str_in_output": True},
+        {"skip_special_tokens": False}, {"n": 2},
+    ]
+    for extra in cases:
+        params = SamplingParams(max_tokens=24, **extra)
+        for chat in (True, False):
+            want = (engine.chat(messages, params) if chat else engine.generate(prompt, params))[0]
+            kw: dict[str, Any] = {"model": "tiny", "max_tokens": 24, "temperature": 0, **extra}
+            if stream:
+                kw["stream"], kw["stream_options"] = True, {"include_usage": True}
+            args: dict[str, Any] = {"messages": messages} if chat else {"prompt": prompt}
+            extra_body = {k: kw.pop(k) for k in ("include_stop_str_in_output", "skip_special_tokens") if k in kw}
+            create = c.chat.completions.create if chat else c.completions.create
+            got = create(**args, **kw, extra_body=extra_body)
+            texts, finishes, usage = ([""] * params.n, [None] * params.n, None)
+            for chunk in (got if stream else [got]):
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    part = (choice.delta.content if stream else choice.message.content) if chat else choice.text
+                    texts[choice.index] += part or ""
+                    finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+            assert texts == [o.text for o in want.outputs], (chat, extra)
+            assert finishes == [o.finish_reason for o in want.outputs], (chat, extra)
+            assert usage is not None and usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
+            assert usage.prompt_tokens == len(want.prompt_token_ids)
+
+
 def test_64_concurrent_streams_each_equal_the_request_alone(server: Server) -> None:
     """64 streaming requests at once (different prompts and lengths) each get the text they get alone."""
     prompts = [f"Hello {i}, how are you" for i in range(64)]
@@ -413,12 +454,11 @@ def test_health_stays_200_after_a_requests_fault_and_is_503_once_the_device_faul
     hang) and /health stays 200; a device fault breaks the engine: its stream says so and /health
     answers 503 naming it."""
     from rtpcore import AsyncEngine
-    from rtpcore.engine.text.tokenizer import Tokenizer
     from rtpcore.serving.app import build_app
 
     async def main() -> None:
         engine = AsyncEngine.from_pretrained(checkpoint)
-        app = build_app(engine, tokenizer=Tokenizer.from_pretrained(checkpoint), chat_template=None, model_name="tiny")
+        app = build_app(engine, model_name="tiny")
         transport = httpx.ASGITransport(app=app)
         body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "stream": True}
         try:

@@ -329,12 +329,11 @@ def test_health_is_503_from_the_moment_the_engine_loop_breaks(checkpoint: Path) 
     503 -- and from then on /health answers 503 naming the fault (it once kept answering ok over a
     loop that had ended)."""
     from rtpcore import AsyncEngine
-    from rtpcore.engine.text.tokenizer import Tokenizer
     from rtpcore.serving.app import build_app
 
     async def main() -> None:
         engine = AsyncEngine.from_pretrained(checkpoint)
-        app = build_app(engine, tokenizer=Tokenizer.from_pretrained(checkpoint), chat_template=None, model_name="tiny")
+        app = build_app(engine, model_name="tiny")
         scheduler = engine.engine.core.scheduler  # the fault is planted on this instance only
         real = scheduler.schedule
         plans = [0]

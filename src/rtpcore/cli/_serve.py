@@ -1,8 +1,9 @@
 """``rtpcore serve``: an OpenAI-compatible HTTP server over one engine (docs/design.md §8).
 
-A thin shell: it resolves the allowlist, builds an :class:`~rtpcore.AsyncEngine`, the
-checkpoint's tokenizer and chat template, the app (:func:`rtpcore.serving.app.build_app`),
-and runs it with uvicorn. SIGTERM or SIGINT stops accepting, lets running requests finish
+A thin shell: it resolves the allowlist, checks that the checkpoint has a tokenizer (before
+the engine loads), builds an :class:`~rtpcore.AsyncEngine` and the app over it
+(:func:`rtpcore.serving.app.build_app`, which uses the engine's own tokenizer and chat
+template), and runs it with uvicorn. SIGTERM or SIGINT stops accepting, lets running requests finish
 within ``--shutdown-timeout`` seconds (then cuts them: each ends with finish_reason "abort", a
 stream with its last chunk and ``[DONE]``), closes the engine and exits 0 (a second SIGINT
 quits at once). Connections without complete request headers are closed after
@@ -152,14 +153,11 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rtpcore.engine.async_engine import AsyncEngine
-    from rtpcore.engine.text.chat_template import ChatTemplate
-    from rtpcore.engine.text.tokenizer import Tokenizer, read_tokenizer_config
+    from rtpcore.engine.text.tokenizer import tokenizer_file
     from rtpcore.serving.app import begin_drain, build_app, cut_requests
     from rtpcore.serving.server import Server, protocol_class
 
-    tokenizer = Tokenizer.from_pretrained(path)  # before the engine: a missing tokenizer fails fast
-    has_template = (path / "chat_template.jinja").is_file() or "chat_template" in read_tokenizer_config(path)
-    chat_template = ChatTemplate.from_pretrained(path) if has_template else None  # else completions only
+    tokenizer_file(path)  # before the engine: a missing tokenizer fails fast (the engine's is loaded by build_app)
     engine = AsyncEngine.from_pretrained(
         path,
         max_waiting=args.max_waiting,
@@ -182,10 +180,13 @@ def run(args: argparse.Namespace) -> int:
             )
         limits["tool_call_parser"] = parser
     server: Server | None = None
-    app = build_app(engine, tokenizer=tokenizer, chat_template=chat_template, model_name=name,
-                    api_key=key, on_shutdown=engine.aclose, header_timeout=args.header_timeout,
-                    max_connections=args.max_connections,
-                    open_connections=lambda: server.open_connections if server is not None else 0, **limits)
+    try:  # the engine's tokenizer and chat template load here: a broken one ends the start
+        app = build_app(engine, model_name=name, api_key=key, on_shutdown=engine.aclose,
+                        header_timeout=args.header_timeout, max_connections=args.max_connections,
+                        open_connections=lambda: server.open_connections if server is not None else 0, **limits)
+    except BaseException:
+        engine.close()
+        raise
     # log_config=None: uvicorn's loggers get no handlers of their own and propagate to the one
     # rtpcore.cli installed (one format on stderr); log_level sets theirs, access log included.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP app over one :class:`~rtpcore.engine.async_engine.AsyncEngine`.
 
-``build_app(...)`` is the app factory and holds the routes. The HTTP layer validates
-(``protocol``), turns a request into token ids, a grammar and SamplingParams (``requests``: the
-chat template and tokenizer run in a worker thread, never on the event loop) and streams
-(``streaming``); the engine's own loop thread steps the model, and each request talks to it
-through its stream (an asyncio queue). Aborts travel the same way: a client that disconnects --
-streamed or not -- ends its request's streams, which aborts the requests and frees their KV
-blocks within a step. The handlers share one ``state.Served``.
+``build_app(...)`` is the app factory: the lifespan, the middleware, the exception handlers and
+the routers (``routers/``, one per endpoint). The HTTP layer validates (``protocol``), turns a
+request into token ids, a grammar and SamplingParams (``requests``: the chat template and
+tokenizer run in a worker thread, never on the event loop) and streams (``streaming``); the
+engine's own loop thread steps the model, and each request talks to it through its stream (an
+asyncio queue). Aborts travel the same way: a client that disconnects -- streamed or not -- ends
+its request's streams, which aborts the requests and frees their KV blocks within a step. The
+handlers share one ``state.Served`` (``app.state.served``).
 
 The request boundary (docs/design.md §15, §17, §22) is guarded by one pure ASGI middleware
 (``guard.Guard``): the connection cap, the bearer key on ``/v1/`` (compared in constant time),
@@ -37,41 +38,26 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 
 from rtpcore.engine.async_engine import AsyncEngine
-from rtpcore.engine.text.chat_template import ChatTemplate
-from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.serving.errors import ApiError, validation_body
 from rtpcore.serving.guard import Guard
-from rtpcore.serving.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorBody,
-)
-from rtpcore.serving.requests import (
-    check_model,
-    format_grammar,
-    render_chat,
-    sampling_params,
-    tool_plan,
-)
+from rtpcore.serving.protocol import ErrorBody
+from rtpcore.serving.routers import chat, completions, health, models, prometheus
 from rtpcore.serving.state import Served
-from rtpcore.serving.streaming import respond
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "begin_drain", "build_app", "cut_requests"]
 
 logger = logging.getLogger(__name__)
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the default of OpenAI for /v1/completions
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # --max-request-bytes
+ROUTERS = (health.router, prometheus.router, models.router, completions.router, chat.router)
 
 
 def build_app(
     engine: AsyncEngine,
     *,
-    tokenizer: Tokenizer,
-    chat_template: ChatTemplate | None,
     model_name: str,
     api_key: str | None = None,
     on_shutdown: Callable[[], Any] | None = None,
@@ -81,15 +67,18 @@ def build_app(
     max_connections: int | None = None,
     open_connections: Callable[[], int] | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine`` as ``model_name``. ``on_shutdown`` runs when the
-    app's lifespan ends (after uvicorn has drained or cut the open requests).
+    """The FastAPI app serving ``engine`` as ``model_name``, with the engine's own text side
+    (``engine.engine.text``: its tokenizer, which the checkpoint must have -- else a
+    CheckpointError --, and its chat template, without which chat completions are a 400).
+    ``on_shutdown`` runs when the app's lifespan ends (after uvicorn has drained or cut the
+    open requests).
     ``tool_call_parser``: the ``ToolCallParser`` class that finds calls in answers to requests
     with tools and ``tool_choice: "auto"`` (None: such requests are a 400). Connection rules
     (docs/design.md §22; the server that runs the app enforces the rest, see
     ``rtpcore.serving.server``): ``header_timeout``, seconds a request body may stop arriving
     before it is a 408 (None: no limit); ``max_connections`` with ``open_connections()``, the
     connections open, past which every request but ``/health`` is a 503."""
-    served = Served(engine, tokenizer, chat_template, model_name, api_key, max_request_bytes, tool_call_parser)
+    served = Served(engine, model_name, api_key, max_request_bytes, tool_call_parser)
     served.header_timeout = header_timeout
     served.max_connections = max_connections
     served.open_connections = open_connections
@@ -121,52 +110,8 @@ def build_app(
         body = ErrorBody(message=f"internal error: {type(exc).__name__}", type="server_error")
         return JSONResponse(body.wrap(), status_code=500)
 
-    @app.get("/health", response_model=None)
-    async def health() -> Any:
-        failure = served.engine.failure
-        if failure is not None:  # closed, its loop broke or a rank failed: every request would fail now
-            return JSONResponse({"status": "error", "message": str(failure)}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(served.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": served.model_name, "object": "model", "created": served.created, "owned_by": "rtpcore",
-             "max_model_len": served.max_model_len}
-        ]}
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        check_model(served, body.model)
-        if isinstance(body.prompt, str):
-            ids = await asyncio.to_thread(served.tokenizer.encode, body.prompt, True)
-        else:
-            ids = list(body.prompt)
-            if served.vocab_size is not None and max(ids) >= served.vocab_size:
-                raise ApiError(400, f"prompt: token id {max(ids)} is not below the vocabulary size "
-                                    f"{served.vocab_size}", param="prompt")
-        limit = body.max_tokens if body.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
-        params = sampling_params(served, body, ids, limit, "max_tokens", body.logprobs, grammar)
-        return await respond(served, request, body, ids, params, chat=False)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        check_model(served, body.model)
-        tools, grammar = await asyncio.to_thread(tool_plan, served, body)
-        if grammar is None:
-            grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
-        ids = await asyncio.to_thread(render_chat, served, body)
-        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        limit = body.token_limit if body.token_limit is not None else max(1, served.max_model_len - len(ids))  # chat may run to max_model_len
-        top = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(served, body, ids, limit, field, top, grammar)
-        return await respond(served, request, body, ids, params, chat=True, tools=tools)
-
+    for router in ROUTERS:
+        app.include_router(router)
     return app
 
 

@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 
 from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.errors import (
+    InvalidRequestError,
     RequestFailedError,
     RtpcoreError,
 )
@@ -29,6 +30,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.body = ErrorBody(message=message, type=type, param=param, code=code)
+
+    @classmethod
+    def invalid_request(cls, exc: InvalidRequestError) -> ApiError:
+        """The 400 of a request the engine side refused: its message, ``param`` its field."""
+        return cls(400, str(exc), param=exc.field, code=exc.code)
 
 
 def validation_body(exc: RequestValidationError) -> ErrorBody:

@@ -13,16 +13,29 @@ of three kinds, and nothing is silently ignored:
 explicit nulls), so every optional field here takes None and the defaults live in the
 properties that read them. A malformed or out-of-range value fails validation and the server
 answers 400 naming it (``param``).
+
+A request converts itself into the engine's settings: ``to_sampling_params(prompt_len, ...)``
+gives the :class:`~rtpcore.engine.sample.params.SamplingParams` that ``Engine.generate`` would
+take for the same request (``n``, stop strings and the text options included), checked against
+the model's limits it is given; what it cannot honour raises an
+:class:`~rtpcore.errors.InvalidRequestError` naming the field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rtpcore.engine.sample.params import SamplingParams
+from rtpcore.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from rtpcore.engine.sample.grammar import Grammar
+
 __all__ = [
     "ACCEPTED_WITHOUT_EFFECT",
+    "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "MAX_LOGPROBS",
     "MAX_MESSAGES",
     "MAX_N",
@@ -42,6 +55,7 @@ MAX_STOP_LENGTH = 1024  # characters of one stop string: each is searched in eve
 MAX_MESSAGES = 4096  # messages of one chat request
 MAX_N = 16  # choices of one request
 ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the default of OpenAI for /v1/completions
 
 
 def lone_surrogate(value: Any) -> str | None:
@@ -197,6 +211,55 @@ class _Sampling(_Strict):
     def num_choices(self) -> int:
         return self.n or 1
 
+    #: The field an empty prompt's error names.
+    prompt_field: ClassVar[str] = "prompt"
+
+    def _limit(self, prompt_len: int, max_model_len: int) -> tuple[str, int]:
+        """The field that sets the most new tokens, and their number."""
+        raise NotImplementedError
+
+    def _logprobs(self) -> int | None:
+        """Top log-probabilities per token, None for none."""
+        raise NotImplementedError
+
+    def to_sampling_params(self, prompt_len: int, *, max_model_len: int, vocab_size: int | None = None,
+                           grammar: Grammar | None = None) -> SamplingParams:
+        """The engine's settings for this request and a prompt of ``prompt_len`` tokens:
+        OpenAI's defaults where a field is absent (``temperature`` 1; ``max_tokens`` 16 on
+        completions, the rest of ``max_model_len`` on chat), ``grammar`` the output follows
+        (``response_format`` or tool calls, compiled by the caller). Token ids are checked
+        against ``vocab_size`` (None: unchecked); the prompt plus the new tokens must fit
+        ``max_model_len``. Raises :class:`~rtpcore.errors.InvalidRequestError` naming the field
+        (``code`` "context_length_exceeded" for a request too long)."""
+        if prompt_len < 1:
+            raise InvalidRequestError("the prompt encodes to no tokens", field=self.prompt_field, value=prompt_len)
+        field, limit = self._limit(prompt_len, max_model_len)
+        if prompt_len + limit > max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {max_model_len} tokens (max_model_len); the prompt has "
+                f"{prompt_len} tokens and {field}={limit} asks for {limit} more ({prompt_len + limit} in all): "
+                f"shorten the prompt or lower {field}", field=field, value=limit, code="context_length_exceeded",
+            )
+        for name, tokens in (("logit_bias", [int(k) for k in self.logit_bias or {}]),
+                             ("stop_token_ids", self.stop_token_ids or [])):
+            if vocab_size is not None and tokens and max(tokens) >= vocab_size:
+                raise InvalidRequestError(f"{name}: token id {max(tokens)} is not below the vocabulary size {vocab_size}",
+                                          field=name, value=max(tokens))
+        return SamplingParams(
+            max_tokens=limit,
+            temperature=1.0 if self.temperature is None else self.temperature,  # OpenAI's default
+            top_k=self.top_k if self.top_k not in (None, -1, 0) else None,
+            top_p=self.top_p if self.top_p not in (None, 1.0) else None,
+            min_p=self.min_p, seed=self.seed, logprobs=self._logprobs(),
+            stop=self.stop_strings, stop_token_ids=self.stop_token_ids or (), ignore_eos=bool(self.ignore_eos),
+            logit_bias=self.logit_bias, min_tokens=self.min_tokens or 0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            grammar=grammar, n=self.num_choices,
+            skip_special_tokens=self.skip_special_tokens is not False,
+            include_stop_str_in_output=bool(self.include_stop_str_in_output),
+        )
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
@@ -236,6 +299,12 @@ class CompletionRequest(_Sampling):
         if suffix:
             raise ValueError("suffix (insertion) is not supported")
         return suffix
+
+    def _limit(self, prompt_len: int, max_model_len: int) -> tuple[str, int]:
+        return "max_tokens", self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -319,6 +388,16 @@ class ChatCompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    prompt_field: ClassVar[str] = "messages"
+
+    def _limit(self, prompt_len: int, max_model_len: int) -> tuple[str, int]:
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        limit = self.token_limit
+        return field, limit if limit is not None else max(1, max_model_len - prompt_len)  # chat may run to max_model_len
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class ErrorBody(BaseModel):

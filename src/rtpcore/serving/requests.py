@@ -1,6 +1,6 @@
-"""A validated request -> what the engine runs: its token ids (the chat template rendered), its
-grammar (response_format, tool calls) and its SamplingParams, each a 400 naming the field
-when it cannot be."""
+"""A validated request -> what the engine runs: its prompt (the chat template rendered by the
+engine's text side), its grammar (response_format, tool calls) and its SamplingParams, each a
+400 naming the field when it cannot be."""
 
 from __future__ import annotations
 
@@ -9,24 +9,24 @@ from typing import Any
 
 from rtpcore.engine.sample.grammar import Grammar
 from rtpcore.engine.sample.params import SamplingParams
+from rtpcore.engine.text.prompts import RESERVED_TEMPLATE_KWARGS, Prompt
 from rtpcore.errors import (
+    ChatTemplateError,
     InvalidRequestError,
-    RtpcoreError,
 )
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
     NamedToolChoice,
     ResponseFormat,
 )
 from rtpcore.serving.state import Served
 from rtpcore.serving.tools import Tools
 
-__all__ = ['check_model', 'format_grammar', 'render_chat', 'sampling_params', 'tool_plan']
+__all__ = ["check_model", "format_grammar", "params_for", "render_chat", "tool_plan"]
 
 logger = logging.getLogger(__name__)
-
-RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools", "documents")
 
 
 def format_grammar(served: Served, fmt: ResponseFormat | None) -> Grammar | None:
@@ -84,9 +84,10 @@ def _parameters(function: Any) -> dict[str, Any]:
     return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
 
 
-def render_chat(served: Served, body: ChatCompletionRequest) -> list[int]:
-    """The token ids of the rendered conversation (runs in a worker thread)."""
-    if served.chat_template is None:
+def render_chat(served: Served, body: ChatCompletionRequest) -> Prompt:
+    """The rendered conversation and its token ids (runs in a worker thread): the engine's
+    own rendering (``TextSide.render_conversation``, as ``Engine.chat``)."""
+    if not served.has_chat_template:
         raise ApiError(400, "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
                             "chat_template); use /v1/completions", param="messages")
     extra = dict(body.chat_template_kwargs or {})
@@ -94,22 +95,19 @@ def render_chat(served: Served, body: ChatCompletionRequest) -> list[int]:
     if reserved:
         raise ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the request itself, not here",
                        param="chat_template_kwargs")
-    messages = [m.for_template() for m in body.messages]
     final = bool(body.continue_final_message)
-    add = body.add_generation_prompt if body.add_generation_prompt is not None else not final
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     try:
-        text = served.chat_template.render(messages, add_generation_prompt=add, tools=tools, **extra)
-    except RtpcoreError as exc:
+        return served.text.render_conversation(
+            [m.for_template() for m in body.messages],
+            add_generation_prompt=body.add_generation_prompt if body.add_generation_prompt is not None else not final,
+            continue_final_message=final,
+            tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            template_kwargs=extra,
+        )
+    except ChatTemplateError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
-    if final:  # cut what the template closes the last message with: the model continues it
-        content = str(messages[-1].get("content") or "")
-        end = text.rfind(content) if content else -1
-        if end < 0:
-            raise ApiError(400, "continue_final_message: the chat template does not render the last message's "
-                                "content verbatim", param="continue_final_message")
-        text = text[: end + len(content)]
-    return served.tokenizer.encode(text, add_special_tokens=False)  # the template wrote BOS if any
+    except InvalidRequestError as exc:
+        raise ApiError.invalid_request(exc) from None
 
 
 def check_model(served: Served, model: str) -> None:
@@ -118,36 +116,11 @@ def check_model(served: Served, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def sampling_params(served: Served, body: Any, ids: list[int], limit: int, field: str, logprobs: int | None,
-            grammar: Grammar | None = None) -> SamplingParams:
-    if not ids:
-        raise ApiError(400, "the prompt encodes to no tokens", param="prompt" if field == "max_tokens" else "messages")
-    if len(ids) + limit > served.max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {served.max_model_len} tokens (max_model_len); "
-                            f"the prompt has {len(ids)} tokens and {field}={limit} asks for {limit} more "
-                            f"({len(ids) + limit} in all): shorten the prompt or lower {field}", param=field,
-                       code="context_length_exceeded")
-    vocab = served.vocab_size
-    for name, tokens in (("logit_bias", [int(k) for k in body.logit_bias or {}]), ("stop_token_ids", body.stop_token_ids or [])):
-        if vocab is not None and tokens and max(tokens) >= vocab:
-            raise ApiError(400, f"{name}: token id {max(tokens)} is not below the vocabulary size {vocab}", param=name)
-    top_k = body.top_k if body.top_k not in (None, -1, 0) else None
-    top_p = body.top_p if body.top_p not in (None, 1.0) else None
-    ignore_eos = bool(body.ignore_eos)
-    stop_ids = [*(body.stop_token_ids or ()), *(() if ignore_eos else served.tokenizer_eos)]
+def params_for(served: Served, body: CompletionRequest | ChatCompletionRequest, prompt: Prompt,
+               grammar: Grammar | None = None) -> SamplingParams:
+    """The request's SamplingParams (``body.to_sampling_params``) within this model's limits."""
     try:
-        return SamplingParams(
-            max_tokens=limit,
-            temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default
-            top_k=top_k, top_p=top_p, min_p=body.min_p, seed=body.seed, logprobs=logprobs,
-            stop=body.stop_strings, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
-            logit_bias=body.logit_bias, min_tokens=body.min_tokens or 0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            grammar=grammar,
-        )
+        return body.to_sampling_params(len(prompt.token_ids), max_model_len=served.max_model_len,
+                                       vocab_size=served.vocab_size, grammar=grammar)
     except InvalidRequestError as exc:
-        raise ApiError(400, str(exc), param=getattr(exc, "field", None)) from None
-
-
-# -- running a request ------------------------------------------------------------------------
+        raise ApiError.invalid_request(exc) from None

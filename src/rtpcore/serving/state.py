@@ -1,5 +1,7 @@
 """What the handlers of one app share (:class:`Served`): the engine, its text side, the model's
-limits, the metrics, the grammar compiler, the requests being answered and the shutdown state."""
+limits, the metrics, the grammar compiler, the requests being answered and the shutdown state.
+A router's handler takes it as a parameter annotated :data:`ServedDep` (FastAPI reads
+``request.app.state.served``, where ``build_app`` put it)."""
 
 from __future__ import annotations
 
@@ -8,36 +10,45 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
 
 from rtpcore.engine.async_engine import AsyncEngine
 from rtpcore.engine.sample.grammar import GrammarCompiler
-from rtpcore.engine.text.chat_template import ChatTemplate
-from rtpcore.engine.text.tokenizer import Tokenizer
+from rtpcore.engine.text.prompts import TextSide
+from rtpcore.engine.text.tokenizer import Tokenizer, tokenizer_file
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.metrics import ServerMetrics
 
-__all__ = ['Served']
+__all__ = ["Served", "ServedDep", "served_state"]
 
 logger = logging.getLogger(__name__)
 
 class Served:
-    """What the handlers share: the engine, the text side, the model's limits, metrics."""
+    """What the handlers share: the engine, its text side, the model's limits, metrics.
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
-                 model_name: str, api_key: str | None, max_request_bytes: int, tool_parser: Any = None):
+    ``text`` is the engine's own :class:`~rtpcore.engine.text.prompts.TextSide`
+    (``engine.engine.text``): the server encodes, renders and detokenizes with the objects
+    ``Engine.generate`` and ``Engine.chat`` use. It needs the tokenizer: a checkpoint without
+    ``tokenizer.json`` is a :class:`~rtpcore.errors.CheckpointError` here. The tokenizer and
+    the chat template are loaded now, so that a broken one fails before the first request.
+    """
+
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, max_request_bytes: int,
+                 tool_parser: Any = None):
         self.engine = engine
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
+        self.text: TextSide = engine.engine.text
+        tokenizer_file(self.text.path)  # none: the CheckpointError Tokenizer.from_pretrained raises
+        tokenizer = self.text.tokenizer
+        assert tokenizer is not None  # the file exists: it loaded, or its CheckpointError was raised
+        self.tokenizer: Tokenizer = tokenizer
+        self.has_chat_template = self.text.has_chat_template  # none: chat completions are a 400
         self.model_name = model_name
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.max_model_len = engine.engine.max_model_len  # prompt + output, at most
         self.vocab_size = engine.engine.vocab_size
-        # Stop ids (docs/design.md §15): the engine's (generation_config.json, else config.json)
-        # plus the tokenizer's eos_token, which some checkpoints name nowhere else.
-        eos = tokenizer.eos_token_id
-        self.tokenizer_eos = () if eos is None or eos in engine.engine.eos_token_ids else (eos,)
         self.metrics = ServerMetrics(lambda: engine.stats().as_dict())
         engine.add_step_observer(self.metrics.observe_step)
         self.created = int(time.time())
@@ -66,7 +77,7 @@ class Served:
         a worker thread)."""
         with self._grammar_lock:
             if self._grammars is None:
-                stops = [*self.engine.engine.eos_token_ids, *self.tokenizer_eos]
+                stops = [*self.text.eos_token_ids, *self.text.tokenizer_eos]  # what ends a request (PromptRun)
                 if not stops:
                     raise ApiError(400, "this model names no stop token (eos_token_id), which a grammar needs to "
                                         "end: structured outputs and tool calls are unavailable",
@@ -74,3 +85,13 @@ class Served:
                 size = max(self.vocab_size or 0, self.tokenizer.vocab_size)
                 self._grammars = GrammarCompiler(self.tokenizer.json_path, vocab_size=size, stop_token_ids=stops)
             return self._grammars
+
+
+def served_state(request: Request) -> Served:
+    """The :class:`Served` of the app answering ``request`` (a FastAPI dependency)."""
+    served: Served = request.app.state.served
+    return served
+
+
+#: A handler parameter annotated so receives the app's :class:`Served`.
+ServedDep = Annotated[Served, Depends(served_state)]

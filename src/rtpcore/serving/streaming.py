@@ -1,5 +1,7 @@
-"""Running one HTTP request: its choices' engine requests -> text deltas (stop strings cut,
-logprobs) -> a whole answer or server-sent events; a client that leaves aborts them."""
+"""Running one HTTP request: its choices' engine requests (the engine's ``PromptRun``) -> text
+deltas (the engine's ``SequenceState``: stop strings cut, one piece per token) -> a whole answer
+or server-sent events, logprobs and tool calls in OpenAI's shapes; a client that leaves aborts
+them."""
 
 from __future__ import annotations
 
@@ -12,14 +14,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import attrs
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rtpcore.engine.async_engine import RequestStream
 from rtpcore.engine.core.outputs import RequestOutput
 from rtpcore.engine.sample.params import SampledToken, SamplingParams
-from rtpcore.engine.text.detokenize import IncrementalDecoder
+from rtpcore.engine.text.output_processor import PromptRun, SequenceDelta, SequenceState
+from rtpcore.engine.text.prompts import Prompt
 from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.errors import (
     EngineClosedError,
@@ -38,36 +40,27 @@ __all__ = ['respond']
 
 logger = logging.getLogger(__name__)
 
-@attrs.frozen
-class _Delta:
-    """New text of one choice, and its new tokens: (the token's draw, the text it added)."""
-
-    text: str
-    tokens: tuple[tuple[SampledToken, str], ...] = ()
-
-
 class _Choice:
-    """One engine request's trip: outputs -> text deltas (stop strings cut), per-token text."""
+    """One engine request's trip: its outputs through the engine's own
+    :class:`~rtpcore.engine.text.output_processor.SequenceState` (the text ``Engine.generate``
+    returns, stop strings cut) into deltas, and the request's metrics."""
 
-    def __init__(self, served: Served, params: SamplingParams, *, skip_special: bool, include_stop: bool):
-        self.served, self.params = served, params
+    def __init__(self, served: Served, request_id: str, params: SamplingParams, state: SequenceState):
+        self.served, self.params, self.state = served, params, state
+        self.planned_id = request_id
         self.stream: RequestStream | None = None
-        self.decoder = IncrementalDecoder(served.tokenizer, skip_special_tokens=skip_special, stop=params.stop,
-                                          include_stop=include_stop)
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # what clients see: the sequence's, or "error"
         self.started = asyncio.Event()  # the first output came: the prompt is computed (and cached)
         self.last_time: float | None = None
 
     def submit(self, ids: list[int]) -> None:
         """Queue the engine request; raises an ApiError (nothing queued) when it is refused."""
         try:
-            self.stream = self.served.engine.stream(ids, self.params)
+            self.stream = self.served.engine.stream(ids, self.params, request_id=self.planned_id)
         except QueueFullError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from None
         except InvalidRequestError as exc:
-            raise ApiError(400, str(exc), param=getattr(exc, "field", None), code=getattr(exc, "code", None)) from None
+            raise ApiError.invalid_request(exc) from None
         except EngineClosedError as exc:
             raise ApiError(503, str(exc), type="server_error") from None
 
@@ -79,7 +72,12 @@ class _Choice:
     def request_id(self) -> str:
         return self.stream.request_id if self.stream is not None else "-"
 
-    async def deltas(self) -> AsyncIterator[_Delta]:
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated: a stop token counts, those after a stop string's do not."""
+        return len(self.state.token_ids)
+
+    async def deltas(self) -> AsyncIterator[SequenceDelta]:
         """The choice's deltas until it ends; raises the RtpcoreError of a failed request. A
         choice cut short (its client left, the server stopped) ends as "abort"."""
         if self.stream is None:  # never queued (end_unsubmitted)
@@ -89,19 +87,10 @@ class _Choice:
             async with self.stream as stream:
                 async for out in stream:
                     self.started.set()
-                    delta = self._take(out)
-                    if self.decoder.stopped:  # a stop string: the text is cut, the request ends here
-                        self._finish("stop")
-                        yield delta
-                        return
-                    if out.finished:
-                        self._finish({"length": "length", "abort": "abort"}.get(out.finish_reason or "", "stop"))
-                        tail = self.decoder.finish()
-                        if tail and delta.tokens:  # the held-back text belongs to the last token
-                            *head, (token, piece) = delta.tokens
-                            delta = _Delta(delta.text + tail, (*head, (token, piece + tail)))
-                        elif tail:
-                            delta = _Delta(delta.text + tail)
+                    self._observe(out)
+                    delta = self.state.advance(out)
+                    if self.state.finished:  # the engine ended it, or a stop string did (leaving the stream aborts it)
+                        self._finish(self.state.finish_reason or "stop")
                         yield delta
                         return
                     if delta.text or delta.tokens:
@@ -120,28 +109,6 @@ class _Choice:
             self.finish_reason = reason
             self.served.metrics.requests.labels(finish_reason=reason).inc()
 
-    def _take(self, out: RequestOutput) -> _Delta:
-        self._observe(out)
-        self.cached_tokens = out.num_cached_tokens
-        ids = list(out.token_ids)
-        stop_token = out.stop_token_id is not None and bool(ids) and ids[-1] == out.stop_token_id
-        draws = list(out.logprobs or ())
-        # One token at a time: an output holds several tokens (a lagging consumer, an accepted
-        # speculative run), and tokens after the one completing a stop string are not the client's.
-        tokens: list[tuple[SampledToken, str]] = []
-        pieces = []
-        for i, token in enumerate(ids):
-            if stop_token and i == len(ids) - 1:
-                break
-            piece = self.decoder.push([token])
-            pieces.append(piece)
-            tokens.append((draws[i] if i < len(draws) else SampledToken(token), piece))
-            if self.decoder.stopped:
-                break
-        # a stop token counts, its text is not returned
-        self.completion_tokens += len(tokens) + (stop_token and not self.decoder.stopped)
-        return _Delta("".join(pieces), tuple(tokens) if self.params.logprobs is not None else ())
-
     def _observe(self, out: RequestOutput) -> None:
         m = self.served.metrics
         m.generated_tokens.inc(len(out.token_ids))
@@ -154,27 +121,25 @@ class _Choice:
 
 
 class _Response:
-    """One HTTP request's choices, and the shapes they are returned in."""
+    """One HTTP request's choices, and the shapes they are returned in. Its engine requests are
+    a :class:`~rtpcore.engine.text.output_processor.PromptRun`, as ``Engine.generate`` runs the
+    same prompt and params: stop ids, ``n`` runs and their seeds are the engine's rules."""
 
-    def __init__(self, served: Served, body: Any, ids: list[int], params: SamplingParams, *, chat: bool,
+    def __init__(self, served: Served, body: Any, prompt: Prompt, params: SamplingParams, *, chat: bool,
                  tools: Tools | None = None):
         self.served, self.params, self.chat, self.model = served, params, chat, body.model
         self.tools = tools
-        # Per choice index: how its text becomes content and tool calls.
-        self.tool_streams = [tools.stream() if tools is not None else None for _ in range(body.num_choices)]
-        self.ids = ids
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        key = uuid.uuid4().hex
+        self.id = ("chatcmpl-" if chat else "cmpl-") + key
         self.created = int(time.time())
-        self.n = body.num_choices
-        options = {"skip_special": body.skip_special_tokens is not False,
-                   "include_stop": bool(body.include_stop_str_in_output)}
-        # Greedy choices are equal: run one. Sampled ones each draw (seed + i when seeded).
-        runs = 1 if params.greedy else self.n
-        self.choices = [
-            _Choice(served, params if i == 0 or params.seed is None else attrs.evolve(params, seed=params.seed + i),
-                    **options)
-            for i in range(runs)
-        ]
+        # Greedy choices are equal: one run answers every index. Sampled ones each draw (seed + i when seeded).
+        self.run = PromptRun(key, prompt, params, served.text)
+        self.n = self.run.n
+        self.ids = list(prompt.token_ids)
+        # Per choice index: how its text becomes content and tool calls.
+        self.tool_streams = [tools.stream() if tools is not None else None for _ in range(self.n)]
+        self.choices = [_Choice(served, request_id, run_params, state)
+                        for (request_id, run_params), state in zip(self.run.requests, self.run.states, strict=True)]
 
     @property
     def _chunk_object(self) -> str:
@@ -203,16 +168,16 @@ class _Response:
         completion = per_run[0] * self.n if len(self.choices) == 1 else sum(per_run)
         prompt = len(self.ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.choices[0].cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.choices[0].state.num_cached_tokens}}
 
     async def collect(self) -> dict[str, Any]:
         """The whole answer (non-streamed)."""
 
-        async def run(choice: _Choice) -> list[_Delta]:
+        async def run(choice: _Choice) -> list[SequenceDelta]:
             return [d async for d in choice.deltas()]
 
         first = asyncio.ensure_future(run(self.choices[0]))
-        rest: list[asyncio.Future[list[_Delta]]] = []
+        rest: list[asyncio.Future[list[SequenceDelta]]] = []
         try:
             await self._start_others()
             rest = [asyncio.ensure_future(run(c)) for c in self.choices[1:]]
@@ -228,8 +193,8 @@ class _Response:
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage}
 
-    def _whole_choice(self, index: int, choice: _Choice, deltas: list[_Delta]) -> dict[str, Any]:
-        text = "".join(d.text for d in deltas)
+    def _whole_choice(self, index: int, choice: _Choice, deltas: list[SequenceDelta]) -> dict[str, Any]:
+        text = choice.state.output(index).text or ""  # the CompletionOutput Engine.generate returns
         tokens = [t for d in deltas for t in d.tokens]
         out: dict[str, Any] = {"index": index, "finish_reason": choice.finish_reason,
                                "logprobs": self._logprobs(tokens, 0)}
@@ -254,7 +219,7 @@ class _Response:
         """Server-sent events: chunks of every choice as they come, each finish, usage if asked,
         [DONE]. The client leaving (noticed at once, not only at the next write) or closing
         the generator aborts every choice's request."""
-        queue: asyncio.Queue[tuple[int, _Delta | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, SequenceDelta | BaseException | None]] = asyncio.Queue()
 
         async def pump(r: int, choice: _Choice) -> None:
             try:
@@ -299,7 +264,7 @@ class _Response:
                     continue
                 choice = self.choices[r]
                 done = item is None
-                delta = item or _Delta("")
+                delta = item or SequenceDelta()
                 for index in self._indices(r):
                     stream = self.tool_streams[index]
                     if stream is not None:
@@ -322,7 +287,7 @@ class _Response:
             for task in tasks:
                 task.cancel()
 
-    def _tool_chunks(self, index: int, stream: ToolStream, delta: _Delta, done: bool,
+    def _tool_chunks(self, index: int, stream: ToolStream, delta: SequenceDelta, done: bool,
                      finish: str | None) -> list[dict[str, Any]]:
         """The chunks of one delta of a choice with tools: content that cannot be a call yet,
         then tool-call pieces; at the end, what was held back and the finish."""
@@ -403,11 +368,12 @@ def _top_by_text(tokenizer: Tokenizer, top: tuple[tuple[int, float], ...]) -> di
     return out
 
 
-async def respond(served: Served, request: Request, body: Any, ids: list[int], params: SamplingParams,
+async def respond(served: Served, request: Request, body: Any, prompt: Prompt, params: SamplingParams,
                    *, chat: bool, tools: Tools | None = None) -> Any:
+    """Answer one request: ``prompt`` run with ``params`` (``body.stream``: as server-sent events)."""
     if served.draining:
         raise ApiError(503, "the server is shutting down", type="server_error")
-    response = _Response(served, body, ids, params, chat=chat, tools=tools)
+    response = _Response(served, body, prompt, params, chat=chat, tools=tools)
     response.submit_first()
     served.responses.add(response)  # until its answer is written (a stream: its generator ends)
     if body.stream:

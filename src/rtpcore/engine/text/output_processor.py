@@ -2,9 +2,10 @@
 text and :class:`~rtpcore.engine.text.outputs.GenerationOutput` out.
 
 A :class:`PromptRun` is one prompt with its :class:`~rtpcore.engine.sample.params.SamplingParams`:
-the engine requests it needs and a :class:`SequenceState` per request. It follows
-``rtpcore serve`` (``rtpcore.serving.app``) rule for rule, so that the same request gives
-the same tokens and text offline:
+the engine requests it needs and a :class:`SequenceState` per request. ``Engine.generate``,
+``Engine.chat``, ``AsyncEngine.generate`` and ``rtpcore serve`` (``rtpcore.serving.streaming``,
+which streams each output's :class:`SequenceDelta`) all run their requests through it, so the
+same request gives the same tokens and text offline and on the server:
 
 - stop ids: the request's ``stop_token_ids`` are added to the engine's end-of-sequence ids,
   and so is the tokenizer's ``eos_token`` (unless ``ignore_eos``);
@@ -15,6 +16,8 @@ the same tokens and text offline:
   boundaries, ``include_stop_str_in_output``, ``skip_special_tokens``); a stop token's text
   is left out; a stop string ends the sequence at the token that completed it, and the
   caller aborts the engine request it came from (:meth:`SequenceState.add` says when).
+- finish: ``"length"`` and ``"abort"`` as the engine ended the request, ``"stop"`` otherwise
+  (a stop token, a stop string, a grammar complete).
 """
 
 from __future__ import annotations
@@ -31,7 +34,18 @@ from rtpcore.engine.text.prompts import Prompt, TextSide
 from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.errors import InvalidRequestError, RtpcoreError
 
-__all__ = ["PromptRun", "SequenceState"]
+__all__ = ["PromptRun", "SequenceDelta", "SequenceState"]
+
+
+@attrs.frozen
+class SequenceDelta:
+    """What one output added to a sequence: its new ``text`` and, when the request asked for
+    logprobs, each new token with the text it added (``(draw, piece)``; the pieces join to
+    ``text``; text held back until the end belongs to the last token). A stop token is in
+    neither: it ends the sequence without text."""
+
+    text: str = ""
+    tokens: tuple[tuple[SampledToken, str], ...] = ()
 
 
 class SequenceState:
@@ -59,32 +73,47 @@ class SequenceState:
         """Take the request's next output; whether the sequence has ended (a stop string ends
         it before the engine request ends: abort that request then). A failed request ends
         it with :attr:`error` set."""
+        self.advance(out)
+        return self.finished
+
+    def advance(self, out: RequestOutput) -> SequenceDelta:
+        """Take the request's next output, as :meth:`add` does; what it added to the sequence
+        (nothing once the sequence has ended)."""
         if self.finished:
-            return True
+            return SequenceDelta()
         self.num_cached_tokens = out.num_cached_tokens
         if out.error is not None:
             self.error = out.error
-            return True
+            return SequenceDelta()
         ids = out.token_ids
         draws = out.logprobs or ()
+        pieces: list[str] = []
+        tokens: list[tuple[SampledToken, str]] | None = [] if self.logprobs is not None else None
         for i, token in enumerate(ids):
             self.token_ids.append(token)
             if self.logprobs is not None and i < len(draws):
                 self.logprobs.append(draws[i])
-            stop_token = i == len(ids) - 1 and out.stop_token_id is not None and token == out.stop_token_id
-            if self.decoder is not None and not stop_token:  # a stop token's text is not the sequence's
-                self.decoder.push([token])
-                if self.decoder.stopped:  # the tokens after this one are not the sequence's
-                    self.finish_reason, self.stop_reason = "stop", self.decoder.stop_string
-                    return True
+            if i == len(ids) - 1 and out.stop_token_id is not None and token == out.stop_token_id:
+                break  # a stop token's text is not the sequence's
+            piece = self.decoder.push([token]) if self.decoder is not None else ""
+            pieces.append(piece)
+            if tokens is not None:
+                tokens.append((draws[i] if i < len(draws) else SampledToken(token), piece))
+            if self.decoder is not None and self.decoder.stopped:  # the tokens after this one are not the sequence's
+                self.finish_reason, self.stop_reason = "stop", self.decoder.stop_string
+                return SequenceDelta("".join(pieces), tuple(tokens or ()))
         if out.finished:
-            if self.decoder is not None:
-                self.decoder.finish()  # the text held back for a stop string that never came
+            tail = self.decoder.finish() if self.decoder is not None else ""  # held back for a stop string that never came
+            if tail:
+                pieces.append(tail)
+                if tokens:
+                    draw, piece = tokens[-1]
+                    tokens[-1] = (draw, piece + tail)
             self.finish_reason = out.finish_reason if out.finish_reason in ("length", "abort") else "stop"
             stop_id = out.stop_token_id
             if self.finish_reason == "stop" and stop_id is not None and stop_id not in self.eos_token_ids:
                 self.stop_reason = stop_id
-        return self.finished
+        return SequenceDelta("".join(pieces), tuple(tokens or ()))
 
     def output(self, index: int) -> CompletionOutput:
         logprobs = None if self.logprobs is None else tuple(self.logprobs)

@@ -3,11 +3,13 @@ side (its tokenizer and chat template, loaded once per engine on first use).
 
 A prompt is a string, a sequence of token ids, ``{"prompt": str}`` or
 ``{"prompt_token_ids": [...]}`` (vLLM's ``TextPrompt`` and ``TokensPrompt``); a call takes
-one prompt or a list of them. Text is encoded as ``rtpcore serve`` encodes a completion's
-prompt (``add_special_tokens=True``: the checkpoint's BOS rule applies); a chat is
-rendered with the chat template and encoded without adding special tokens (the template
-wrote them), as the server renders ``/v1/chat/completions``. Every bad input is an
-:class:`~rtpcore.errors.InvalidRequestError` naming the argument.
+one prompt or a list of them. :class:`TextSide` is the engine's text side (``Engine.text``),
+which ``rtpcore serve`` holds too: text is encoded with ``add_special_tokens=True`` (the
+checkpoint's BOS rule applies) by :meth:`TextSide.encode`, for ``Engine.generate`` and a
+completion's prompt alike; a conversation is rendered with the chat template and encoded
+without adding special tokens (the template wrote them) by
+:meth:`TextSide.render_conversation`, for ``Engine.chat`` and ``/v1/chat/completions`` alike.
+Every bad input is an :class:`~rtpcore.errors.InvalidRequestError` naming the argument.
 """
 
 from __future__ import annotations
@@ -138,8 +140,9 @@ _UNSET: Any = object()
 
 class TextSide:
     """The tokenizer and chat template of the checkpoint at ``path``, each loaded on first use
-    (once; thread-safe). ``eos_token_ids``: the engine's stop ids, to which the tokenizer's
-    ``eos_token`` is added as the server adds it (:attr:`tokenizer_eos`)."""
+    (once; thread-safe). ``eos_token_ids``: the engine's stop ids, to which each request adds
+    the tokenizer's ``eos_token`` (:attr:`tokenizer_eos`; ``output_processor.PromptRun`` does,
+    offline and on the server)."""
 
     def __init__(self, path: str | Path, eos_token_ids: Sequence[int]):
         self.path = Path(path)
@@ -174,12 +177,21 @@ class TextSide:
             )
         return tok
 
-    def chat_template(self) -> ChatTemplate:
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the checkpoint has a chat template (loading it, the first time)."""
+        return self._load_template() is not None
+
+    def _load_template(self) -> ChatTemplate | None:
         with self._lock:
             if self._template is _UNSET:
                 has = (self.path / TEMPLATE_FILE).is_file() or "chat_template" in read_tokenizer_config(self.path)
                 self._template = ChatTemplate.from_pretrained(self.path) if has else None
-            template = self._template
+            template: ChatTemplate | None = self._template
+            return template
+
+    def chat_template(self) -> ChatTemplate:
+        template = self._load_template()
         if template is None:
             raise InvalidRequestError(
                 f"checkpoint {str(self.path)!r} has no chat template ({TEMPLATE_FILE} or tokenizer_config.json's "
@@ -221,17 +233,47 @@ class TextSide:
         if tools is not None and (isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence)
                                   or not all(isinstance(t, Mapping) for t in tools)):
             raise InvalidRequestError(f"tools must be a list of tool dicts, got {tools!r:.80}", field="tools", value=tools)
-        template = self.chat_template()
-        tok = self.require_tokenizer("chat", "messages")
+        self.chat_template()
+        self.require_tokenizer("chat", "messages")
         out = []
         for i, conv in enumerate(convs):
             try:
-                text = template.render(conv, add_generation_prompt=add_generation_prompt,
-                                       tools=list(tools) if tools else None, **extra)
+                out.append(self.render_conversation(conv, add_generation_prompt=add_generation_prompt, tools=tools,
+                                                    template_kwargs=extra))
             except ChatTemplateError as exc:
                 raise InvalidRequestError(f"messages (conversation {i}): {exc}", field="messages") from exc
-            out.append(Prompt(text, tuple(tok.encode(text, add_special_tokens=False))))
         return out
+
+    def render_conversation(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Prompt:
+        """One conversation rendered by the chat template (``tools`` and ``template_kwargs``
+        reach it; the caller keeps :data:`RESERVED_TEMPLATE_KWARGS` out of the latter) and
+        encoded without adding special tokens (the template wrote them): what :meth:`render`
+        and ``/v1/chat/completions`` run. ``continue_final_message``: the text ends with the
+        last message's content, cut before what the template closes it with, so that the model
+        continues it. The template's own failure is a
+        :class:`~rtpcore.errors.ChatTemplateError` (the caller says which conversation); no
+        template, no tokenizer, or a template that does not write the last message's content
+        verbatim is an InvalidRequestError naming the field."""
+        template = self.chat_template()
+        tok = self.require_tokenizer("chat", "messages")
+        text = template.render(messages, add_generation_prompt=add_generation_prompt,
+                               tools=list(tools) if tools else None, **dict(template_kwargs or {}))
+        if continue_final_message:
+            content = str(messages[-1].get("content") or "")
+            end = text.rfind(content) if content else -1
+            if end < 0:
+                raise InvalidRequestError("continue_final_message: the chat template does not render the last "
+                                          "message's content verbatim", field="continue_final_message")
+            text = text[: end + len(content)]
+        return Prompt(text, tuple(tok.encode(text, add_special_tokens=False)))
 
 
 def _template_kwargs(value: Any) -> dict[str, Any]:

@@ -37,10 +37,21 @@ from rtpcore.errors import CheckpointError, ConfigFieldError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SPECIAL_TOKEN_NAMES", "Tokenizer", "read_tokenizer_config", "special_tokens"]
+__all__ = ["SPECIAL_TOKEN_NAMES", "Tokenizer", "read_tokenizer_config", "special_tokens", "tokenizer_file"]
 
 #: The named special tokens transformers passes to chat templates, in its order.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def tokenizer_file(path: str | Path) -> Path:
+    """``tokenizer.json`` of the checkpoint folder ``path``, without reading it. Raises
+    :class:`~rtpcore.errors.CheckpointError` naming it when the checkpoint has none (what
+    :meth:`Tokenizer.from_pretrained` raises; ``rtpcore serve`` asks before the engine loads)."""
+    path = Path(path)
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} has no tokenizer: {str(file)!r} not found", path=file)
+    return file
 
 
 def read_tokenizer_config(path: str | Path) -> dict[str, Any]:
@@ -101,11 +112,7 @@ class Tokenizer:
         from tokenizers import Tokenizer as Backend
 
         path = Path(path)
-        file = path / "tokenizer.json"
-        if not file.is_file():
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} has no tokenizer: {str(file)!r} not found", path=file
-            )
+        file = tokenizer_file(path)
         try:
             backend = Backend.from_file(str(file))
         except Exception as exc:  # tokenizers raises a bare Exception on a malformed file

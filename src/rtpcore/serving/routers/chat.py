@@ -1,0 +1,36 @@
+"""``POST /v1/chat/completions``: the tool plan and ``response_format`` grammar, the conversation
+rendered as ``Engine.chat`` renders it (in a worker thread, never on the event loop) -> SamplingParams
+-> the answer, whole or streamed, with tool calls when the request has tools."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rtpcore.serving.protocol import ChatCompletionRequest
+from rtpcore.serving.requests import (
+    check_model,
+    format_grammar,
+    params_for,
+    render_chat,
+    tool_plan,
+)
+from rtpcore.serving.state import ServedDep
+from rtpcore.serving.streaming import respond
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request, served: ServedDep) -> Any:
+    check_model(served, body.model)
+    tools, grammar = await asyncio.to_thread(tool_plan, served, body)
+    if grammar is None:
+        grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
+    prompt = await asyncio.to_thread(render_chat, served, body)
+    params = params_for(served, body, prompt, grammar)
+    return await respond(served, request, body, prompt, params, chat=True, tools=tools)

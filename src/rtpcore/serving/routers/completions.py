@@ -1,0 +1,35 @@
+"""``POST /v1/completions``: a prompt (text, encoded in a worker thread, or token ids) and its
+``response_format`` grammar -> SamplingParams -> the answer, whole or streamed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from rtpcore.engine.text.prompts import Prompt
+from rtpcore.serving.errors import ApiError
+from rtpcore.serving.protocol import CompletionRequest
+from rtpcore.serving.requests import check_model, format_grammar, params_for
+from rtpcore.serving.state import ServedDep
+from rtpcore.serving.streaming import respond
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request, served: ServedDep) -> Any:
+    check_model(served, body.model)
+    if isinstance(body.prompt, str):  # encoded as Engine.generate encodes text (the checkpoint's BOS rule)
+        prompt = (await asyncio.to_thread(served.text.encode, [body.prompt]))[0]
+    else:
+        prompt = Prompt(None, tuple(body.prompt))
+        if served.vocab_size is not None and max(prompt.token_ids) >= served.vocab_size:
+            raise ApiError(400, f"prompt: token id {max(prompt.token_ids)} is not below the vocabulary size "
+                                f"{served.vocab_size}", param="prompt")
+    grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
+    params = params_for(served, body, prompt, grammar)
+    return await respond(served, request, body, prompt, params, chat=False)
