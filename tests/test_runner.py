@@ -82,6 +82,38 @@ def test_staging_copies_once_and_keeps_order() -> None:
     assert a.tolist() == [1, 2] and d.tolist() == [7] and staging.copies == 2
 
 
+def test_a_steps_sampling_rows_view_the_requests_own_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows the runner hands the sampler read each request's token list itself (no copy):
+    a write into the list shows in the row, and the token the step appends is not in it."""
+    import rtpcore.engine.step.runner as runner_module
+    from rtpcore.engine.sample.sampler import sample
+    from rtpcore.engine.step.runner import StepRunner
+
+    seen: list[Any] = []
+
+    def recording_sample(logits: torch.Tensor, rows: Any) -> Any:
+        seen.extend(rows)
+        return sample(logits, rows)
+
+    monkeypatch.setattr(runner_module, "sample", recording_sample)
+    requests = [_request([5, 6, 7], [0]), _request([1, 2, 3, 4, 8, 9], [1, 2])]
+    requests[1].prompt_len = 4  # two tokens generated already
+    requests[1].params = SamplingParams(repetition_penalty=1.5)  # a processor that reads the history
+    runner = StepRunner(forward=lambda batch: torch.zeros(2, 16), builder=BatchBuilder(tokens_per_block=4),
+                        is_broken=lambda: False)
+    results = runner.run([ScheduledSeq(r, len(r.tokens) - 1, 1, True) for r in requests])
+    assert all(res.error is None and len(res.tokens) == 1 for res in results)
+    assert len(seen) == 2
+    for r, row in zip(requests, seen, strict=True):
+        assert row.prompt_ids == r.tokens[: r.prompt_len] and row.output_ids == r.tokens[r.prompt_len :]
+        r.tokens[0] = 40  # the row reads the request's list
+        r.tokens[-1] = 41
+        assert row.prompt_ids[0] == 40 and list(row.prompt_ids) == r.tokens[: r.prompt_len]
+        assert list(row.output_ids) == r.tokens[r.prompt_len :]
+        r.tokens.append(42)  # the next token: after the row's end
+        assert len(row.prompt_ids) + len(row.output_ids) == len(r.tokens) - 1
+
+
 pytest.importorskip("transformers")
 
 

@@ -43,8 +43,9 @@ and exactly ``logprobs`` most likely alternatives.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
-from itertools import chain
+from itertools import chain, islice
 from typing import overload
 
 import attrs
@@ -55,7 +56,8 @@ from rtpcore.engine.sample.params import SampledToken, SamplingParams
 from rtpcore.errors import RtpcoreError
 
 __all__ = [
-    "SamplingRow", "StepSample", "greedy_pick", "history_row", "plain_greedy", "process_logits", "sample", "sample_step",
+    "SamplingRow", "StepSample", "TokenView", "greedy_pick", "history_row", "plain_greedy", "process_logits", "sample",
+    "sample_step",
 ]
 
 _NINF = float("-inf")
@@ -67,7 +69,9 @@ class SamplingRow:
     request's own (seeded) generator, on the logits' device, or None. ``output_ids``: the
     tokens generated so far, before this row's draw. ``stop_ids``: the ids that end the
     request (masked while ``min_tokens`` is not reached). The sequences are read only
-    when the request uses a processor that needs them (any ``Sequence`` works)."""
+    when the request uses a processor that needs them (any ``Sequence`` works: the engine
+    passes views (:class:`TokenView`) of the request's own token list, so building a row copies
+    nothing)."""
 
     params: SamplingParams
     generator: torch.Generator | None = None
@@ -84,6 +88,66 @@ class StepSample:
 
     tokens: list[SampledToken | None]
     failed: list[int]
+
+
+class TokenView(Sequence[int]):
+    """``tokens[start:stop]`` without copying: a read-only view of a token list (a
+    request's prompt or output, for a :class:`SamplingRow`). ``stop`` (default: the list's
+    length when the view is made) is fixed then, so the tokens the list gains later are not
+    in the view; the list must not change in ``[start, stop)`` while the view is read.
+    Indexing, slicing (a slice is a new list, as a list's) and iteration are a list's;
+    a view equals a list or a view with the same tokens."""
+
+    __slots__ = ("_start", "_stop", "_tokens")
+
+    def __init__(self, tokens: Sequence[int], start: int = 0, stop: int | None = None):
+        n = len(tokens)
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"a view [{start}:{stop}] of {n} tokens")
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            r = range(self._start, self._stop)[i]
+            if r.step == 1:
+                return self._list(r.start, r.stop)
+            return [self._tokens[j] for j in r]
+        i = operator.index(i)
+        n = self._stop - self._start
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("TokenView index out of range")
+        return self._tokens[self._start + i]
+
+    def __iter__(self) -> Iterator[int]:
+        if self._start == 0:
+            return islice(self._tokens, self._stop)
+        return map(self._tokens.__getitem__, range(self._start, self._stop))  # no walk over the first start tokens
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenView):
+            return self._list(self._start, self._stop) == other._list(other._start, other._stop)
+        if isinstance(other, list):
+            return self._list(self._start, self._stop) == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable as they are
+
+    def __repr__(self) -> str:
+        return f"TokenView({self._list(self._start, self._stop)!r})"
+
+    def _list(self, start: int, stop: int) -> list[int]:
+        part = self._tokens[start:stop]
+        return part if isinstance(part, list) else list(part)
 
 
 class _Concat(Sequence[int]):
