@@ -18,6 +18,7 @@ blocking, so no host synchronisation).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -28,6 +29,8 @@ from rtpcore.engine.step.staging import HostStaging
 from rtpcore.models.forward_batch import ForwardBatch
 
 __all__ = ["BatchBuilder", "TargetBatch"]
+
+_ZERO = array("q", [0])
 
 
 @attrs.frozen(eq=False)
@@ -163,15 +166,22 @@ class BatchBuilder:
             lens.append(end - start)
             context.append(end)
             starts.append(starts[-1] + end - start)
-        parts: dict[str, list[int]] = {
+        parts: dict[str, Sequence[int]] = {
             "input_ids": ids, "positions": positions, "slots": slots, "context_lens": context, "query_start_loc": starts,
         }
         if logits_rows is not None:
             parts["logits_indices"] = list(logits_rows)
         if hidden_rows is not None:
             parts["hidden_rows"] = list(hidden_rows)
-        width = max((len(s.blocks) for s in seqs), default=0)  # block tables: (B, width), rows padded with 0
-        parts["block_tables"] = [b for s in seqs for b in (*s.blocks, *(0,) * (width - len(s.blocks)))]
+        # Block tables: (B, width), rows padded with 0, as machine ints: a request's table grows
+        # with its context, so it is neither walked by a Python loop nor turned into a tensor
+        # int by int.
+        width = max((len(s.blocks) for s in seqs), default=0)
+        tables = array("q")
+        for s in seqs:
+            tables.fromlist(s.blocks)
+            tables.extend(_ZERO * (width - len(s.blocks)))
+        parts["block_tables"] = tables
         if extra is not None:
             parts["extra"] = list(extra)
         views = dict(zip(parts, self.staging.stage(list(parts.values())), strict=True))
