@@ -3,6 +3,7 @@ copy (rtpcore.engine.step.staging), and its views hold what each field means."""
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,9 @@ def test_staging_copies_once_and_keeps_order() -> None:
     assert (a.tolist(), b.tolist(), c.tolist()) == ([1, 2], [], [3, 4, 5])
     d, = staging.stage([[7]])  # a later call leaves the earlier views alone
     assert a.tolist() == [1, 2] and d.tolist() == [7] and staging.copies == 2
+    e, f, g = staging.stage([array("q", [-1, 2**40]), range(2), (5,)])  # any int sequences, machine ints too
+    assert (e.tolist(), f.tolist(), g.tolist()) == ([-1, 2**40], [0, 1], [5]) and e.dtype == torch.int64
+    assert [t.numel() for t in staging.stage([[], []])] == [0, 0] and staging.copies == 4
 
 
 def test_a_steps_sampling_rows_view_the_requests_own_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
