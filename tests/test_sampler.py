@@ -655,14 +655,14 @@ def test_a_token_view_reads_as_the_list_slice(tokens: list[int], data: Any) -> N
 @given(st.data())
 def test_views_and_lists_give_the_same_processing_and_draws(data: Any) -> None:
     """Rows whose history is a view over one token list (as the engine builds them) against the
-    same rows with list copies: the same processed logits bit for bit, the same draws, the same
+    same rows with list copies (and tuples): the same processed logits bit for bit, the same draws, the same
     plain-greedy verdict, also with proposals appended (history_row). Histories hold ids outside
     the vocabulary too (ignored)."""
     from rtpcore.engine.sample.sampler import TokenView, history_row, plain_greedy
 
     ids = st.integers(-2, V + 2)
     n = data.draw(st.integers(1, 5))
-    as_views, as_lists = [], []
+    as_views, as_lists, as_tuples = [], [], []
     for b in range(n):
         prompt = data.draw(st.lists(ids, min_size=1, max_size=20))
         out = data.draw(st.lists(ids, max_size=10))
@@ -680,10 +680,12 @@ def test_views_and_lists_give_the_same_processing_and_draws(data: Any) -> None:
         drafted = data.draw(st.lists(st.integers(0, V - 1), max_size=3))
         as_views.append(history_row(view_row, drafted))
         as_lists.append(history_row(list_row, drafted))
+        as_tuples.append(history_row(attrs.evolve(list_row, prompt_ids=tuple(prompt), output_ids=tuple(out)), drafted))
         assert plain_greedy(view_row) == plain_greedy(list_row)
         tokens.append(3)  # the token the step will append: not in the rows
     logits = _logits(n, seed=data.draw(st.integers(0, 99)))
     assert torch.equal(process_logits(logits, as_views), process_logits(logits, as_lists))
+    assert torch.equal(process_logits(logits, as_tuples), process_logits(logits, as_lists))
 
     def draws(rows: list[SamplingRow]) -> list[SampledToken | None]:
         rows = [attrs.evolve(r, generator=torch.Generator().manual_seed(b)) for b, r in enumerate(rows)]

@@ -44,6 +44,7 @@ and exactly ``logprobs`` most likely alternatives.
 from __future__ import annotations
 
 import operator
+from array import array
 from collections.abc import Iterator, Sequence
 from itertools import chain, islice
 from typing import overload
@@ -154,10 +155,10 @@ class _Concat(Sequence[int]):
     """``head + tail`` without copying ``head`` (a request's output plus proposals)."""
 
     def __init__(self, head: Sequence[int], tail: Sequence[int]):
-        self._head, self._tail = head, tail
+        self.head, self.tail = head, tail
 
     def __len__(self) -> int:
-        return len(self._head) + len(self._tail)
+        return len(self.head) + len(self.tail)
 
     @overload
     def __getitem__(self, i: int) -> int: ...
@@ -166,15 +167,15 @@ class _Concat(Sequence[int]):
     def __getitem__(self, i: int | slice) -> int | Sequence[int]:
         if isinstance(i, slice):
             return list(self)[i]
-        n = len(self._head)
+        n = len(self.head)
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return self._head[i] if i < n else self._tail[i - n]
+        return self.head[i] if i < n else self.tail[i - n]
 
     def __iter__(self) -> Iterator[int]:
-        return chain(self._head, self._tail)
+        return chain(self.head, self.tail)
 
 
 def plain_greedy(row: SamplingRow) -> bool:
@@ -218,12 +219,29 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def _pack(buffer: array[int], tokens: Sequence[int]) -> None:
+    """Append ``tokens`` to ``buffer`` as machine ints: a list or a view at C speed (a
+    penalised row's history is its whole context, every step)."""
+    if isinstance(tokens, _Concat):
+        _pack(buffer, tokens.head)
+        _pack(buffer, tokens.tail)
+    elif isinstance(tokens, list):
+        buffer.fromlist(tokens)
+    elif isinstance(tokens, TokenView):
+        buffer.fromlist(tokens[:])
+    else:
+        buffer.extend(tokens)
+
+
 def _flat_indices(rows: Sequence[int], tokens: Sequence[Sequence[int]], v: int) -> torch.Tensor:
     """int64 ``row * v + token`` for every token of every row (tokens outside [0, v) dropped)."""
     lengths = [len(t) for t in tokens]
     if not sum(lengths):
         return torch.zeros(0, dtype=torch.int64)
-    flat = torch.tensor(list(chain.from_iterable(tokens)), dtype=torch.int64)
+    packed = array("q")
+    for t in tokens:
+        _pack(packed, t)
+    flat = torch.frombuffer(packed, dtype=torch.int64)
     row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(lengths))
     keep = (flat >= 0) & (flat < v)
     return (row_of * v + flat)[keep]
