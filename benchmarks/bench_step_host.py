@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step_host.py [--quick] [--requests 64] [--long 2000] [--short 128]
         [--steps 32] [--rounds 3] [--variants greedy,sampled,penalty] [--threads N] [--no-native-decode]
+        [--stub-forward]
 
 Builds a seeded tiny Llama with transformers (hidden 64, 2 layers, 4 heads, 2 KV heads,
 vocabulary 512, ``max_position_embeddings`` 4096) so that the model's forward is cheap and
@@ -10,8 +11,9 @@ the engine's own per-step work shows. One ``rtpcore.Engine`` (CPU, float32,
 long prompt plus the requests' ``max_tokens``, and the default KV cache, which is then
 ``max_batch_size`` sequences of ``max_model_len``: every request fits at once;
 ``async_scheduling=False``, so every step runs synchronously; prefix caching and the native
-decode step as by default, ``--no-native-decode`` for torch's modules) runs, for each variant and each context, ``--requests`` requests at once, each with its own
-seeded random prompt of ``--long`` or ``--short`` tokens and ``ignore_eos``. Once every
+decode step as by default, ``--no-native-decode`` for torch's modules) runs, for each
+variant and each context, ``--requests`` requests at once, each with its own seeded random
+prompt of ``--long`` or ``--short`` tokens and ``ignore_eos``. Once every
 request has its first token (prefill done) and after a few untimed decode steps,
 ``--steps`` decode steps are timed one by one (each checked to be a pure decode of every
 request: one token each, nothing preempted).
@@ -30,6 +32,14 @@ and output, so this variant's host work grows with the context by design). The r
 alternate the two contexts (a slow phase of a shared host weighs on both); the table has
 the median over every timed step of each pair, and the ratio host(long) / host(short):
 near 1 when the per-step host work does not grow with the context.
+
+The forward over a long context streams its KV blocks (about 64 MB here) through the CPU's
+caches, so the host work after it runs on colder caches and takes longer than the same
+work after a short forward: the ratio of the real engine stays above 1 even when the host
+work does not grow. ``--stub-forward`` separates the two: the prefill runs the model, then
+every decode forward returns at once without it (the greedy forward a fixed token for
+every row, the logits forward fixed logits, so the sampler still runs), and the ratio is
+the host work's own.
 
 ``--quick``: 8 timed steps, one round (explicit options win).
 """
@@ -71,18 +81,29 @@ def make_checkpoint(path: Path) -> None:
 
 
 class ForwardTimer:
-    """Wraps the runner's forward callables; ``seconds``: the time spent inside them."""
+    """Wraps the runner's forward callables; ``seconds``: the time spent inside them. With
+    ``stub``, a decode forward (every sequence one token) runs no model: the greedy forward
+    returns token 5 for every row, the logits forward one fixed (rows, vocabulary) tensor."""
 
-    def __init__(self, runner: Any):
+    def __init__(self, runner: Any, stub: bool = False, rows: int = 64):
         self.seconds = 0.0
-        runner.forward = self.wrap(runner.forward)
+        self.logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0))
+        runner.forward = self.wrap(runner.forward, stub and self.stub_logits)
         if runner.greedy_forward is not None:
-            runner.greedy_forward = self.wrap(runner.greedy_forward)
+            runner.greedy_forward = self.wrap(runner.greedy_forward, stub and self.stub_picks)
 
-    def wrap(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def stub_logits(self, batch: Any) -> torch.Tensor:
+        return self.logits[: len(batch.query_lens)]
+
+    def stub_picks(self, batch: Any) -> torch.Tensor:
+        return torch.full((len(batch.query_lens),), 5, dtype=torch.int64)
+
+    def wrap(self, fn: Callable[[Any], Any], stub: Callable[[Any], Any] | bool) -> Callable[[Any], Any]:
         def timed(batch: Any) -> Any:
             start = time.perf_counter()
             try:
+                if callable(stub) and all(n == 1 for n in batch.query_lens) and batch.logits_indices is None:
+                    return stub(batch)
                 return fn(batch)
             finally:
                 self.seconds += time.perf_counter() - start
@@ -144,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants", default="greedy,sampled,penalty")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-native-decode", action="store_true", help="native_decode=False: torch's modules")
+    p.add_argument("--stub-forward", action="store_true",
+                   help="decode steps run no model (fixed picks or logits): the host work alone")
     args = p.parse_args(argv)
     steps = args.steps if args.steps is not None else (8 if args.quick else 32)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
@@ -157,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{args.requests} requests, contexts {args.long} and {args.short} prompt tokens, {steps} timed decode "
           f"steps per case, {rounds} round(s); float32 CPU, async_scheduling=False, "
-          f"native_decode={not args.no_native_decode}")
+          f"native_decode={not args.no_native_decode}"
+          f"{'; decode forwards stubbed (no model)' if args.stub_forward else ''}")
     rng = random.Random(0)
     lengths = {"long": args.long, "short": args.short}
     prompts = {k: [[rng.randrange(3, VOCAB) for _ in range(n)] for _ in range(args.requests)]
@@ -171,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         with Engine.from_pretrained(path, dtype="float32", device="cpu", max_batch_size=args.requests,
                                     max_model_len=max_len, max_num_batched_tokens=BUDGET,
                                     async_scheduling=False, native_decode=not args.no_native_decode) as engine:
-            timer = ForwardTimer(engine.core.runner)
+            timer = ForwardTimer(engine.core.runner, args.stub_forward, args.requests)
             reports: list[Any] = []
             engine.add_step_observer(reports.append)
             print(f"KV cache: {engine.num_kv_blocks} blocks of {engine.config.tokens_per_block} tokens; "
