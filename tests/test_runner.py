@@ -74,6 +74,34 @@ def test_the_views_of_the_one_copy_hold_each_field(case: tuple[int, list[Any]]) 
         assert t.dtype == torch.int64
 
 
+@settings(max_examples=100)
+@given(st.data())
+def test_kept_block_tables_follow_every_change_of_the_requests_blocks(data: Any) -> None:
+    """One builder over many steps: requests gain blocks (in place, as the scheduler grows them),
+    lose them all (a preemption: a new empty list) or get a new list (a prefix-cache hit at
+    admission); each batch, of any subset of them, holds exactly their blocks as they are now."""
+    tpb = 4
+    builder = BatchBuilder(tokens_per_block=tpb)
+    blocks = st.lists(st.integers(0, 999), max_size=6)
+    requests = [_request([1] * 8, data.draw(blocks)) for _ in range(data.draw(st.integers(1, 4)))]
+    for _ in range(data.draw(st.integers(1, 12))):
+        for r in requests:
+            change = data.draw(st.sampled_from(["keep", "grow", "grow", "preempt", "replace"]))
+            if change == "grow":
+                r.blocks += data.draw(blocks)
+            elif change == "preempt":
+                r.blocks = []
+            elif change == "replace":
+                r.blocks = data.draw(blocks)
+            if not r.blocks:
+                r.blocks += [data.draw(st.integers(0, 999))]  # a scheduled sequence has its block
+        batch_of = data.draw(st.lists(st.sampled_from(requests), min_size=1, unique_by=id))
+        seqs = [ScheduledSeq(r, 0, 1, True) for r in batch_of]
+        tables = builder.target_batch(seqs).batch.block_tables
+        width = max(len(r.blocks) for r in batch_of)
+        assert tables.tolist() == [r.blocks + [0] * (width - len(r.blocks)) for r in batch_of]
+
+
 def test_staging_copies_once_and_keeps_order() -> None:
     staging = HostStaging("cpu")
     a, b, c = staging.stage([[1, 2], [], [3, 4, 5]])
