@@ -3,6 +3,7 @@ copy (rtpcore.engine.step.staging), and its views hold what each field means."""
 
 from __future__ import annotations
 
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,34 @@ def test_the_views_of_the_one_copy_hold_each_field(case: tuple[int, list[Any]]) 
         assert t.dtype == torch.int64
 
 
+@settings(max_examples=100)
+@given(st.data())
+def test_kept_block_tables_follow_every_change_of_the_requests_blocks(data: Any) -> None:
+    """One builder over many steps: requests gain blocks (in place, as the scheduler grows them),
+    lose them all (a preemption: a new empty list) or get a new list (a prefix-cache hit at
+    admission); each batch, of any subset of them, holds exactly their blocks as they are now."""
+    tpb = 4
+    builder = BatchBuilder(tokens_per_block=tpb)
+    blocks = st.lists(st.integers(0, 999), max_size=6)
+    requests = [_request([1] * 8, data.draw(blocks)) for _ in range(data.draw(st.integers(1, 4)))]
+    for _ in range(data.draw(st.integers(1, 12))):
+        for r in requests:
+            change = data.draw(st.sampled_from(["keep", "grow", "grow", "preempt", "replace"]))
+            if change == "grow":
+                r.blocks += data.draw(blocks)
+            elif change == "preempt":
+                r.blocks = []
+            elif change == "replace":
+                r.blocks = data.draw(blocks)
+            if not r.blocks:
+                r.blocks += [data.draw(st.integers(0, 999))]  # a scheduled sequence has its block
+        batch_of = data.draw(st.lists(st.sampled_from(requests), min_size=1, unique_by=id))
+        seqs = [ScheduledSeq(r, 0, 1, True) for r in batch_of]
+        tables = builder.target_batch(seqs).batch.block_tables
+        width = max(len(r.blocks) for r in batch_of)
+        assert tables.tolist() == [r.blocks + [0] * (width - len(r.blocks)) for r in batch_of]
+
+
 def test_staging_copies_once_and_keeps_order() -> None:
     staging = HostStaging("cpu")
     a, b, c = staging.stage([[1, 2], [], [3, 4, 5]])
@@ -80,6 +109,41 @@ def test_staging_copies_once_and_keeps_order() -> None:
     assert (a.tolist(), b.tolist(), c.tolist()) == ([1, 2], [], [3, 4, 5])
     d, = staging.stage([[7]])  # a later call leaves the earlier views alone
     assert a.tolist() == [1, 2] and d.tolist() == [7] and staging.copies == 2
+    e, f, g = staging.stage([array("q", [-1, 2**40]), range(2), (5,)])  # any int sequences, machine ints too
+    assert (e.tolist(), f.tolist(), g.tolist()) == ([-1, 2**40], [0, 1], [5]) and e.dtype == torch.int64
+    assert [t.numel() for t in staging.stage([[], []])] == [0, 0] and staging.copies == 4
+
+
+def test_a_steps_sampling_rows_view_the_requests_own_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows the runner hands the sampler read each request's token list itself (no copy):
+    a write into the list shows in the row, and the token the step appends is not in it."""
+    import rtpcore.engine.step.runner as runner_module
+    from rtpcore.engine.sample.sampler import sample
+    from rtpcore.engine.step.runner import StepRunner
+
+    seen: list[Any] = []
+
+    def recording_sample(logits: torch.Tensor, rows: Any) -> Any:
+        seen.extend(rows)
+        return sample(logits, rows)
+
+    monkeypatch.setattr(runner_module, "sample", recording_sample)
+    requests = [_request([5, 6, 7], [0]), _request([1, 2, 3, 4, 8, 9], [1, 2])]
+    requests[1].prompt_len = 4  # two tokens generated already
+    requests[1].params = SamplingParams(repetition_penalty=1.5)  # a processor that reads the history
+    runner = StepRunner(forward=lambda batch: torch.zeros(2, 16), builder=BatchBuilder(tokens_per_block=4),
+                        is_broken=lambda: False)
+    results = runner.run([ScheduledSeq(r, len(r.tokens) - 1, 1, True) for r in requests])
+    assert all(res.error is None and len(res.tokens) == 1 for res in results)
+    assert len(seen) == 2
+    for r, row in zip(requests, seen, strict=True):
+        assert row.prompt_ids == r.tokens[: r.prompt_len] and row.output_ids == r.tokens[r.prompt_len :]
+        r.tokens[0] = 40  # the row reads the request's list
+        r.tokens[-1] = 41
+        assert row.prompt_ids[0] == 40 and list(row.prompt_ids) == r.tokens[: r.prompt_len]
+        assert list(row.output_ids) == r.tokens[r.prompt_len :]
+        r.tokens.append(42)  # the next token: after the row's end
+        assert len(row.prompt_ids) + len(row.output_ids) == len(r.tokens) - 1
 
 
 pytest.importorskip("transformers")

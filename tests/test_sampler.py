@@ -14,6 +14,8 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 from rtpcore.engine.sample.params import GREEDY_BELOW, SampledToken, SamplingParams
@@ -607,3 +609,86 @@ def test_a_row_with_any_processor_is_not_plain_greedy(change: dict[str, Any]) ->
     if "min_tokens" in change:
         assert plain_greedy(attrs.evolve(row, output_ids=[1, 5, 6]))  # reached: the mask is off
         assert plain_greedy(attrs.evolve(row, stop_ids=frozenset()))  # nothing to mask
+
+
+# -- token views: a row's history without a copy --------------------------------------------------
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(-3, V + 3), max_size=12), st.data())
+def test_a_token_view_reads_as_the_list_slice(tokens: list[int], data: Any) -> None:
+    """Every index, slice and iteration of TokenView(tokens, start, stop) is the slice's; the
+    tokens appended later are not in it; a write in its range shows through (no copy)."""
+    from rtpcore.engine.sample.sampler import TokenView
+
+    n = len(tokens)
+    start = data.draw(st.integers(0, n))
+    stop = data.draw(st.integers(start, n))
+    view, want = TokenView(tokens, start, stop), tokens[start:stop]
+    assert len(view) == len(want) and list(view) == want and view == want and want == view
+    assert view == TokenView(list(want)) and view != [*want, 0] and view != tuple(want)  # as a list: no tuple
+    assert list(reversed(view)) == want[::-1]
+    for i in range(-len(want) - 2, len(want) + 2):
+        if -len(want) <= i < len(want):
+            assert view[i] == want[i]
+        else:
+            with pytest.raises(IndexError):
+                view[i]
+    ends = st.none() | st.integers(-len(want) - 2, len(want) + 2)
+    for _ in range(8):
+        sl = slice(data.draw(ends), data.draw(ends), data.draw(st.none() | st.sampled_from([1, 2, 3, -1, -2])))
+        assert view[sl] == want[sl] and isinstance(view[sl], list)
+    for t in (-3, 0, 1, V + 3):
+        assert (t in view) == (t in want) and view.count(t) == want.count(t)
+    tokens.append(7)  # a later token: not in the view
+    assert len(view) == len(want) and list(view) == want
+    if want:
+        tokens[start] = 99  # the view reads the list itself
+        assert view[0] == 99
+    assert TokenView(tokens) == tokens and len(TokenView(tokens, 1 if tokens else 0)) == max(len(tokens) - 1, 0)
+    for bad in ((-1, 0), (1, 0), (0, len(tokens) + 1)):
+        with pytest.raises(ValueError):
+            TokenView(tokens, *bad)
+
+
+@settings(max_examples=60)
+@given(st.data())
+def test_views_and_lists_give_the_same_processing_and_draws(data: Any) -> None:
+    """Rows whose history is a view over one token list (as the engine builds them) against the
+    same rows with list copies (and tuples): the same processed logits bit for bit, the same draws, the same
+    plain-greedy verdict, also with proposals appended (history_row). Histories hold ids outside
+    the vocabulary too (ignored)."""
+    from rtpcore.engine.sample.sampler import TokenView, history_row, plain_greedy
+
+    ids = st.integers(-2, V + 2)
+    n = data.draw(st.integers(1, 5))
+    as_views, as_lists, as_tuples = [], [], []
+    for b in range(n):
+        prompt = data.draw(st.lists(ids, min_size=1, max_size=20))
+        out = data.draw(st.lists(ids, max_size=10))
+        params = SamplingParams(
+            temperature=data.draw(st.sampled_from([0.0, 0.8])), seed=b,
+            repetition_penalty=data.draw(st.sampled_from([1.0, 1.3, 0.7])),
+            presence_penalty=data.draw(st.sampled_from([0.0, 0.5])),
+            frequency_penalty=data.draw(st.sampled_from([0.0, 0.25])),
+            min_tokens=data.draw(st.integers(0, 12)),
+        )
+        stops = frozenset(data.draw(st.lists(st.integers(0, V - 1), max_size=3)))
+        tokens = prompt + out  # a request's one list: prompt, then output
+        view_row = SamplingRow(params, None, TokenView(tokens, 0, len(prompt)), TokenView(tokens, len(prompt)), stops)
+        list_row = SamplingRow(params, None, list(prompt), list(out), stops)
+        drafted = data.draw(st.lists(st.integers(0, V - 1), max_size=3))
+        as_views.append(history_row(view_row, drafted))
+        as_lists.append(history_row(list_row, drafted))
+        as_tuples.append(history_row(attrs.evolve(list_row, prompt_ids=tuple(prompt), output_ids=tuple(out)), drafted))
+        assert plain_greedy(view_row) == plain_greedy(list_row)
+        tokens.append(3)  # the token the step will append: not in the rows
+    logits = _logits(n, seed=data.draw(st.integers(0, 99)))
+    assert torch.equal(process_logits(logits, as_views), process_logits(logits, as_lists))
+    assert torch.equal(process_logits(logits, as_tuples), process_logits(logits, as_lists))
+
+    def draws(rows: list[SamplingRow]) -> list[SampledToken | None]:
+        rows = [attrs.evolve(r, generator=torch.Generator().manual_seed(b)) for b, r in enumerate(rows)]
+        return sample(logits, rows).tokens
+
+    assert draws(as_views) == draws(as_lists)

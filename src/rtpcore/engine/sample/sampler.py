@@ -43,8 +43,10 @@ and exactly ``logprobs`` most likely alternatives.
 
 from __future__ import annotations
 
+import operator
+from array import array
 from collections.abc import Iterator, Sequence
-from itertools import chain
+from itertools import chain, islice
 from typing import overload
 
 import attrs
@@ -55,7 +57,8 @@ from rtpcore.engine.sample.params import SampledToken, SamplingParams
 from rtpcore.errors import RtpcoreError
 
 __all__ = [
-    "SamplingRow", "StepSample", "greedy_pick", "history_row", "plain_greedy", "process_logits", "sample", "sample_step",
+    "SamplingRow", "StepSample", "TokenView", "greedy_pick", "history_row", "plain_greedy", "process_logits", "sample",
+    "sample_step",
 ]
 
 _NINF = float("-inf")
@@ -67,7 +70,9 @@ class SamplingRow:
     request's own (seeded) generator, on the logits' device, or None. ``output_ids``: the
     tokens generated so far, before this row's draw. ``stop_ids``: the ids that end the
     request (masked while ``min_tokens`` is not reached). The sequences are read only
-    when the request uses a processor that needs them (any ``Sequence`` works)."""
+    when the request uses a processor that needs them (any ``Sequence`` works: the engine
+    passes views (:class:`TokenView`) of the request's own token list, so building a row copies
+    nothing)."""
 
     params: SamplingParams
     generator: torch.Generator | None = None
@@ -86,14 +91,74 @@ class StepSample:
     failed: list[int]
 
 
+class TokenView(Sequence[int]):
+    """``tokens[start:stop]`` without copying: a read-only view of a token list (a
+    request's prompt or output, for a :class:`SamplingRow`). ``stop`` (default: the list's
+    length when the view is made) is fixed then, so the tokens the list gains later are not
+    in the view; the list must not change in ``[start, stop)`` while the view is read.
+    Indexing, slicing (a slice is a new list, as a list's) and iteration are a list's;
+    a view equals a list or a view with the same tokens."""
+
+    __slots__ = ("_start", "_stop", "_tokens")
+
+    def __init__(self, tokens: Sequence[int], start: int = 0, stop: int | None = None):
+        n = len(tokens)
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"a view [{start}:{stop}] of {n} tokens")
+        self._tokens, self._start, self._stop = tokens, start, stop
+
+    def __len__(self) -> int:
+        return self._stop - self._start
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            r = range(self._start, self._stop)[i]
+            if r.step == 1:
+                return self._list(r.start, r.stop)
+            return [self._tokens[j] for j in r]
+        i = operator.index(i)
+        n = self._stop - self._start
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("TokenView index out of range")
+        return self._tokens[self._start + i]
+
+    def __iter__(self) -> Iterator[int]:
+        if self._start == 0:
+            return islice(self._tokens, self._stop)
+        return map(self._tokens.__getitem__, range(self._start, self._stop))  # no walk over the first start tokens
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenView):
+            return self._list(self._start, self._stop) == other._list(other._start, other._stop)
+        if isinstance(other, list):
+            return self._list(self._start, self._stop) == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, so unhashable as they are
+
+    def __repr__(self) -> str:
+        return f"TokenView({self._list(self._start, self._stop)!r})"
+
+    def _list(self, start: int, stop: int) -> list[int]:
+        part = self._tokens[start:stop]
+        return part if isinstance(part, list) else list(part)
+
+
 class _Concat(Sequence[int]):
     """``head + tail`` without copying ``head`` (a request's output plus proposals)."""
 
     def __init__(self, head: Sequence[int], tail: Sequence[int]):
-        self._head, self._tail = head, tail
+        self.head, self.tail = head, tail
 
     def __len__(self) -> int:
-        return len(self._head) + len(self._tail)
+        return len(self.head) + len(self.tail)
 
     @overload
     def __getitem__(self, i: int) -> int: ...
@@ -102,15 +167,15 @@ class _Concat(Sequence[int]):
     def __getitem__(self, i: int | slice) -> int | Sequence[int]:
         if isinstance(i, slice):
             return list(self)[i]
-        n = len(self._head)
+        n = len(self.head)
         if i < 0:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return self._head[i] if i < n else self._tail[i - n]
+        return self.head[i] if i < n else self.tail[i - n]
 
     def __iter__(self) -> Iterator[int]:
-        return chain(self._head, self._tail)
+        return chain(self.head, self.tail)
 
 
 def plain_greedy(row: SamplingRow) -> bool:
@@ -154,12 +219,29 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def _pack(buffer: array[int], tokens: Sequence[int]) -> None:
+    """Append ``tokens`` to ``buffer`` as machine ints: a list or a view at C speed (a
+    penalised row's history is its whole context, every step)."""
+    if isinstance(tokens, _Concat):
+        _pack(buffer, tokens.head)
+        _pack(buffer, tokens.tail)
+    elif isinstance(tokens, list):
+        buffer.fromlist(tokens)
+    elif isinstance(tokens, TokenView):
+        buffer.fromlist(tokens[:])
+    else:
+        buffer.extend(tokens)
+
+
 def _flat_indices(rows: Sequence[int], tokens: Sequence[Sequence[int]], v: int) -> torch.Tensor:
     """int64 ``row * v + token`` for every token of every row (tokens outside [0, v) dropped)."""
     lengths = [len(t) for t in tokens]
     if not sum(lengths):
         return torch.zeros(0, dtype=torch.int64)
-    flat = torch.tensor(list(chain.from_iterable(tokens)), dtype=torch.int64)
+    packed = array("q")
+    for t in tokens:
+        _pack(packed, t)
+    flat = torch.frombuffer(packed, dtype=torch.int64)
     row_of = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), torch.tensor(lengths))
     keep = (flat >= 0) & (flat < v)
     return (row_of * v + flat)[keep]

@@ -18,6 +18,8 @@ blocking, so no host synchronisation).
 
 from __future__ import annotations
 
+import weakref
+from array import array
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -28,6 +30,8 @@ from rtpcore.engine.step.staging import HostStaging
 from rtpcore.models.forward_batch import ForwardBatch
 
 __all__ = ["BatchBuilder", "TargetBatch"]
+
+_ZERO = array("q", [0])
 
 
 @attrs.frozen(eq=False)
@@ -41,6 +45,32 @@ class TargetBatch:
     extra: torch.Tensor | None = None
 
 
+class BlockTables:
+    """Each request's block table as machine ints, kept from one batch to the next, so that a
+    step's tables are copied as memory rather than read id by id from the requests' lists
+    (a table grows by one id per ``tokens_per_block`` tokens: with long contexts, reading
+    every list every step is host work that grows with the context). A batch appends only
+    the ids a request's list gained since its last batch, and rebuilds the table when the
+    list was replaced: the scheduler (``rtpcore.engine.core.scheduler``) only appends to a
+    request's ``blocks`` or replaces the list (a preemption, a prefix-cache hit)."""
+
+    def __init__(self) -> None:
+        self._rows: weakref.WeakKeyDictionary[Request, tuple[list[int], array[int]]] = weakref.WeakKeyDictionary()
+
+    def row(self, r: Request) -> array[int]:
+        """``r.blocks`` as int64s (the kept array: read it before the next call)."""
+        blocks = r.blocks
+        kept = self._rows.get(r)
+        if kept is not None and kept[0] is blocks and len(kept[1]) <= len(blocks):
+            row = kept[1]
+            if len(row) < len(blocks):
+                row.fromlist(blocks[len(row) :])
+            return row
+        row = array("q", blocks)
+        self._rows[r] = (blocks, row)
+        return row
+
+
 class BatchBuilder:
     """Builds the batches of one engine's steps on ``device``."""
 
@@ -48,6 +78,7 @@ class BatchBuilder:
         self.tpb = tokens_per_block
         self.device = torch.device(device)
         self.staging = HostStaging(self.device)  # one host-to-device copy per batch
+        self.tables = BlockTables()
 
     def target_batch(
         self, seqs: Sequence[ScheduledSeq], proposals: Mapping[Request, Sequence[int]] | None = None,
@@ -163,15 +194,22 @@ class BatchBuilder:
             lens.append(end - start)
             context.append(end)
             starts.append(starts[-1] + end - start)
-        parts: dict[str, list[int]] = {
+        parts: dict[str, Sequence[int]] = {
             "input_ids": ids, "positions": positions, "slots": slots, "context_lens": context, "query_start_loc": starts,
         }
         if logits_rows is not None:
             parts["logits_indices"] = list(logits_rows)
         if hidden_rows is not None:
             parts["hidden_rows"] = list(hidden_rows)
-        width = max((len(s.blocks) for s in seqs), default=0)  # block tables: (B, width), rows padded with 0
-        parts["block_tables"] = [b for s in seqs for b in (*s.blocks, *(0,) * (width - len(s.blocks)))]
+        # Block tables: (B, width), rows padded with 0, from the kept tables (BlockTables): copied
+        # as memory, not id by id.
+        width = max((len(s.blocks) for s in seqs), default=0)
+        tables = array("q")
+        for s in seqs:
+            row = self.tables.row(s)
+            tables.extend(row)
+            tables.extend(_ZERO * (width - len(row)))
+        parts["block_tables"] = tables
         if extra is not None:
             parts["extra"] = list(extra)
         views = dict(zip(parts, self.staging.stage(list(parts.values())), strict=True))

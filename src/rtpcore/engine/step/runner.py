@@ -32,7 +32,7 @@ import torch
 
 from rtpcore.engine.core.request import Request, ScheduledSeq
 from rtpcore.engine.sample.params import SampledToken
-from rtpcore.engine.sample.sampler import SamplingRow, history_row, plain_greedy, sample
+from rtpcore.engine.sample.sampler import SamplingRow, TokenView, history_row, plain_greedy, sample
 from rtpcore.engine.sample.speculative import Proposal, propose, verify_batch
 from rtpcore.engine.step.inputs import BatchBuilder
 from rtpcore.errors import RequestFailedError, RtpcoreError
@@ -273,9 +273,12 @@ class StepRunner:
 
 
 def _row(r: Request) -> SamplingRow:
+    """``r``'s sampling row: its prompt and output are views of ``r.tokens`` as it is now
+    (no copy: a step's host work does not grow with the context)."""
+    tokens = r.tokens
     return SamplingRow(
-        params=r.params, generator=r.generator, prompt_ids=r.tokens[: r.prompt_len],
-        output_ids=r.tokens[r.prompt_len :], stop_ids=r.stop_ids, grammar=r.grammar,
+        params=r.params, generator=r.generator, prompt_ids=TokenView(tokens, 0, r.prompt_len),
+        output_ids=TokenView(tokens, r.prompt_len), stop_ids=r.stop_ids, grammar=r.grammar,
     )
 
 

@@ -18,6 +18,7 @@ step's greedy picks queued for the host, read when the next step has been launch
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,9 +42,16 @@ class HostStaging:
 
     def stage(self, parts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Each of ``parts`` as an int64 tensor on the device, all from one copy (views of
-        one flat tensor, in order)."""
+        one flat tensor, in order). A part may be any sequence of ints; an ``array("q")``
+        (a batch's block tables) is copied as memory, not int by int."""
         sizes = [len(p) for p in parts]
-        flat = torch.tensor([i for p in parts for i in p], dtype=torch.int64)
+        packed = array("q")
+        for p in parts:
+            if isinstance(p, list):
+                packed.fromlist(p)  # faster than extend for a list
+            else:
+                packed.extend(p)
+        flat = torch.frombuffer(packed, dtype=torch.int64) if packed else torch.zeros(0, dtype=torch.int64)
         return list(self.to_device(flat).split(sizes))
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
