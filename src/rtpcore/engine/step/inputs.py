@@ -61,8 +61,9 @@ class BlockTables:
         """``r.blocks`` as int64s (the kept array: read it before the next call)."""
         blocks = r.blocks
         kept = self._rows.get(r)
-        if kept is not None and kept[0] is blocks and len(kept[1]) <= len(blocks):
-            row = kept[1]
+        n = len(kept[1]) if kept is not None else 0
+        if kept is not None and kept[0] is blocks and n <= len(blocks) and (n == 0 or kept[1][n - 1] == blocks[n - 1]):
+            row = kept[1]  # the same list, grown (its last kept id unchanged: a cheap check of the rule)
             if len(row) < len(blocks):
                 row.fromlist(blocks[len(row) :])
             return row
