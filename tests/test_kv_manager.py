@@ -85,12 +85,12 @@ def test_a_request_moves_waiting_running_waiting_finished() -> None:
     s.add(b)
     assert a.status is b.status is RequestStatus.WAITING
     s.schedule()
-    assert a.status is b.status is RequestStatus.RUNNING and not a.finished
+    assert a.status is b.status is RequestStatus.RUNNING
     s.preempt(b)
     assert b.status is RequestStatus.WAITING and s.waiting[0] is b and b.blocks == []
     s.retire(a)
     s.retire(b)
-    assert a.finished and b.finished and not s.running and not s.waiting and kv.num_free == 8
+    assert a.status is b.status is RequestStatus.FINISHED and not s.running and not s.waiting and kv.num_free == 8
 
 
 def test_finish_reasons_are_the_strings_of_the_contract() -> None:

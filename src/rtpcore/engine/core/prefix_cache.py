@@ -69,8 +69,6 @@ class PrefixCache:
     Counts what admitted requests looked up (``queries_total`` tokens) and found
     (``hits_total``)."""
 
-    enabled = True
-
     def __init__(self, namespace: bytes, tokens_per_block: int, *, has_draft: bool = False, lookahead: int = 0):
         self.namespace = namespace
         self.tpb = tokens_per_block
@@ -118,7 +116,6 @@ class PrefixCache:
 class NoPrefixCache:
     """Prefix caching off: nothing is found, nothing is added, nothing is counted."""
 
-    enabled = False
     queries_total = 0
     hits_total = 0
 

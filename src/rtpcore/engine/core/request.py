@@ -77,16 +77,8 @@ class Request:
         return self.tokens[self.prompt_len :]
 
     @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    @property
     def num_uncached(self) -> int:
         return len(self.tokens) - self.num_cached
-
-    @property
-    def finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
 
 @attrs.frozen(eq=False)
