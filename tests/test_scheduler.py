@@ -194,3 +194,20 @@ def test_prompt_chunks_holding_every_block_never_deadlock_the_newest_is_preempte
     plan = s.schedule()
     assert plan.preempted == (b,) and [(q.request, q.start, q.num_tokens, q.samples) for q in plan.seqs] == [(a, 8, 4, True)]
     assert list(s.waiting) == [b] and b.blocks == [] and len(a.blocks) == 3
+
+
+def test_twelve_requests_arriving_together_on_a_96_block_pool_all_run_then_the_newest_are_preempted() -> None:
+    """The shape test_serve_load.py serves (12 prompts of 20 tokens, 700 new each, 96 blocks of 16,
+    budget 256), here with all 12 queued before the first step: every one is admitted at once and
+    decodes in the same steps until the pool fills; then the newest are preempted, the oldest go on,
+    and nobody runs beyond what the blocks hold."""
+    s = Scheduler(KVManager(BlockAllocator(96), 16), max_batch_size=256, max_num_batched_tokens=256)
+    reqs = [request(f"r{i}", 20, max_tokens=700) for i in range(12)]
+    s.waiting.extend(reqs)
+    first = run(s)
+    assert [q.request for q in first.seqs] == reqs and first.num_tokens == 240
+    widths = [len(run(s).seqs) for _ in range(200)]
+    assert widths[0] == 12  # the twelve decode together ...
+    assert s.preemptions_total > 0  # ... until the pool fills, and the newest give way
+    assert reqs[0] in s.running and all(r.status is RequestStatus.WAITING for r in s.waiting)
+    assert sum(len(r.blocks) for r in s.running) <= 96
