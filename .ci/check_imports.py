@@ -2,12 +2,12 @@
 
 Every ``import`` of an ``rtpcore`` module counts, at module level, inside a function (both
 run) or under ``if TYPE_CHECKING:`` (a type-only import that closes a loop is a loop:
-docs/design.md §7). Stages, from the bottom: errors, plugins, checkpoint, kv, parallel,
-models, engine, serving, cli; a module may import its own stage and the stages below it.
+docs/design.md §7). Stages, from the bottom: errors, config_fields, plugins, checkpoint, kv,
+parallel, models, engine, serving, testing, cli; a module may import its own stage and the stages below it.
 Inside engine/ the same holds for its parts, from the bottom: sample/, core/, step/, worker/,
 text/, then the modules at engine/'s top (engine_core, config, engine, async_engine), which may
 import every part. The package root and the public compatibility modules (``rtpcore.batch``,
-``rtpcore.layers``) only re-export and sit on top: nothing inside rtpcore imports them.
+``rtpcore.layers``, ``rtpcore.sharding``) only re-export and sit on top: nothing inside rtpcore imports them.
 
     python .ci/check_imports.py [SRC [PACKAGE]]   # exit 1 and one line per violation
 
@@ -21,9 +21,10 @@ import ast
 import sys
 from pathlib import Path
 
-STAGES = ["errors", "plugins", "checkpoint", "kv", "parallel", "models", "engine", "serving", "cli"]
+STAGES = ["errors", "config_fields", "plugins", "checkpoint", "kv", "parallel", "models", "engine", "serving",
+          "testing", "cli"]
 ENGINE_PARTS = ["sample", "core", "step", "worker", "text"]  # then engine/'s own top modules
-TOP = {"rtpcore", "rtpcore.__main__", "rtpcore.batch", "rtpcore.layers"}
+TOP = {"rtpcore", "rtpcore.__main__", "rtpcore.batch", "rtpcore.layers", "rtpcore.sharding"}
 
 
 def module_name(src: Path, path: Path) -> str:
@@ -59,8 +60,10 @@ def imports(tree: ast.AST, module: str, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)  # `from pkg import module`
+            submodules = {f"{node.module}.{a.name}" for a in node.names} & known
+            if len(submodules) < len(node.names):  # a name from the module itself
+                found.add(node.module)
+            found.update(submodules)  # `from pkg import module` imports that module, not pkg's names
     return {m for m in found if m in known and m != module}
 
 

@@ -145,7 +145,7 @@ def run_mtp(engine_cls: Any, root: Path, batches: list[int], ks: list[int], args
     except ImportError:
         print("deepseek-v3 MTP: skipped (atom-plugin is not installed)")
         return
-    from rtpcore.cli.demo import demo_checkpoint
+    from rtpcore.testing import demo_checkpoint
 
     demo = demo_checkpoint("deepseek_v3", plugins=["atom-plugin"], cache_dir=root / "demo")
     options = {"plugins": ["atom-plugin"]}

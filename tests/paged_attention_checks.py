@@ -262,8 +262,8 @@ def atom() -> dict[str, object]:
     import tempfile
 
     from rtpcore import Engine
-    from rtpcore.cli.demo import demo_checkpoint
     from rtpcore.kv.paged_attention import use_backend
+    from rtpcore.testing import demo_checkpoint
 
     prompts = [[256, 72, 101, 108], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [256, 33]]
     with tempfile.TemporaryDirectory() as tmp:

@@ -53,7 +53,7 @@ def test_demo_builds_once_and_is_deterministic(cache: Path, capsys: pytest.Captu
 def test_demo_tokenizer_json_matches_the_builtin_byte_tokenizer(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """With `tokenizers` installed the demo ships tokenizer.json giving the same byte ids as ByteTokenizer."""
     tokenizers = pytest.importorskip("tokenizers")
-    from rtpcore.cli.demo import ByteTokenizer
+    from rtpcore.testing.demo import ByteTokenizer
 
     assert run(capsys, "--demo", "llama", "--prompt-ids", "1", "--max-new-tokens", "1")[0] == 0
     (built,) = cache.iterdir()

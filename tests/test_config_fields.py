@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import save_file
 
 from rtpcore import Engine
+from rtpcore import config_fields as cf
 from rtpcore.checkpoint import load_checkpoint
 from rtpcore.cli import main
 from rtpcore.errors import CheckpointError, ConfigFieldError, MissingTensorsError
 from rtpcore.models.llama import LlamaPlugin
-from rtpcore.plugins import config_fields as cf
 from rtpcore.plugins.model_plugin import ModelPlugin
 
 DROP = object()  # remove the key from config.json

@@ -107,7 +107,7 @@ def test_fp8_kv_cache_runs_on_the_gpu(llama: tuple[Path, Any]) -> None:
 def test_atom_plugin_deepseek_demo_runs_on_the_gpu(tmp_path: Path, kv_layout: str) -> None:
     """The atom-plugin's DeepSeek-V3 demo (MLA, MoE) decodes on the GPU with either fp8 MLA layout."""
     pytest.importorskip("atom_plugin")
-    from rtpcore.cli.demo import demo_checkpoint
+    from rtpcore.testing import demo_checkpoint
 
     path = demo_checkpoint("deepseek_v3", plugins=["atom-plugin"], cache_dir=tmp_path)
     with Engine.from_pretrained(
@@ -259,8 +259,8 @@ def test_the_mla_triton_kernel_runs_on_the_gpu_and_matches_the_gather_path() -> 
     """atom-plugin's DeepSeek demo with an unquantized cache decodes with the MLA Triton kernel
     (float32: tokens equal the gather path's; bfloat16: it runs, graphs replay)."""
     pytest.importorskip("atom_plugin")
-    from rtpcore.cli.demo import demo_checkpoint
     from rtpcore.kv.paged_attention import decode_backend, use_backend
+    from rtpcore.testing import demo_checkpoint
 
     path = demo_checkpoint("deepseek_v3", plugins=["atom-plugin"])
     options: dict[str, Any] = {"plugins": ["atom-plugin"], "device": "cuda", "cuda_graphs": False}
@@ -281,7 +281,7 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly() -> None:
     """atom-plugin's DeepSeek demo with a compact fp8 cache: fp8 pools dequantize by gathering, so the
     engine takes no graphs (and says why); with cuda_graphs=True that is an error."""
     pytest.importorskip("atom_plugin")
-    from rtpcore.cli.demo import demo_checkpoint
+    from rtpcore.testing import demo_checkpoint
 
     path = demo_checkpoint("deepseek_v3", plugins=["atom-plugin"])
     options: dict[str, Any] = {"plugins": ["atom-plugin"], "device": "cuda", "kv_cache_dtype": "fp8", "kv_layout": "compact"}

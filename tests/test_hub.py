@@ -211,7 +211,7 @@ def test_one_layer_draft_fetches_only_the_shards_of_its_layer(
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("atom_plugin")
-    from rtpcore.cli.demo import demo_checkpoint
+    from rtpcore.testing import demo_checkpoint
 
     demo = demo_checkpoint("deepseek_v3", plugins=["atom-plugin"], cache_dir=tmp_path_factory.mktemp("demo"))
     return _deepseek(tmp_path_factory.mktemp("deepseek") / "repo", demo)

@@ -195,7 +195,7 @@ def test_a_layout_whose_codec_cannot_keep_cached_blocks_valid_turns_caching_off_
     """A plugin layout (a real dist-info on sys.path) whose codec sets prefix_cacheable = False: the
     engine logs the layout's name and the reason, and caches nothing; the built-in layout caches."""
     pytest.importorskip("atom_plugin")
-    from rtpcore.cli.demo import demo_checkpoint
+    from rtpcore.testing import demo_checkpoint
 
     plugin_env.add_dist("opaque-layout", plugins={"opaque": "opaque_layout"}, modules={"opaque_layout.py": OPAQUE_LAYOUT})
     demo = demo_checkpoint("deepseek_v3", plugins=["atom-plugin"], cache_dir=tmp_path / "demo")

@@ -173,7 +173,7 @@ def test_a_draft_served_by_an_external_plugin(tmp_path: Path, monkeypatch: pytes
     """A built-in Llama target with atom-plugin's DeepSeek-V3 demo as its draft (both demos
     share the 320-token byte vocabulary): the draft's type comes from its own config.json."""
     pytest.importorskip("atom_plugin")
-    from rtpcore.cli.demo import demo_checkpoint
+    from rtpcore.testing import demo_checkpoint
 
     target = demo_checkpoint("llama", cache_dir=tmp_path)
     draft = demo_checkpoint("deepseek_v3", plugins=["atom-plugin"], cache_dir=tmp_path)

@@ -2,6 +2,13 @@
 
 The package root only re-exports. Names are resolved lazily so that
 ``import rtpcore`` imports neither torch nor any plugin code.
+
+``FORWARD_CONTRACT`` is the major of the model seam this rtpcore runs (what ``forward`` receives
+and returns, docs/design.md §4): a plugin states the one it was written for. ``__version__`` is
+rtpcore's version. What a plugin imports is listed in docs/design.md §21: these names, and the
+modules ``rtpcore.errors``, ``rtpcore.config_fields``, ``rtpcore.layers``, ``rtpcore.batch``,
+``rtpcore.sharding``, ``rtpcore.kv``, ``rtpcore.checkpoint``, ``rtpcore.testing`` and
+``rtpcore_native``; every other module path is internal and may move.
 """
 
 from __future__ import annotations

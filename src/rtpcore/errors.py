@@ -170,7 +170,7 @@ class ConfigFieldError(CheckpointError, ValueError):
 
     ``.file`` names the file, ``.field`` the field (``"rope_scaling.factor"`` for a
     nested one) and ``.value`` the value found (None when the field is missing).
-    ``rtpcore.plugins.config_fields`` raises it.
+    ``rtpcore.config_fields`` raises it.
     """
 
     def __init__(self, message: str, *, file: str = "config.json", field: str = "", value: object = None):

@@ -1,10 +1,32 @@
-"""``rtpcore.layers`` stays a public path; the layers live in :mod:`rtpcore.models.layers`."""
+"""The calls a model plugin's ``forward`` makes (docs/design.md §21): linear layers, tensor-parallel
+row layers, attention over the paged KV cache, masks.
 
+These names are a contract: they keep their signatures across releases of the same
+``FORWARD_CONTRACT``. The code lives with the engine's own models (:mod:`rtpcore.models`), the
+tensor-parallel stage (:mod:`rtpcore.parallel`) and the KV stage (:mod:`rtpcore.kv`), whose module
+paths may move; import these names from here.
+"""
+
+from rtpcore.kv.paged_attention import decode_backend, paged_mla_decode
+from rtpcore.models.attention import causal_mask, paged_attention
 from rtpcore.models.layers import (
     Linear,
     cpu_has_native_dot,
     linear_kernels,
     packed_linear_supported,
 )
+from rtpcore.parallel.layers import GatherColumns, RowParallel, row_parallel
 
-__all__ = ["Linear", "cpu_has_native_dot", "linear_kernels", "packed_linear_supported"]
+__all__ = [
+    "GatherColumns",
+    "Linear",
+    "RowParallel",
+    "causal_mask",
+    "cpu_has_native_dot",
+    "decode_backend",
+    "linear_kernels",
+    "packed_linear_supported",
+    "paged_attention",
+    "paged_mla_decode",
+    "row_parallel",
+]

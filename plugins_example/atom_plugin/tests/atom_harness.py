@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from rtpcore.kv.pools import allocate_kv_caches
-from rtpcore.models.forward_batch import ForwardBatch
+from rtpcore.batch import ForwardBatch
+from rtpcore.kv import allocate_kv_caches
 
 TINY: dict[str, Any] = {
     "vocab_size": 128,
@@ -216,7 +216,7 @@ def generate_from_pickled_config(blob: bytes, prompts: list[list[int]], n_new: i
     import pickle
     import sys
 
-    from rtpcore.engine import Engine
+    from rtpcore import Engine
 
     before = "atom_plugin" in sys.modules
     with Engine.from_config(pickle.loads(blob)) as engine:

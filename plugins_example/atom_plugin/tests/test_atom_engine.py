@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from atom_harness import generate_from_pickled_config, hf_greedy
 
-from rtpcore import Engine
-from rtpcore.engine import EngineConfig
+from rtpcore import Engine, EngineConfig
 from rtpcore.errors import KVCacheSpecError, UnknownArchitectureError
 
 PROMPTS = [[5, 9, 33, 7, 2, 90, 17], [100, 3, 4], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]]

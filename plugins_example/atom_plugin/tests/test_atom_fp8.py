@@ -17,7 +17,7 @@ import torch
 from atom_harness import YARN, PagedRunner, build_from_checkpoint
 
 import rtpcore
-from rtpcore.kv.specs import kv_cache_specs
+from rtpcore.kv import kv_cache_specs
 
 PROMPTS = [[5, 9, 33, 7, 2, 90, 17], [100, 3, 4]]
 STEPS = 64

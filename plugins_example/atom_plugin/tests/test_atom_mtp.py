@@ -24,8 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from rtpcore import Engine
-from rtpcore.cli.demo import demo_checkpoint
 from rtpcore.errors import MissingTensorsError
+from rtpcore.testing import demo_checkpoint
 
 PLUGINS = ("atom-plugin",)
 PROMPTS = [[256, 72, 101, 108], [256, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [256, 33], [256, 90, 91]]

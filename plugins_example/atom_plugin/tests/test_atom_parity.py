@@ -72,8 +72,8 @@ def test_bfloat16_model_tracks_transformers_in_bfloat16(v3_ckpt: Path) -> None:
 def test_chunked_prefill_in_a_ragged_batch_matches_a_full_forward(v3_ckpt: Path) -> None:
     """A prompt's second chunk (attending to cached first-chunk latents) batched with another
     sequence's whole prompt gives transformers' last-token logits for both."""
-    from rtpcore.kv.pools import allocate_kv_caches
-    from rtpcore.models.forward_batch import ForwardBatch
+    from rtpcore.batch import ForwardBatch
+    from rtpcore.kv import allocate_kv_caches
 
     _, model, descs = build_from_checkpoint(v3_ckpt, tokens_per_block=4)
     caches = allocate_kv_caches(descs, 16)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rtpcore import Engine
-from rtpcore.cli.demo import demo_checkpoint
+from rtpcore.testing import demo_checkpoint
 
 PLUGINS = ("atom-plugin",)
 TPB = 4

@@ -15,7 +15,7 @@ from atom_harness import PagedRunner, make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from rtpcore import Engine
-from rtpcore.checkpoint.quantized import quantize_fp8_blocks
+from rtpcore.checkpoint import quantize_fp8_blocks
 from rtpcore.errors import CheckpointError
 
 PROMPTS = [[5, 9, 33, 7, 2, 90, 17], [100, 3, 4], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]

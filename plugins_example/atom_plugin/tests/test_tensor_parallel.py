@@ -13,9 +13,8 @@ from atom_harness import YARN, PagedRunner, hf_greedy, make_checkpoint
 
 from atom_plugin.config import DeepseekConfig
 from atom_plugin.deepseek import DeepseekV3Plugin
-from rtpcore import Engine
+from rtpcore import Engine, EngineConfig
 from rtpcore.checkpoint import read_hf_config
-from rtpcore.engine import EngineConfig
 from rtpcore.errors import ShardingError
 from rtpcore.parallel.leader import WorkerGroup
 

@@ -17,5 +17,13 @@ from rtpcore.checkpoint.loader import (
     load_checkpoint,
     read_hf_config,
 )
+from rtpcore.checkpoint.quantized import quantize_fp8_blocks
 
-__all__ = ["LoadStats", "LoadedWeights", "WeightSelection", "load_checkpoint", "read_hf_config"]
+__all__ = [
+    "LoadStats",
+    "LoadedWeights",
+    "WeightSelection",
+    "load_checkpoint",
+    "quantize_fp8_blocks",
+    "read_hf_config",
+]

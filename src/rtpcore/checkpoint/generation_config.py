@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from rtpcore.plugins import config_fields
+from rtpcore import config_fields
 
 __all__ = ["eos_token_ids"]
 

@@ -151,7 +151,7 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
     device = resolve_device(args.device)  # the engine checks it against tensor_parallel_size too
     plugins = [str(r) for r in allow.plugins]
     if args.demo is not None:
-        from rtpcore.cli.demo import demo_checkpoint
+        from rtpcore.testing import demo_checkpoint
 
         path = demo_checkpoint(args.demo, plugins=plugins, external_model_packages=allow.external_model_packages)
     else:

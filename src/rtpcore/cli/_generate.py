@@ -5,7 +5,7 @@
 message by the checkpoint's chat template (:mod:`rtpcore.engine.text.chat_template`).
 
 A thin shell over :meth:`rtpcore.Engine.from_pretrained` and
-:func:`rtpcore.cli.demo.demo_checkpoint`. torch is imported only when the command runs.
+:func:`rtpcore.testing.demo.demo_checkpoint`. torch is imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ def _load_tokenizer(path: Path, demo: bool) -> Any | None:
 
         return Tokenizer.from_pretrained(path)
     if demo:
-        from rtpcore.cli.demo import ByteTokenizer
+        from rtpcore.testing.demo import ByteTokenizer
 
         return ByteTokenizer()
     return None
 
 
 def _encode(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
-    from rtpcore.cli.demo import ByteTokenizer
+    from rtpcore.testing.demo import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.encode(text)
@@ -90,7 +90,7 @@ def _encode(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> li
 
 
 def _decode(tokenizer: Any, ids: list[int]) -> str:
-    from rtpcore.cli.demo import ByteTokenizer
+    from rtpcore.testing.demo import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.decode(ids)
@@ -113,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         parser.error(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     path, engine_options = model_path(args, parser)  # validates the allowlist first
-    from rtpcore.cli.demo import NOTICE
     from rtpcore.engine import Engine
+    from rtpcore.testing.demo import NOTICE
 
     tokenizer = _load_tokenizer(path, demo=args.demo is not None)
     if args.prompt is not None:

@@ -5,8 +5,7 @@
 on this machine. Use it for every projection of a model served by rtpcore
 (built-in models do; so does the ``atom-plugin`` example)::
 
-    from rtpcore.models.layers import Linear
-    from rtpcore.parallel.layers import row_parallel
+    from rtpcore.layers import Linear, row_parallel
 
     self.qkv = Linear(w["qkv.weight"].to(dtype))                       # (out, in)
     self.o = row_parallel(Linear, w["o.weight"].to(dtype), None, parallel)  # sharded or not

@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 
+from rtpcore import config_fields as cf
 from rtpcore.errors import ConfigFieldError
-from rtpcore.plugins import config_fields as cf
 
 __all__ = ["LlamaConfig", "rope_inv_freq"]
 

@@ -100,7 +100,7 @@ class ModelPlugin:
         and any placeholder with no range, matches any index and requires none
         (optional tensors): override this to require them.
         """
-        from rtpcore.plugins import config_fields
+        from rtpcore import config_fields
 
         fields = config if isinstance(config, Mapping) else {}
         if not isinstance(config, Mapping) and hasattr(config, "num_hidden_layers"):

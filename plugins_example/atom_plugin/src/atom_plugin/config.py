@@ -3,7 +3,7 @@
 Only plain data lives here (no torch), so the config can be built, compared
 and pickled anywhere. Every option is read the way Hugging Face transformers
 reads it in ``DeepseekV3ForCausalLM`` / ``DeepseekV2ForCausalLM``, through
-``rtpcore.plugins.config_fields``: a null, a wrong type, a zero or negative count, a
+``rtpcore.config_fields``: a null, a wrong type, a zero or negative count, a
 broken routing rule, or an option we do not implement raises
 ``rtpcore.errors.ConfigFieldError`` (a ``CheckpointError`` and a ``ValueError``)
 naming the key, its value and the supported values.
@@ -18,8 +18,8 @@ from typing import Any
 
 import attrs
 
+from rtpcore import config_fields as cf
 from rtpcore.errors import ConfigFieldError
-from rtpcore.plugins import config_fields as cf
 
 __all__ = ["DeepseekConfig", "RopeConfig"]
 

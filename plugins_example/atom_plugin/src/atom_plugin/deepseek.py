@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from atom_plugin import tables
 from atom_plugin.config import DeepseekConfig
-from rtpcore.plugins.model_plugin import ModelPlugin
+from rtpcore import ModelPlugin
 
 __all__ = ["DeepseekV2Plugin", "DeepseekV3Plugin"]
 
@@ -26,7 +26,7 @@ class DeepseekV3Plugin(ModelPlugin):
     """DeepSeek-V3 (``DeepseekV3ForCausalLM``): MLA attention, sigmoid-routed MoE."""
 
     model_type: ClassVar[str] = "deepseek_v3"
-    # rtpcore.models.forward_batch: unpadded steps, prompt chunks without a logits row (contract 2)
+    # rtpcore.batch: unpadded steps, prompt chunks without a logits row (contract 2)
     forward_contract: ClassVar[int] = 2
     architectures: ClassVar[tuple[str, ...]] = ("DeepseekV3ForCausalLM",)
     variant: ClassVar[str] = "deepseek_v3"
@@ -92,7 +92,7 @@ class DeepseekV3Plugin(ModelPlugin):
     ) -> Any:
         """The torch module (see :mod:`atom_plugin.model` for the forward contract).
 
-        ``parallel`` (an ``rtpcore.parallel.context.ParallelContext``): build this
+        ``parallel`` (an ``rtpcore.sharding.ParallelContext``): build this
         rank's shard from the config and weight slices of
         :meth:`tensor_parallel_shard`.
         """

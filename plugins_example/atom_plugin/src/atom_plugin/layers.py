@@ -2,7 +2,7 @@
 
 Tensors are flat over tokens: T is the number of new tokens in the step, D the
 hidden size. Weights are taken from a checkpoint mapping by name, never
-initialised randomly. Every projection is an ``rtpcore.models.layers.Linear`` (made by
+initialised randomly. Every projection is an ``rtpcore.layers.Linear`` (made by
 :func:`linear_factory`): oneDNN-prepacked in bf16, ``F.linear`` in float32, the
 same bits as ``F.linear`` either way; only the MoE router stays a float32
 ``F.linear`` on its own weight, as in transformers.
@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atom_plugin.config import DeepseekConfig, RopeConfig
-from rtpcore.models.layers import Linear
-from rtpcore.parallel.layers import row_parallel
+from rtpcore.layers import Linear, row_parallel
 
 __all__ = ["MLP", "MoE", "RMSNorm", "RopeTables", "apply_rope", "rope_cos_sin", "rope_inv_freq"]
 
@@ -33,7 +32,7 @@ def frozen(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> n
 
 
 def linear_factory(dtype: torch.dtype, device: torch.device | str) -> Callable[..., Linear]:
-    """``make(weight, bias=None)``: an ``rtpcore.models.layers.Linear`` over checkpoint tensors cast to
+    """``make(weight, bias=None)``: an ``rtpcore.layers.Linear`` over checkpoint tensors cast to
     ``dtype`` on ``device`` (prepacked for bf16, ``F.linear`` for float32: the same bits either way)."""
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
@@ -149,7 +148,7 @@ class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up fused in one ``Linear``.
 
     Tensor parallel: the weights hold this rank's slice of the intermediate
-    dimension (I/N), and ``parallel`` (an ``rtpcore.parallel.context.ParallelContext``)
+    dimension (I/N), and ``parallel`` (an ``rtpcore.sharding.ParallelContext``)
     sums the ranks' partial outputs (``down`` is row-parallel); without it the
     output stays partial (a shared expert, reduced together with the routed ones).
     """
@@ -173,7 +172,7 @@ class MoE(nn.Module):
 
     The router runs in float32 whatever the model dtype (transformers keeps
     ``gate.weight`` and ``e_score_correction_bias`` in float32 too). Every routed
-    expert has its own ``gate_up`` / ``down`` :class:`rtpcore.models.layers.Linear`; in
+    expert has its own ``gate_up`` / ``down`` :class:`rtpcore.layers.Linear`; in
     float32 they are views of two stacked (E, 2I, D) / (E, D, I) tensors, which
     also serve the few-token gather path (kept in bf16 only for experts small
     enough to take that path).

@@ -17,11 +17,11 @@ R = rope dims, dn = qk_nope_head_dim, dv = v_head_dim.
 Tensor parallel (see :mod:`atom_plugin.tensor_parallel`): H is this rank's
 share of the heads, ``q_b_proj`` / ``kv_b_proj`` / ``o_proj`` hold only their
 rows / columns, and ``o_proj`` is row-parallel
-(``rtpcore.parallel.layers.row_parallel``: its partial output is all-reduced
+(``rtpcore.layers.row_parallel``: its partial output is all-reduced
 before its bias is added). The latent (``c_kv``, ``k_pe``) is shared by all
 heads, so every rank computes and caches all of it.
 
-Every projection is an ``rtpcore.models.layers.Linear`` (prepacked oneDNN in bf16,
+Every projection is an ``rtpcore.layers.Linear`` (prepacked oneDNN in bf16,
 ``F.linear`` in float32: the same bits as ``F.linear`` either way).
 """
 
@@ -35,10 +35,7 @@ from torch import nn
 
 from atom_plugin.config import DeepseekConfig
 from atom_plugin.layers import RMSNorm, Weights, apply_rope, linear_factory
-from rtpcore.kv.paged_attention import paged_mla_decode
-from rtpcore.models.attention import causal_mask
-from rtpcore.models.layers import Linear
-from rtpcore.parallel.layers import row_parallel
+from rtpcore.layers import Linear, causal_mask, paged_mla_decode, row_parallel
 
 __all__ = ["MLAttention", "StepTensors"]
 
@@ -52,7 +49,7 @@ class StepTensors(NamedTuple):
     num_decodes: int  # Bd: the leading sequences with one new token each (the decodes)
     decode_len: int  # Ld: the longest context of those
     decode_mask: torch.Tensor | None  # (Bd, 1, Ld) True past each decode's context; None when nothing is masked
-    # every sequence decodes and reads the latent cache in place (rtpcore.kv.paged_attention.paged_mla_decode)
+    # every sequence decodes and reads the latent cache in place (rtpcore.layers.paged_mla_decode)
     paged: bool = False
 
 
@@ -111,8 +108,8 @@ class MLAttention(nn.Module):
         self,
         x: torch.Tensor,  # (T, D)
         step: StepTensors,  # rope cos/sin and the decode mask, shared by every layer
-        batch: Any,  # rtpcore.models.forward_batch.ForwardBatch
-        cache: Any,  # rtpcore.kv.pools.LayerKVCache
+        batch: Any,  # rtpcore.batch.ForwardBatch
+        cache: Any,  # rtpcore.kv.LayerKVCache
     ) -> torch.Tensor:
         cfg = self.cfg
         t = x.shape[0]

@@ -1,13 +1,13 @@
 """``DeepseekModel``: the decoder stack, following rtpcore's forward contract.
 
 ``logits = model(batch, kv_caches)`` (forward contract 2): ``batch`` is an
-``rtpcore.models.forward_batch.ForwardBatch`` (T new tokens of B sequences, unpadded: decodes
-first, then prompt chunks), ``kv_caches`` one ``rtpcore.kv.pools.LayerKVCache`` per layer
+``rtpcore.batch.ForwardBatch`` (T new tokens of B sequences, unpadded: decodes
+first, then prompt chunks), ``kv_caches`` one ``rtpcore.kv.LayerKVCache`` per layer
 (MLA: k = latent ``c_kv``, v = roped ``k_pe``), logits are (N, vocab) float32, the rows
 ``batch.logits_index`` names (one per sequence after its last new token by default; none for
 a prompt chunk that samples nothing; a draft's proposals under speculative decoding).
 
-Built with ``parallel`` (an ``rtpcore.parallel.context.ParallelContext`` of more
+Built with ``parallel`` (an ``rtpcore.sharding.ParallelContext`` of more
 than one rank) from a sharded config and its weight slices (see
 :mod:`atom_plugin.tensor_parallel`), every rank runs this same forward on its
 shard and returns the full logits.
@@ -34,8 +34,7 @@ from atom_plugin.layers import (
     rope_inv_freq,
 )
 from atom_plugin.mla import MLAttention, StepTensors
-from rtpcore.kv.paged_attention import decode_backend
-from rtpcore.parallel.layers import GatherColumns
+from rtpcore.layers import GatherColumns, decode_backend
 
 __all__ = ["DecoderLayer", "DeepseekModel"]
 
@@ -118,7 +117,7 @@ class DeepseekModel(nn.Module):
 
     def step_tensors(self, batch: Any, kv_caches: Sequence[Any] = ()) -> StepTensors:
         """RoPE tables and the decodes' mask of one step, shared by every layer. A decode step
-        over unquantized caches on a GPU reads them in place (rtpcore.kv.paged_attention): no mask."""
+        over unquantized caches on a GPU reads them in place (rtpcore.layers.paged_attention): no mask."""
         max_len = batch.max_context_len
         cos, sin = self.rope(batch.positions, max_len)  # (T, 1, R/2) each
         paged = batch.is_decode and bool(kv_caches) and decode_backend(kv_caches[0], batch.positions) == "triton"

@@ -47,7 +47,7 @@ class DeepseekMTPPlugin(ModelPlugin):
     """The MTP layer of a DeepSeek-V3 checkpoint (never registered: reached through
     ``DeepseekV3Plugin.mtp_draft``)."""
 
-    forward_contract = 2  # rtpcore.models.forward_batch (the same as the target model)
+    forward_contract = 2  # rtpcore.batch (the same as the target model)
 
     model_type: ClassVar[str] = "deepseek_v3_mtp"
     architectures: ClassVar[tuple[str, ...]] = ("DeepseekV3ForCausalLM",)

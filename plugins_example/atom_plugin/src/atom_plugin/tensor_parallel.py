@@ -40,7 +40,7 @@ from __future__ import annotations
 import attrs
 
 from atom_plugin.config import DeepseekConfig
-from rtpcore.parallel.sharding import column_shard, head_shard, row_shard
+from rtpcore.sharding import column_shard, head_shard, row_shard
 
 __all__ = ["shard_config"]
 

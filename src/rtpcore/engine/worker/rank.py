@@ -356,7 +356,7 @@ DEFAULT_MAX_POSITIONS = 4096  # when config.json has no max_position_embeddings
 def max_positions(hf: dict[str, Any]) -> int:
     """``max_position_embeddings`` of config.json, the longest sequence the engine admits;
     ``DEFAULT_MAX_POSITIONS`` when missing or null."""
-    from rtpcore.plugins import config_fields
+    from rtpcore import config_fields
 
     return config_fields.optional_int(hf, "max_position_embeddings", DEFAULT_MAX_POSITIONS, null_ok=True)
 

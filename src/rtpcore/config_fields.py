@@ -5,7 +5,7 @@ promised Python type, or raises :class:`~rtpcore.errors.ConfigFieldError` (a
 ``CheckpointError``, and a ``ValueError``) naming the file, the field and the
 value::
 
-    from rtpcore.plugins import config_fields as cf
+    from rtpcore import config_fields as cf
 
     layers = cf.require_int(hf, "num_hidden_layers")                  # an int >= 1
     kv_heads = cf.optional_int(hf, "num_key_value_heads", heads, null_ok=True)
