@@ -118,3 +118,39 @@ def test_links_to_headings_resolve(doc: Path) -> None:
 def test_readme_is_short() -> None:
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
     assert lines < README_MAX_LINES, f"README.md has {lines} lines; keep it under {README_MAX_LINES}, move the rest to docs/"
+
+
+def _synopsis(doc: Path, command: str) -> str:
+    """The synopsis of ``rtpcore COMMAND`` in ``doc``'s first plain code block that has one."""
+    blocks, block, fence = [], [], None
+    for line in doc.read_text(encoding="utf-8").splitlines():
+        if fence is None and line.startswith("```"):
+            fence, block = line, []
+        elif fence is not None and line.strip() == "```":
+            if fence == "```":
+                blocks.append(block)
+            fence = None
+        elif fence is not None:
+            block.append(line)
+    for lines in blocks:
+        start = next((i for i, ln in enumerate(lines) if ln.startswith(f"rtpcore {command} [")), None)
+        if start is not None:
+            end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+            return "\n".join(lines[start:end])
+    raise AssertionError(f"{doc.name} has no synopsis of rtpcore {command}")
+
+
+def test_the_guide_synopsis_of_generate_lists_every_flag() -> None:
+    """docs/plugins.md §15's synopsis of ``rtpcore generate`` names every flag the command takes
+    (it once lacked --quantization and --no-native-decode)."""
+    import subprocess
+    import sys
+
+    helped = subprocess.run([sys.executable, "-m", "rtpcore", "generate", "--help"], capture_output=True,
+                            text=True, check=True).stdout
+    usage = helped.split("\n\n", 1)[0]  # the usage paragraph lists every option once
+    flags = set(re.findall(r"--[a-z][\w-]*", usage))
+    assert {"--plugins", "--prompt", "--dtype"} <= flags
+    synopsis = _synopsis(ROOT / "docs" / "plugins.md", "generate")
+    missing = sorted(f for f in flags - {"--help"} if not re.search(re.escape(f) + r"(?![\w-])", synopsis))
+    assert missing == []
