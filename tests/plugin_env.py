@@ -14,19 +14,29 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rtpcore.plugins.model_plugin import FORWARD_CONTRACT
+
 HOOKS_HEADER = "from rtpcore import hookimpl, ModelPlugin\n"
 
 
 def model_source(
-    cls: str, model_type: str, archs: tuple[str, ...], replaces: tuple[str, ...] = ()
+    cls: str,
+    model_type: str,
+    archs: tuple[str, ...],
+    replaces: tuple[str, ...] = (),
+    *,
+    contract: int | None = FORWARD_CONTRACT,
 ) -> str:
-    """Source of a minimal valid ModelPlugin subclass (no torch)."""
+    """Source of a minimal valid ModelPlugin subclass (no torch); ``contract=None`` leaves
+    ``forward_contract`` unstated."""
+    stated = "" if contract is None else f"forward_contract = {contract!r}"
     return textwrap.dedent(
         f"""
         class {cls}(ModelPlugin):
             model_type = {model_type!r}
             architectures = {archs!r}
             replaces = {replaces!r}
+            {stated}
 
             @classmethod
             def config_from_hf(cls, hf_config):
@@ -156,9 +166,10 @@ def worker_load(plan: Any) -> dict[str, Any]:
         registry = rtpcore.load_plugins(plan)
     except RtpcoreError as exc:
         return {"error": type(exc).__name__, "message": str(exc), "calls": calls}
+    loading_calls = list(calls)  # rendering the providers below reads rtpcore's own version
     return {
         "models": {r.model_type: (r.architectures, str(r.provider)) for r in registry.records()},
-        "calls": calls,
+        "calls": loading_calls,
         "modules": sorted(m for m in sys.modules if m.startswith("wk_")),
     }
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from plugin_env import PluginEnv, hooks_source, pip_install_into_venv
+from plugin_env import PluginEnv, hooks_source, model_source, pip_install_into_venv
 from rtpcore.cli import main
+from rtpcore.plugins.model_plugin import FORWARD_CONTRACT
 
 KEYS = {"name", "distribution", "version", "value", "state", "models", "architectures"}
 
@@ -37,6 +38,13 @@ def _install(plugin_env: PluginEnv, tmp_path: Path) -> Path:
     return marker
 
 
+def _child_env(plugin_env: PluginEnv) -> dict[str, str]:
+    """The environment of a child rtpcore process: the fake site first, then this process's
+    PYTHONPATH (so that the child runs the rtpcore under test)."""
+    path = os.pathsep.join(p for p in (str(plugin_env.site), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path)
+
+
 def _list(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[dict[str, object]]]:
     code = main(["plugins", "list", "--json", *argv])
     return code, json.loads(capsys.readouterr().out)
@@ -54,8 +62,9 @@ def test_list_shows_builtins_and_installed_plugins_without_importing_them(
     assert (
         rows[0]["name"] == "rtpcore.models"
         and rows[0]["builtin"] is True
-        and rows[0]["state"] == "loaded"
+        and rows[0]["state"] == "registered"  # its Llama class is registered lazily, not imported
     )
+    assert rows[0]["unimported"] == ["rtpcore.models.llama:LlamaPlugin"]
     assert "llama" in rows[0]["models"]  # type: ignore[operator]
     evil = by_name["evil"]
     assert (evil["distribution"], evil["version"], evil["value"], evil["state"]) == (
@@ -130,7 +139,7 @@ def test_check_loads_in_a_fresh_process_and_survives_a_crashing_plugin(
         plugins={"crash": "cli_crash"},
         modules={"cli_crash.py": "import os\nos._exit(3)\n"},
     )
-    env = dict(os.environ, PYTHONPATH=str(plugin_env.site))
+    env = _child_env(plugin_env)
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -173,7 +182,7 @@ def test_check_children_never_run_code_from_the_current_directory(
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=dict(os.environ, PYTHONPATH=str(plugin_env.site)),
+        env=_child_env(plugin_env),
     )
     assert not marker.exists()
     assert proc.returncode == 0, proc.stderr
@@ -252,3 +261,100 @@ def test_an_ignored_environment_variable_is_reported_once_as_a_warning(
     assert "EXTERNAL_MODEL_PACKAGES" in first.err and "--external-model-packages" in first.err
     assert main(["plugins", "list", "--json", "--requested-only"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def _lazy_hooks(target: str, model_type: str, arch: str) -> str:
+    return (
+        "from rtpcore import hookimpl\n\n@hookimpl\ndef rtpcore_register_models(registry):\n"
+        f"    registry.register({target!r}, model_type={model_type!r}, architectures=({arch!r},))\n"
+    )
+
+
+def _install_lazy(plugin_env: PluginEnv) -> None:
+    """Five lazily registering plugins (model type = module prefix = the dist name with '_'):
+    one good, and four the engine would refuse at generate."""
+    header = "from rtpcore import ModelPlugin\n"
+    cases = [  # (distribution, architecture, class module source prefix, registered target)
+        ("lazy-good", "LgForCausalLM", "", "lazy_good_m:M"),
+        ("lazy-import", "LiForCausalLM", "import lazy_not_installed_dep\n", "lazy_import_m:M"),
+        ("lazy-module", "LmForCausalLM", "", "lazy_module_x:M"),  # no such module
+        ("lazy-attr", "LaForCausalLM", "", "lazy_attr_m:Mm"),  # no such class
+        ("lazy-contract", "LcForCausalLM", "", "lazy_contract_m:M"),  # forward_contract unstated
+    ]
+    for dist, arch, prefix, target in cases:
+        mod = dist.replace("-", "_")
+        contract = None if dist == "lazy-contract" else FORWARD_CONTRACT
+        source = prefix + header + model_source("M", mod, (arch,), contract=contract)
+        plugin_env.add_dist(
+            dist,
+            "0.4",
+            plugins={mod: f"{mod}_hooks"},
+            modules={f"{mod}_hooks.py": _lazy_hooks(target, mod, arch), f"{mod}_m.py": source},
+        )
+
+
+def test_check_imports_lazy_registrations_and_fails_where_the_engine_would_refuse(
+    plugin_env: PluginEnv,
+) -> None:
+    """An import error in the class's module, a wrong module, a wrong attribute and a class
+    without forward_contract are each a FAIL naming the plugin, its distribution and the
+    module:Class (exit 1); the good lazy plugin is ok."""
+    _install_lazy(plugin_env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rtpcore", "plugins", "check", "lazy-good", "lazy-import",
+         "lazy-module", "lazy-attr", "lazy-contract"],
+        capture_output=True, text=True, env=_child_env(plugin_env),
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 5, proc.stdout
+    assert lines[0].startswith("ok    lazy-good: lazy_good (lazy-good 0.4, lazy_good_hooks): lazy_good")
+    expected = [
+        ("lazy-import", "import-failed", "lazy_import_m:M", "No module named 'lazy_not_installed_dep'"),
+        ("lazy-module", "import-failed", "lazy_module_x:M", "No module named 'lazy_module_x'"),
+        ("lazy-attr", "import-failed", "lazy_attr_m:Mm", "has no attribute 'Mm'"),
+        (
+            "lazy-contract",
+            "invalid",
+            "lazy_contract_m:M",
+            f"it does not state forward_contract; this rtpcore runs {FORWARD_CONTRACT} "
+            f"(set `forward_contract = {FORWARD_CONTRACT}` on the class)",
+        ),
+    ]
+    for line, (dist, state, target, detail) in zip(lines[1:], expected, strict=True):
+        plugin = dist.replace("-", "_")
+        assert line.startswith(f"FAIL  {dist}: {state}: model {plugin!r} of plugin {plugin!r} ({dist} 0.4, "), line
+        assert target in line and detail in line, line
+    assert "states forward_contract=1" not in proc.stdout
+    ok = subprocess.run(
+        [sys.executable, "-m", "rtpcore", "plugins", "check", "lazy-good", "--json"],
+        capture_output=True, text=True, env=_child_env(plugin_env),
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert [(r["state"], r["unimported"]) for r in json.loads(ok.stdout)] == [("loaded", [])]
+
+
+def test_list_says_registered_not_loaded_for_classes_it_has_not_imported(
+    plugin_env: PluginEnv, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """list runs the hooks but imports no lazily registered class: such a plugin is
+    'registered' (exit 0) with the module:Class targets not imported yet, even one whose
+    import would fail; --import-models imports them (loaded, or the failure)."""
+    _install_lazy(plugin_env)
+    code, rows = _list(capsys, "--plugins", "lazy-good,lazy-attr", "--requested-only")
+    assert code == 0
+    assert [(r["request"], r["state"], r["unimported"]) for r in rows] == [
+        ("lazy-good", "registered", ["lazy_good_m:M"]),
+        ("lazy-attr", "registered", ["lazy_attr_m:Mm"]),
+    ]
+    assert "lazy_good_m" not in sys.modules
+    code, rows = _list(capsys, "--plugins", "lazy-good,lazy-attr", "--requested-only", "--import-models")
+    assert code == 1
+    assert [(r["request"], r["state"]) for r in rows] == [
+        ("lazy-good", "loaded"),
+        ("lazy-attr", "import-failed"),
+    ]
+    assert main(["plugins", "list", "--plugins", "lazy-good", "--requested-only"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].startswith("registered")
+    assert "not imported yet: lazy_good_m:M (`rtpcore plugins check` imports and validates them)" in out

@@ -22,7 +22,7 @@ from rtpcore.checkpoint import load_checkpoint
 from rtpcore.cli import main
 from rtpcore.errors import CheckpointError, ConfigFieldError, MissingTensorsError
 from rtpcore.models.llama import LlamaPlugin
-from rtpcore.plugins.model_plugin import ModelPlugin
+from rtpcore.plugins.model_plugin import FORWARD_CONTRACT, ModelPlugin
 
 DROP = object()  # remove the key from config.json
 LLAMA3 = {
@@ -291,6 +291,7 @@ class LayeredToy(ModelPlugin):
 
     model_type = "layered_toy"
     architectures = ("LayeredToyForCausalLM",)
+    forward_contract = FORWARD_CONTRACT
 
     @classmethod
     def config_from_hf(cls, hf_config: Any) -> Any:

@@ -16,7 +16,7 @@ from rtpcore.kv.specs import (
     resolve_kv_cache_dtype,
     summarize,
 )
-from rtpcore.plugins.model_plugin import ModelPlugin
+from rtpcore.plugins.model_plugin import FORWARD_CONTRACT, ModelPlugin
 from rtpcore.plugins.registration import Provider
 from rtpcore.plugins.registry import ModelRegistry
 from rtpcore_native import Fp8LayoutPolicy, KVCacheSpecDesc
@@ -65,6 +65,7 @@ class TinyMLA(ModelPlugin):
 
     model_type = "tiny_mla"
     architectures = ("TinyMLAForCausalLM",)
+    forward_contract = FORWARD_CONTRACT
     seen: ClassVar[dict[str, Any]] = {}
 
     @classmethod

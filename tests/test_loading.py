@@ -109,7 +109,19 @@ def test_an_entry_point_naming_a_missing_attribute_is_import_failed(plugin_env: 
         ("x = 1\n", "defines no rtpcore hook implementations"),
         (
             HOOKS_HEADER + "@hookimpl\ndef rtpcore_register_model(registry):\n    pass\n",
-            "unknown hook 'rtpcore_register_model'",
+            "unknown hook 'rtpcore_register_model'; did you mean 'rtpcore_register_models'?",
+        ),
+        (  # misspelled and undecorated, beside a real hook: never silently ignored
+            HOOKS_HEADER
+            + "@hookimpl\ndef rtpcore_register_models(registry):\n    pass\n"
+            + "def rtpcore_kv_cache_layout():\n    return []\n",
+            "'rtpcore_kv_cache_layout' is not an rtpcore hook; did you mean 'rtpcore_kv_cache_layouts'?",
+        ),
+        (  # a real hook's name, undecorated, beside a decorated one
+            HOOKS_HEADER
+            + "@hookimpl\ndef rtpcore_register_models(registry):\n    pass\n"
+            + "def rtpcore_kv_cache_layouts():\n    return []\n",
+            "rtpcore_kv_cache_layouts must be decorated with @rtpcore.hookimpl",
         ),
         (
             HOOKS_HEADER + "@hookimpl\ndef rtpcore_register_models(registri):\n    pass\n",
@@ -337,3 +349,114 @@ def test_load_plugins_refuses_anything_but_a_plan() -> None:
     """Passing the allowlist instead of its plan is a TypeError naming the fix."""
     with pytest.raises(TypeError, match=r"Allowlist.resolve\(\)"):
         load_plugins(Allowlist.from_cli())  # type: ignore[arg-type]
+
+
+def _lazy_source(target: str, model_type: str, arch: str, replaces: tuple[str, ...] = ()) -> str:
+    return (
+        "from rtpcore import hookimpl\n\n@hookimpl\ndef rtpcore_register_models(registry):\n"
+        f"    registry.register({target!r}, model_type={model_type!r}, architectures=({arch!r},),"
+        f" replaces={replaces!r})\n"
+    )
+
+
+def test_import_models_refuses_a_lazy_class_before_anything_is_registered(
+    plugin_env: PluginEnv,
+) -> None:
+    """Without import_models a lazy class without forward_contract is 'registered' (not
+    imported); with it the plugin is 'invalid' and none of its registrations is applied."""
+    plugin_env.add_dist(
+        "ld-lazyfc",
+        "2.0",
+        plugins={"lazyfc": "ld_lazyfc_hooks"},
+        modules={
+            "ld_lazyfc_hooks.py": _lazy_source("ld_lazyfc_m:M", "lazyfc", "LazyFcForCausalLM"),
+            "ld_lazyfc_m.py": "from rtpcore import ModelPlugin\n"
+            + model_source("M", "lazyfc", ("LazyFcForCausalLM",), contract=None),
+        },
+    )
+    lazy = load_report(_plan("ld-lazyfc"))
+    assert [(o.state, o.unimported) for o in lazy.outcomes] == [("registered", ("ld_lazyfc_m:M",))]
+    assert lazy.ok and "ld_lazyfc_m" not in sys.modules
+    checked = load_report(_plan("ld-lazyfc"), import_models=True)
+    (outcome,) = checked.outcomes
+    assert outcome.state == "invalid" and not checked.ok
+    assert "lazyfc" not in checked.registry.model_types()
+    assert isinstance(outcome.error, PluginLoadError)
+    assert (outcome.error.plugin, outcome.error.distribution) == ("lazyfc", "ld-lazyfc")
+    assert "ld_lazyfc_m:M is invalid: it does not state forward_contract" in str(outcome.error)
+
+
+def test_the_engine_refuses_a_class_that_states_no_forward_contract(
+    plugin_env: PluginEnv, tmp_path: Path
+) -> None:
+    """Engine.from_pretrained on a checkpoint the lazy class serves fails before reading a
+    weight, naming the plugin and the class, and never says the class stated a contract."""
+    from rtpcore import FORWARD_CONTRACT, Engine
+
+    plugin_env.add_dist(
+        "ld-engfc",
+        "2.1",
+        plugins={"engfc": "ld_engfc_hooks"},
+        modules={
+            "ld_engfc_hooks.py": _lazy_source("ld_engfc_m:M", "engfc", "EngFcForCausalLM"),
+            "ld_engfc_m.py": "from rtpcore import ModelPlugin\n"
+            + model_source("M", "engfc", ("EngFcForCausalLM",), contract=None),
+        },
+    )
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text('{"architectures": ["EngFcForCausalLM"]}')
+    with pytest.raises(PluginLoadError) as excinfo:
+        Engine.from_pretrained(str(tmp_path / "ckpt"), plugins=["ld-engfc"], device="cpu")
+    message = str(excinfo.value)
+    assert excinfo.value.state == "invalid" and excinfo.value.distribution == "ld-engfc"
+    assert "plugin 'engfc' (ld-engfc 2.1" in message and "ld_engfc_m:M" in message
+    assert (
+        f"does not state forward_contract; this rtpcore runs {FORWARD_CONTRACT} "
+        f"(set `forward_contract = {FORWARD_CONTRACT}` on the class)"
+    ) in message
+    assert "states forward_contract=" not in message
+
+
+def test_a_model_type_conflict_with_the_builtin_is_fixed_by_following_its_advice(
+    plugin_env: PluginEnv,
+) -> None:
+    """Claiming the built-in model type 'llama' is a conflict naming rtpcore's own version and
+    telling to list 'llama' in `replaces`; the same plugin with that done takes 'llama' over."""
+    from rtpcore.plugins.loading import builtin_version
+
+    plugin_env.add_dist(
+        "ld-mt-before",
+        "1.0",
+        plugins={"mtb": "ld_mtb_hooks"},
+        modules={
+            "ld_mtb_hooks.py": _lazy_source("ld_mtb_m:M", "llama", "MyLlamaForCausalLM"),
+            "ld_mtb_m.py": "from rtpcore import ModelPlugin\n"
+            + model_source("M", "llama", ("MyLlamaForCausalLM",)),
+        },
+    )
+    with pytest.raises(PluginConflictError) as excinfo:
+        load_plugins(_plan("ld-mt-before"))
+    message = str(excinfo.value)
+    assert f"built-in plugin 'rtpcore.models' (rtpcore {builtin_version()}, " in message
+    assert "None" not in message and builtin_version() != "unknown"
+    advice = "list 'llama' in the plugin's `replaces`"
+    assert advice in message
+    # Following it literally: the lazy registration and the class both list 'llama'.
+    plugin_env.add_dist(
+        "ld-mt-after",
+        "1.0",
+        plugins={"mta": "ld_mta_hooks"},
+        modules={
+            "ld_mta_hooks.py": _lazy_source(
+                "ld_mta_m:M", "llama", "MyLlamaForCausalLM", replaces=("llama",)
+            ),
+            "ld_mta_m.py": "from rtpcore import ModelPlugin\n"
+            + model_source("M", "llama", ("MyLlamaForCausalLM",), replaces=("llama",)),
+        },
+    )
+    report = load_report(_plan("ld-mt-after"), import_models=True)
+    assert [o.state for o in report.outcomes] == ["loaded"], report.outcomes[0].error
+    registry = report.registry
+    assert registry.record("llama").provider.distribution == "ld-mt-after"
+    assert registry.infer_model_type({"architectures": ["MyLlamaForCausalLM"]}) == "llama"
+    assert registry.get("llama").__module__ == "ld_mta_m"

@@ -73,11 +73,18 @@ def test_an_unrecorded_removal_is_refused_without_a_new_contract_and_a_changelog
     assert any("needs a new FORWARD_CONTRACT" in p and "rtpcore.layers.fused_rope" in p for p in problems)
     assert any("CHANGELOG.md does not name" in p and "fused_rope" in p for p in problems)
     assert snapshot.read_text() == before
+    # a change declared compatible (it breaks no working plugin) still needs the CHANGELOG entry
+    assert any("CHANGELOG.md" in p for p in api_surface.update(snapshot, changelog, ("rtpcore.layers.fused_rope",)))
+    assert snapshot.read_text() == before
     # with the entry written and the contract raised past the snapshot's, it is recorded
     changelog.write_text("# Changelog\n- removed rtpcore.layers.fused_rope\n")
     snapshot.write_text(f"# forward_contract {major - 1}\n" + "\n".join([*lines, gone]) + "\n")
     assert api_surface.update(snapshot, changelog) == []
     assert gone not in snapshot.read_text() and api_surface.read_snapshot(snapshot)[0] == major
+    # or, declared compatible, at the same contract
+    snapshot.write_text(f"# forward_contract {major}\n" + "\n".join([*lines, gone]) + "\n")
+    assert api_surface.update(snapshot, changelog) != []
+    assert api_surface.update(snapshot, changelog, ("rtpcore.layers.fused_rope",)) == []
     # an addition is compatible: recorded at the same contract
     snapshot.write_text(f"# forward_contract {major}\n" + "\n".join(lines[:-1]) + "\n")
     assert api_surface.update(snapshot, changelog) == []

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from plugin_env import PluginEnv, model_source
-from rtpcore import ModelPlugin, ModelRegistry
+from rtpcore import FORWARD_CONTRACT, ModelPlugin, ModelRegistry
 from rtpcore.errors import (
     PluginConflictError,
     PluginLoadError,
@@ -18,6 +18,7 @@ from rtpcore.errors import (
     UnknownModelTypeError,
 )
 from rtpcore.plugins.registry import Provider
+from rtpcore.plugins.spelling import command_line
 
 BUILTIN = Provider(
     plugin="rtpcore.models", module="rtpcore.models", distribution="rtpcore", builtin=True
@@ -27,6 +28,7 @@ BETA = Provider(plugin="beta", module="beta_pkg.hooks", distribution="beta-dist"
 
 
 class Base(ModelPlugin):
+    forward_contract = FORWARD_CONTRACT
     @classmethod
     def config_from_hf(cls, hf_config: Any) -> Any:
         return hf_config
@@ -198,6 +200,27 @@ class _BadReplaces(Base):
     replaces = ("YForCausalLM",)
 
 
+class _NoContract(ModelPlugin):
+    model_type = "x"
+    architectures = ("XForCausalLM",)
+    config_from_hf = Base.config_from_hf
+    weight_patterns = Base.weight_patterns
+    kv_cache_descs = Base.kv_cache_descs
+    build_model = Base.build_model
+
+
+class _OldContract(Base):
+    model_type = "x"
+    architectures = ("XForCausalLM",)
+    forward_contract = 1
+
+
+class _TextContract(Base):
+    model_type = "x"
+    architectures = ("XForCausalLM",)
+    forward_contract = "2"  # type: ignore[assignment]
+
+
 class _Unimplemented(ModelPlugin):
     model_type = "x"
     architectures = ("XForCausalLM",)
@@ -221,7 +244,14 @@ class _NotAPlugin:
     [
         (_NoArchs, "architectures is not set"),
         (_StringArchs, "got the string 'XForCausalLM'"),
-        (_BadReplaces, "'YForCausalLM', which is not in architectures"),
+        (_BadReplaces, "'YForCausalLM', which is neither in architectures nor its model_type 'x'"),
+        (
+            _NoContract,
+            "_NoContract is not a valid ModelPlugin: it does not state forward_contract; this "
+            f"rtpcore runs {FORWARD_CONTRACT} (set `forward_contract = {FORWARD_CONTRACT}` on the class)",
+        ),
+        (_OldContract, f"it states forward_contract=1, but this rtpcore runs forward contract {FORWARD_CONTRACT}"),
+        (_TextContract, "it states forward_contract='2', which is not an int"),
         (_Unimplemented, "config_from_hf is not implemented"),
         (_InstanceMethod, "build_model must be a classmethod, got function"),
         (_NotAPlugin, "does not subclass rtpcore.ModelPlugin"),
@@ -325,7 +355,8 @@ def test_inference_looks_at_every_listed_architecture() -> None:
 def test_an_unknown_architecture_lists_the_known_ones_and_installed_hints(
     plugin_env: PluginEnv,
 ) -> None:
-    """The hint names the installed plugin declaring the architecture and the flag to pass."""
+    """The hint names the installed plugin declaring the architecture and how to allow it:
+    the Python API's argument, or under the command line the flag."""
     plugin_env.add_dist(
         "hint-dist",
         "0.3",
@@ -338,9 +369,14 @@ def test_an_unknown_architecture_lists_the_known_ones_and_installed_hints(
         registry.infer_model_type({"architectures": ["HintForCausalLM"]})
     assert excinfo.value.known == ("SoloForCausalLM",)
     assert excinfo.value.hints == {
+        "HintForCausalLM": ["plugin 'hinted' of hint-dist 0.3 (pass plugins=['hint-dist'])"]
+    }
+    assert "SoloForCausalLM" in str(excinfo.value) and "--plugins" not in str(excinfo.value)
+    with command_line(), pytest.raises(UnknownArchitectureError) as excinfo:
+        registry.infer_model_type({"architectures": ["HintForCausalLM"]})
+    assert excinfo.value.hints == {
         "HintForCausalLM": ["plugin 'hinted' of hint-dist 0.3 (pass --plugins hint-dist)"]
     }
-    assert "SoloForCausalLM" in str(excinfo.value) and "--plugins hint-dist" in str(excinfo.value)
     with pytest.raises(UnknownModelTypeError, match="'solo'"):
         registry.get("nope")
 

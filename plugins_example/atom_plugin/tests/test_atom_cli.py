@@ -20,14 +20,22 @@ def rtpcore(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 def test_plugins_list_shows_models_and_architectures(tmp_path: Path) -> None:
-    """`rtpcore plugins list --plugins atom-plugin --json` reports atom loaded with both models."""
+    """`rtpcore plugins list --plugins atom-plugin --json` reports atom registered with both
+    models (lazily: not imported), and `rtpcore plugins check atom-plugin` imports them: ok."""
     proc = rtpcore("plugins", "list", "--plugins", "atom-plugin", "--json", cache=tmp_path)
     assert proc.returncode == 0, proc.stderr
     atom = next(row for row in json.loads(proc.stdout) if row["distribution"] == "atom-plugin")
-    assert atom["state"] == "loaded"
+    assert atom["state"] == "registered"
     assert atom["name"] == "atom"
     assert sorted(atom["models"]) == ["deepseek_v2", "deepseek_v3"]
     assert sorted(atom["architectures"]) == ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
+    assert sorted(atom["unimported"]) == [
+        "atom_plugin.deepseek:DeepseekV2Plugin",
+        "atom_plugin.deepseek:DeepseekV3Plugin",
+    ]
+    checked = rtpcore("plugins", "check", "atom-plugin", cache=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert checked.stdout.startswith("ok    atom-plugin: atom (atom-plugin 0.1.0, atom_plugin.hooks)")
 
 
 @pytest.mark.slow

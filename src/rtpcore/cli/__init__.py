@@ -105,10 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    from rtpcore.plugins.spelling import command_line
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with logging_to_stderr(args.log_level):
+        with logging_to_stderr(args.log_level), command_line():  # errors name the flags
             return int(args.func(args) or 0)
     except AllowlistError as exc:
         parser.exit(2, f"rtpcore: error: {exc}\n")

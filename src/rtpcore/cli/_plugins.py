@@ -1,9 +1,13 @@
 """``rtpcore plugins list`` and ``rtpcore plugins check``.
 
 ``list`` shows every installed ``rtpcore.plugins`` entry point (read from metadata, never
-imported unless requested), the built-in models, and each requested item with its outcome.
-``check`` loads the given items in a fresh interpreter, so a plugin that crashes or mutates
-global state cannot affect the caller, and reports the same outcomes.
+imported unless requested), the built-in models, and each requested item with its outcome:
+a plugin whose hooks registered classes lazily (``"module:Class"``) is ``registered``, not
+``loaded``, until those classes are imported. ``check`` loads the given items in a fresh
+interpreter, so a plugin that crashes or mutates global state cannot affect the caller,
+imports every class they register lazily and runs every registration rule on it (what the
+engine would run when a checkpoint needs it), and reports the outcomes: ``ok`` only for
+``loaded``.
 """
 
 from __future__ import annotations
@@ -40,10 +44,18 @@ def add_parser(subparsers: Any) -> None:
         "list",
         help="list installed plugins and the outcome of requested ones",
         description="List every installed rtpcore plugin without importing it, the built-in "
-        "models, and the outcome of each requested item (exit status 1 if any is not loaded).",
+        "models, and the outcome of each requested item (exit status 1 if any failed). A plugin "
+        "that registered classes lazily is 'registered' until they are imported: `rtpcore plugins "
+        "check` (or --import-models) imports and validates them.",
     )
     add_allowlist_arguments(lister)
     lister.add_argument("--json", action="store_true", help="print a JSON array of objects")
+    lister.add_argument(
+        "--import-models",
+        action="store_true",
+        help="also import and validate every class the requested plugins register lazily "
+        "(what `plugins check` does; may import torch)",
+    )
     lister.add_argument(
         "--requested-only", action="store_true", help="show only the requested items"
     )
@@ -52,8 +64,10 @@ def add_parser(subparsers: Any) -> None:
 
     checker = actions.add_parser(
         "check",
-        help="load plugins in a fresh subprocess and report",
-        description="Load each ITEM (a --plugins item) in a fresh Python process and report its outcome.",
+        help="load plugins in a fresh subprocess, import their models and report",
+        description="Load each ITEM (a --plugins item) in a fresh Python process, import and "
+        "validate every model class it registers (lazily registered ones too), and report its "
+        "outcome: ok, or FAIL naming the plugin and what the engine would refuse.",
     )
     checker.add_argument(
         "items",
@@ -81,29 +95,31 @@ def _allowlist(plugins: list[str], modules: list[str]) -> Allowlist:
 
 def _list(args: argparse.Namespace) -> int:
     allowlist = _allowlist(args.plugins, args.external_model_packages)
-    rows = report_rows(allowlist, requested_only=args.requested_only)
+    rows = report_rows(
+        allowlist, requested_only=args.requested_only, import_models=args.import_models
+    )
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         _print_table(rows)
-    return 1 if any(r["requested"] and r["state"] != "loaded" for r in rows) else 0
+    from rtpcore.plugins.loading import OK_STATES
+
+    return 1 if any(r["requested"] and r["state"] not in OK_STATES for r in rows) else 0
 
 
-def report_rows(allowlist: Allowlist, *, requested_only: bool = False) -> list[dict[str, Any]]:
+def report_rows(
+    allowlist: Allowlist, *, requested_only: bool = False, import_models: bool = False
+) -> list[dict[str, Any]]:
     """The rows of ``plugins list``: the built-in plugin, each request's outcome, then every
-    other installed plugin (state ``not-requested``, or ``shadowed``), never imported."""
-    from importlib.metadata import PackageNotFoundError, version
-
+    other installed plugin (state ``not-requested``, or ``shadowed``), never imported.
+    ``import_models``: import every class the requested plugins register lazily (``check``)."""
     from rtpcore.plugins.discovery import installed_plugins
-    from rtpcore.plugins.loading import BUILTIN_PLUGIN, load_report
+    from rtpcore.plugins.loading import BUILTIN_PLUGIN, builtin_version, load_report
 
-    report = load_report(allowlist.resolve(strict=False))
+    report = load_report(allowlist.resolve(strict=False), import_models=import_models)
     installed = installed_plugins()
     declared = {(os.path.realpath(p.metadata_path), p.name): p for p in installed}
-    try:
-        own_version: str | None = version("rtpcore")
-    except PackageNotFoundError:
-        own_version = None
+    own_version = builtin_version()
     rows: list[dict[str, Any]] = []
     if not requested_only:
         rows.append(
@@ -162,6 +178,7 @@ def report_rows(allowlist: Allowlist, *, requested_only: bool = False) -> list[d
                     "models": [],
                     "architectures": [],
                     "layouts": [],
+                    "unimported": [],
                     "declared_architectures": list(plugin.declared_architectures),
                     "error": None,
                 }
@@ -192,6 +209,7 @@ def _row(
         "models": list(outcome.models),
         "architectures": list(outcome.architectures),
         "layouts": list(outcome.layouts),
+        "unimported": list(outcome.unimported),
         "declared_architectures": list(declared),
         "error": str(outcome.error) if outcome.error is not None else None,
     }
@@ -211,6 +229,10 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         table.append((row["state"], name, dist, row["value"] or "-", models or "-"))
     widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
     errors = {id(table[i + 1]): row.get("error") for i, row in enumerate(rows)}
+    unimported = {  # the built-in's classes are rtpcore's own: check imports only plugins
+        id(table[i + 1]): [] if row["builtin"] else row.get("unimported") or []
+        for i, row in enumerate(rows)
+    }
     for line in table:
         print(
             "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False))
@@ -219,6 +241,11 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         )
         if errors.get(id(line)):
             print(f"    error: {errors[id(line)]}")
+        if unimported.get(id(line)):
+            print(
+                f"    not imported yet: {', '.join(unimported[id(line)])} "
+                "(`rtpcore plugins check` imports and validates them)"
+            )
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -229,7 +256,7 @@ def _check(args: argparse.Namespace) -> int:
     # still applies, which is how the operator points at plugins; -I would drop it and
     # the user site, changing what "installed" means between list and check).
     command = [sys.executable, "-P", "-m", "rtpcore", "plugins", "list", "--json"]
-    command += ["--requested-only", "--log-level", args.log_level]
+    command += ["--requested-only", "--import-models", "--log-level", args.log_level]
     for item in items:
         command += ["--plugins", item]
     for module in args.external_model_packages:
@@ -264,7 +291,8 @@ def _check(args: argparse.Namespace) -> int:
                 )
             else:
                 print(f"FAIL  {row['request']}: {row['state']}: {row['error']}")
-    return 0 if proc.returncode == 0 else 1
+    # Green only where the engine would serve every model: each row loaded (classes imported).
+    return 0 if proc.returncode == 0 and all(r["state"] == "loaded" for r in rows) else 1
 
 
 def _relay(lines: list[str]) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from attrs import frozen
 
 from rtpcore.plugins.metadata import ARCHITECTURE_GROUP, PLUGIN_GROUP, canonical_name, scan
+from rtpcore.plugins.spelling import allow_plugin
 
 __all__ = ["ARCHITECTURE_GROUP", "InstalledPlugin", "architecture_hints", "installed_plugins"]
 
@@ -71,13 +72,14 @@ def architecture_hints(
     architectures: Iterable[str], path: Iterable[str] | None = None
 ) -> dict[str, list[str]]:
     """For each of ``architectures`` that an installed plugin declares, one line per such
-    plugin naming it, its distribution and version, and the ``--plugins`` item to pass."""
+    plugin naming it, its distribution and version, and how to allow it (``plugins=[...]``
+    through Python, ``--plugins`` on the command line: :mod:`rtpcore.plugins.spelling`)."""
     wanted = list(architectures)
     hints: dict[str, list[str]] = {}
     for plugin in installed_plugins(path):
         for arch in plugin.declared_architectures:
             if arch in wanted:
                 hints.setdefault(arch, []).append(
-                    f"plugin {plugin.name!r} of {plugin.distribution} {plugin.version} (pass --plugins {plugin.flag})"
+                    f"plugin {plugin.name!r} of {plugin.distribution} {plugin.version} ({allow_plugin(plugin.flag)})"
                 )
     return {arch: hints[arch] for arch in wanted if arch in hints}

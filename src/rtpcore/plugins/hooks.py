@@ -11,7 +11,7 @@ PROJECT = "rtpcore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-__all__ = ["PROJECT", "hookimpl", "hookspec"]
+__all__ = ["HOOK_NAMES", "PROJECT", "hookimpl", "hookspec"]
 
 
 @hookspec
@@ -35,3 +35,7 @@ def rtpcore_register_tool_parsers(registry: Any) -> None:
     ``registry.register_tool_parser(cls)``, selectable by their ``name`` with
     ``rtpcore serve --tool-call-parser NAME``. Recorded like ``rtpcore_register_models``:
     they take effect only if the plugin's hooks all return without raising."""
+
+
+#: The name of every hook above: an implementation of another name is refused.
+HOOK_NAMES = ("rtpcore_register_models", "rtpcore_kv_cache_layouts", "rtpcore_register_tool_parsers")

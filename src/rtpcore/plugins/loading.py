@@ -16,6 +16,7 @@ imported, the file its module would come from must be its distribution's
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import logging
 import threading
@@ -33,16 +34,30 @@ from rtpcore.errors import (
 )
 from rtpcore.plugins import hooks, provenance
 from rtpcore.plugins import metadata as lookup
-from rtpcore.plugins.registration import Provider, first_line
-from rtpcore.plugins.registry import ModelRegistry
+from rtpcore.plugins.registration import Provider, builtin_version, first_line
+from rtpcore.plugins.registry import ModelRegistry, import_model_class
 from rtpcore.plugins.resolution import Plan, PlanEntry
 
-__all__ = ["BUILTIN_PLUGIN", "LoadOutcome", "LoadReport", "load_plugins", "load_report"]
+__all__ = [
+    "BUILTIN_PLUGIN",
+    "OK_STATES",
+    "LoadOutcome",
+    "LoadReport",
+    "builtin_version",
+    "load_plugins",
+    "load_report",
+]
 
 log = logging.getLogger(__name__)
 
 #: The plugin name (and module) of rtpcore's built-in models.
 BUILTIN_PLUGIN = "rtpcore.models"
+
+#: The outcomes that are not failures: ``loaded`` (every class it registered is imported and
+#: validated) and ``registered`` (its hooks ran and their registrations were accepted, but
+#: some classes were registered lazily and are imported, and validated, only when first used;
+#: ``load_report(plan, import_models=True)`` -- ``rtpcore plugins check`` -- imports them all).
+OK_STATES = ("loaded", "registered")
 
 _lock = threading.Lock()
 _loaded: dict[Plan, ModelRegistry | PluginError] = {}
@@ -50,8 +65,10 @@ _loaded: dict[Plan, ModelRegistry | PluginError] = {}
 
 @frozen
 class LoadOutcome:
-    """The outcome of one requested item: ``state`` is ``loaded`` or a failure state of
-    docs/design.md §3; ``models``, ``architectures`` and ``layouts`` are what it registered."""
+    """The outcome of one requested item: ``state`` is one of :data:`OK_STATES` or a failure
+    state of docs/design.md §3; ``models``, ``architectures`` and ``layouts`` are what it
+    registered, ``unimported`` the ``module:Class`` targets of its lazy registrations not
+    imported yet (state ``registered``)."""
 
     request: str
     state: str
@@ -60,6 +77,7 @@ class LoadOutcome:
     models: tuple[str, ...] = ()
     architectures: tuple[str, ...] = ()
     layouts: tuple[str, ...] = ()
+    unimported: tuple[str, ...] = ()
 
 
 @frozen
@@ -73,7 +91,7 @@ class LoadReport:
 
     @property
     def ok(self) -> bool:
-        return all(o.state == "loaded" for o in self.outcomes)
+        return all(o.state in OK_STATES for o in self.outcomes)
 
 
 def load_plugins(plan: Plan | None = None) -> ModelRegistry:
@@ -101,21 +119,31 @@ def load_plugins(plan: Plan | None = None) -> ModelRegistry:
     return done
 
 
-def load_report(plan: Plan) -> LoadReport:
+def load_report(plan: Plan, *, import_models: bool = False) -> LoadReport:
     """Load every entry of ``plan`` that can be loaded and report each request's outcome;
-    raises nothing for plugin failures (the ``rtpcore plugins`` commands use this)."""
+    raises nothing for plugin failures (the ``rtpcore plugins`` commands use this).
+
+    With ``import_models`` every class a plugin of the plan registers lazily is imported and
+    validated before its registrations are applied, so that an import error, a wrong
+    ``module:Class`` or a class the engine would refuse makes the plugin ``import-failed`` or
+    ``invalid`` (what ``rtpcore plugins check`` runs); without it such a plugin is
+    ``registered``, and the engine imports each class only when a checkpoint needs it.
+    """
     with _lock:
-        return _load(plan, fail_fast=False)
+        return _load(plan, fail_fast=False, import_models=import_models)
 
 
-def _load(plan: Plan, *, fail_fast: bool) -> LoadReport:
+def _load(plan: Plan, *, fail_fast: bool, import_models: bool = False) -> LoadReport:
     if fail_fast:
         plan.raise_for_failures()  # resolution failures come before any import
     pm = pluggy.PluginManager(hooks.PROJECT)
     pm.add_hookspecs(hooks)
     registry = ModelRegistry()
     builtin = Provider(
-        plugin=BUILTIN_PLUGIN, module=BUILTIN_PLUGIN, distribution="rtpcore", builtin=True
+        plugin=BUILTIN_PLUGIN,
+        module=BUILTIN_PLUGIN,
+        distribution="rtpcore",
+        builtin=True,  # its version, rtpcore's, is read only when a message shows it
     )
     _install(pm, registry, importlib.import_module(BUILTIN_PLUGIN), BUILTIN_PLUGIN, builtin)
     outcomes = [
@@ -131,7 +159,9 @@ def _load(plan: Plan, *, fail_fast: bool) -> LoadReport:
         try:
             _verify_version(entry)
             provenance.check_origin(entry)
-            _install(pm, registry, _import_entry(entry), entry.name, provider)
+            _install(
+                pm, registry, _import_entry(entry), entry.name, provider, import_models=import_models
+            )
         except PluginError as exc:
             if fail_fast:
                 raise
@@ -159,13 +189,15 @@ def _loaded_outcome(
     registry: ModelRegistry, request: str, plugin: str, entry: PlanEntry | None
 ) -> LoadOutcome:
     models, archs, layouts = registry.by_provider(plugin)
+    unimported = tuple(registry.unimported(plugin))
     return LoadOutcome(
         request=request,
-        state="loaded",
+        state="registered" if unimported else "loaded",
         entry=entry,
         models=tuple(models),
         architectures=tuple(archs),
         layouts=tuple(layouts),
+        unimported=unimported,
     )
 
 
@@ -215,10 +247,16 @@ def _import_entry(entry: PlanEntry) -> Any:
 
 
 def _install(
-    pm: pluggy.PluginManager, registry: ModelRegistry, obj: Any, name: str, provider: Provider
+    pm: pluggy.PluginManager,
+    registry: ModelRegistry,
+    obj: Any,
+    name: str,
+    provider: Provider,
+    *,
+    import_models: bool = False,
 ) -> None:
-    """Register ``obj`` under ``name``, validate its hooks, run them, commit atomically."""
-    fields = provider.error_fields()
+    """Register ``obj`` under ``name``, validate its hooks, run them, commit atomically
+    (with ``import_models``, after importing and validating every lazily registered class)."""
     if pm.is_registered(obj):
         log.debug("%s is the same module as plugin %r: already loaded", provider, pm.get_name(obj))
         return
@@ -227,13 +265,13 @@ def _install(
             f"two plugins are named {name!r}: {provider} and another already loaded; allow only one",
             providers=(name, str(provider)),
             state="conflict",
-            **fields,
+            **provider.error_fields(),
         )
     try:
         pm.register(obj, name=name)
     except (pluggy.PluginValidationError, ValueError) as exc:
         raise PluginLoadError(
-            f"{provider}: invalid hook implementation: {exc}", state="invalid", **fields
+            f"{provider}: invalid hook implementation: {exc}", state="invalid", **provider.error_fields()
         ) from exc
     try:
         _check_hooks(pm, obj, provider)
@@ -243,6 +281,10 @@ def _install(
         for result in _call(pm, "rtpcore_kv_cache_layouts", others, provider):
             view.add_layouts(result)
         _call(pm, "rtpcore_register_tool_parsers", others, provider, registry=view)
+        if import_models:
+            view.models[:] = [
+                r if r.cls is not None else evolve(r, cls=import_model_class(r)) for r in view.models
+            ]
         registry.commit(view)
     except BaseException:
         pm.unregister(obj)
@@ -250,11 +292,12 @@ def _install(
 
 
 def _check_hooks(pm: pluggy.PluginManager, obj: Any, provider: Provider) -> None:
-    fields = provider.error_fields()
+    if (problem := _hook_name_problem(pm, obj)) is not None:
+        raise PluginLoadError(f"{provider}: {problem}", state="invalid", **provider.error_fields())
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise PluginLoadError(f"{provider}: {exc}", state="invalid", **fields) from exc
+        raise PluginLoadError(f"{provider}: {exc}", state="invalid", **provider.error_fields()) from exc
     if not pm.get_hookcallers(obj):
         undecorated = sorted(
             n for n in dir(obj) if n.startswith("rtpcore_") and callable(getattr(obj, n, None))
@@ -265,14 +308,13 @@ def _check_hooks(pm: pluggy.PluginManager, obj: Any, provider: Provider) -> None
             else " (does the entry point name the module holding the hooks?)"
         )
         raise PluginLoadError(
-            f"{provider} defines no rtpcore hook implementations{hint}", state="invalid", **fields
+            f"{provider} defines no rtpcore hook implementations{hint}", state="invalid", **provider.error_fields()
         )
 
 
 def _call(
     pm: pluggy.PluginManager, hook: str, others: list[Any], provider: Provider, **kwargs: Any
 ) -> list[Any]:
-    fields = provider.error_fields()
     try:
         result: list[Any] = pm.subset_hook_caller(hook, remove_plugins=others)(**kwargs)
     except PluginError:
@@ -281,12 +323,43 @@ def _call(
         raise PluginLoadError(
             f"{provider}: hook {hook} failed to import: {type(exc).__name__}: {first_line(exc)}",
             state="import-failed",
-            **fields,
+            **provider.error_fields(),
         ) from exc
     except Exception as exc:
         raise PluginLoadError(
             f"{provider}: hook {hook} raised {type(exc).__name__}: {first_line(exc)}",
             state="invalid",
-            **fields,
+            **provider.error_fields(),
         ) from exc
     return result
+
+
+def _hook_name_problem(pm: pluggy.PluginManager, obj: Any) -> str | None:
+    """A hook implementation of ``obj`` whose name is no rtpcore hook (with the closest hook's
+    name), or a function named like a hook that is not marked as one; None when neither."""
+    hooks_list = ", ".join(hooks.HOOK_NAMES)
+    for caller in pm.get_hookcallers(obj) or ():
+        if caller.has_spec():
+            continue
+        impls = [i for i in caller.get_hookimpls() if i.plugin is obj]
+        if impls and all(i.optionalhook for i in impls):
+            continue
+        return f"unknown hook {caller.name!r}{_did_you_mean(caller.name)} (rtpcore's hooks: {hooks_list})"
+    marked = {caller.name for caller in pm.get_hookcallers(obj) or ()}
+    for attr in sorted(dir(obj)):
+        if not attr.startswith("rtpcore_") or attr in marked or not callable(getattr(obj, attr, None)):
+            continue
+        if attr in hooks.HOOK_NAMES:
+            if marked:  # with none marked at all, _check_hooks says so, listing every such name
+                return f"{attr} must be decorated with @rtpcore.hookimpl to be called"
+        elif suggestion := _did_you_mean(attr):
+            return (
+                f"{attr!r} is not an rtpcore hook{suggestion} (and decorate it with "
+                f"@rtpcore.hookimpl; rtpcore's hooks: {hooks_list})"
+            )
+    return None
+
+
+def _did_you_mean(name: str) -> str:
+    close = difflib.get_close_matches(name, hooks.HOOK_NAMES, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

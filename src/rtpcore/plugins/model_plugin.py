@@ -30,11 +30,11 @@ Forward contract (the same for every model; version ``FORWARD_CONTRACT``, see
     #            sequence, after its last new token). A prompt chunk that does not end its
     #            prompt has no row; speculative decoding scores a draft's proposals through it.
 
-A plugin states the version it was written for in ``forward_contract``; the engine refuses
-to build a model whose plugin states another version than the running one (the
-``RtpcoreError`` names the plugin, both versions and docs/plugins.md's migration note), so a
-model is never run on a batch layout it does not understand. A plugin that does not set it
-was written for version 1 (the padded batches before the token-budget scheduler).
+A plugin must state the version it was written for in ``forward_contract`` (the base class
+sets none). A class that states none, or another version than the running one, is refused
+when it is registered or first imported (``rtpcore plugins check`` imports every class), and
+the engine refuses to build its model: the message names the class, what it stated and
+``FORWARD_CONTRACT``, so a model is never run on a batch layout it does not understand.
 
 Drafts for speculative decoding (docs/design.md §10): a draft checkpoint is served like any
 other, by the plugin its config.json names. ``draft_model="mtp"`` asks the target's plugin for
@@ -50,7 +50,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-__all__ = ["FORWARD_CONTRACT", "ModelPlugin", "forward_contract_problem", "model_plugin_problems"]
+__all__ = [
+    "FORWARD_CONTRACT",
+    "ModelPlugin",
+    "forward_contract_problem",
+    "model_plugin_problems",
+    "replaces_problem",
+]
 
 FORWARD_CONTRACT = 2  # the forward contract this rtpcore runs (1: padded batches, before 0.2)
 
@@ -60,15 +66,17 @@ class ModelPlugin:
 
     Subclasses set ``model_type`` (the unique registry key) and
     ``architectures`` (the Hugging Face ``config.json`` "architectures" values
-    they serve). ``replaces`` lists built-in architectures this plugin takes
-    over on purpose; without it, an external plugin that claims a built-in
-    architecture is a conflict (built-ins only fill empty slots).
+    they serve) and ``forward_contract`` (the version of the forward contract its
+    model follows: ``FORWARD_CONTRACT``; there is no default). ``replaces`` lists the
+    built-in architectures, or the built-in model type, this plugin takes over on
+    purpose; without it, an external plugin that claims one is a conflict (built-ins
+    only fill empty slots).
     """
 
     model_type: ClassVar[str]
     architectures: ClassVar[tuple[str, ...]]
     replaces: ClassVar[tuple[str, ...]] = ()
-    forward_contract: ClassVar[int] = 1  # the version of the forward contract the model follows
+    forward_contract: ClassVar[int]  # no default: every plugin states the contract it follows
     # Whether a decode step reads every layer's KV pool in place (through rtpcore.kv.paged_attention,
     # or a kernel of its own); False keeps its decode steps out of CUDA graphs, which would
     # otherwise gather the longest possible context on every step (docs/design.md §9).
@@ -226,8 +234,9 @@ def model_plugin_problems(cls: object) -> list[str]:
     """What makes ``cls`` unusable as a ModelPlugin, one sentence each (empty when valid).
 
     Checks only class attributes, so it never imports torch: ``model_type`` a non-empty
-    string, ``architectures`` a non-empty tuple of strings, ``replaces`` a subset of
-    ``architectures``, the four required methods overridden as classmethods (or
+    string, ``architectures`` a non-empty tuple of strings, ``replaces`` naming only its
+    ``architectures`` or its ``model_type``, ``forward_contract`` stated and equal to
+    :data:`FORWARD_CONTRACT`, the four required methods overridden as classmethods (or
     staticmethods), and the optional ones classmethods or None (switched off).
     """
     import inspect
@@ -256,12 +265,13 @@ def model_plugin_problems(cls: object) -> list[str]:
             "architectures is empty: list the config.json architectures this model serves"
         )
     replaces = getattr(cls, "replaces", ())
-    if (problem := _names_problem("replaces", replaces)) is not None:
+    problem = _names_problem("replaces", replaces)
+    if problem is None and isinstance(architectures, tuple | list):
+        problem = replaces_problem(replaces, architectures, model_type)
+    if problem is not None:
         problems.append(problem)
-    elif isinstance(architectures, tuple | list):
-        extra = [r for r in replaces if r not in architectures]
-        if extra:
-            problems.append(f"replaces lists {extra[0]!r}, which is not in architectures")
+    if (problem := _contract_problem(getattr(cls, "forward_contract", None), "it")) is not None:
+        problems.append(problem)
     for name in _REQUIRED_CLASSMETHODS + _OPTIONAL_CLASSMETHODS:
         static = inspect.getattr_static(cls, name, None)
         if static is None and name in _OPTIONAL_CLASSMETHODS:
@@ -273,16 +283,37 @@ def model_plugin_problems(cls: object) -> list[str]:
     return problems
 
 
+def replaces_problem(replaces: Sequence[str], architectures: Sequence[str], model_type: object) -> str | None:
+    """Why ``replaces`` names something the plugin does not claim itself, or None: each entry
+    must be one of its ``architectures`` or its ``model_type``."""
+    extra = [r for r in replaces if r not in architectures and r != model_type]
+    if not extra:
+        return None
+    return (
+        f"replaces lists {extra[0]!r}, which is neither in architectures nor its model_type "
+        f"{model_type!r}: a plugin takes over only what it serves itself"
+    )
+
+
+def _contract_problem(stated: object, subject: str) -> str | None:
+    """Why ``stated`` (a class's ``forward_contract``, None when unset) cannot run here."""
+    n = FORWARD_CONTRACT
+    fix = f"(set `forward_contract = {n}` on the class)"
+    if stated is None:
+        return f"{subject} does not state forward_contract; this rtpcore runs {n} {fix}"
+    if not isinstance(stated, int) or isinstance(stated, bool):
+        return f"{subject} states forward_contract={stated!r}, which is not an int; this rtpcore runs {n} {fix}"
+    if stated == n:
+        return None
+    return (
+        f"{subject} states forward_contract={stated!r}, but this rtpcore runs forward contract {n}: "
+        f"its model would receive batches it does not understand. Move the plugin to contract {n} "
+        f'(docs/plugins.md, "Migrating to forward contract {n}") and set forward_contract = {n}'
+    )
+
+
 def forward_contract_problem(plugin: type[ModelPlugin], model_type: str) -> str | None:
     """Why the engine cannot run ``plugin``'s model under this rtpcore's forward contract,
-    or None when it can."""
-    stated = getattr(plugin, "forward_contract", 1)
-    if stated == FORWARD_CONTRACT and not isinstance(stated, bool):
-        return None
+    or None when it can (a class that states none cannot)."""
     where = f"{plugin.__module__}.{plugin.__qualname__}"
-    return (
-        f"model type {model_type!r} ({where}) states forward_contract={stated!r}, but this rtpcore "
-        f"runs forward contract {FORWARD_CONTRACT}: its model would receive batches it does not "
-        f"understand. Move the plugin to contract {FORWARD_CONTRACT} (docs/plugins.md, "
-        f'"Migrating to forward contract {FORWARD_CONTRACT}") and set forward_contract = {FORWARD_CONTRACT}'
-    )
+    return _contract_problem(getattr(plugin, "forward_contract", None), f"model type {model_type!r} ({where})")

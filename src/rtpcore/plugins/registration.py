@@ -15,12 +15,12 @@ from typing import Any
 from attrs import evolve, field, frozen
 
 from rtpcore.errors import PluginLoadError
-from rtpcore.plugins.model_plugin import ModelPlugin, model_plugin_problems
+from rtpcore.plugins.model_plugin import ModelPlugin, model_plugin_problems, replaces_problem
 from rtpcore_native import BUILTIN_LAYOUTS
 
 BUILTIN_TOOL_PARSERS = ("hermes", "llama3_json")  # rtpcore.serving.tool_parsers; names plugins cannot take
 
-__all__ = ["BUILTIN_LAYOUTS", "ModelRecord", "Provider", "RecordingView", "first_line"]
+__all__ = ["BUILTIN_LAYOUTS", "ModelRecord", "Provider", "RecordingView", "builtin_version", "first_line"]
 
 # BUILTIN_LAYOUTS: the fp8 MLA layouts built into rtpcore_native; no plugin may register these names.
 
@@ -39,16 +39,24 @@ class Provider:
     version: str | None = None
     builtin: bool = False
 
+    @property
+    def shown_version(self) -> str | None:
+        """The version messages show: the built-in plugin's is rtpcore's own (read from its
+        metadata only here, so that a worker loading a plan reads no other metadata)."""
+        if self.builtin and self.version is None:
+            return builtin_version()
+        return self.version
+
     def __str__(self) -> str:
         kind = "built-in plugin" if self.builtin else "plugin"
-        dist = f"{self.distribution} {self.version}, " if self.distribution else ""
+        dist = f"{self.distribution} {self.shown_version}, " if self.distribution else ""
         return f"{kind} {self.plugin!r} ({dist}module {self.module})"
 
     def error_fields(self) -> dict[str, Any]:
         return {
             "plugin": self.plugin,
             "distribution": self.distribution,
-            "version": self.version,
+            "version": self.shown_version,
             "entry_point": self.module,
         }
 
@@ -99,7 +107,9 @@ class RecordingView:
         replaces: Iterable[str] | None = None,
     ) -> None:
         """Register a ModelPlugin subclass, or lazily a ``"module:Class"`` string with its
-        ``model_type`` and ``architectures`` (imported on first ``registry.get``)."""
+        ``model_type`` and ``architectures`` (imported on first ``registry.get``, or by
+        ``rtpcore plugins check``). ``replaces`` names built-in architectures or the built-in
+        model type this registration takes over."""
         if isinstance(target, str):
             record = self._lazy_record(target, model_type, architectures, replaces)
         elif isinstance(target, type):
@@ -155,11 +165,8 @@ class RecordingView:
             raise self._invalid(
                 f"lazy registration {target!r}: replaces must be a tuple of strings; got {replaces!r}"
             )
-        extra = [r for r in repl if r not in archs]
-        if extra:
-            raise self._invalid(
-                f"lazy registration {target!r}: replaces lists {extra[0]!r}, which is not in architectures"
-            )
+        if (problem := replaces_problem(repl, archs, model_type)) is not None:
+            raise self._invalid(f"lazy registration {target!r}: {problem}")
         return ModelRecord(
             model_type=model_type,
             architectures=archs,
@@ -235,6 +242,17 @@ class RecordingView:
             if any(p.name == name for p in self.layouts):
                 raise self._invalid(f"KV layout {name!r} returned twice")
             self.layouts.append(policy)
+
+
+def builtin_version() -> str:
+    """rtpcore's own version, the built-in plugin's (``unknown`` when running from a source
+    tree that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rtpcore")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def first_line(exc: BaseException) -> str:

@@ -3,7 +3,7 @@
 Plugins register through a :class:`~rtpcore.plugins.registration.RecordingView` handed to their hooks;
 :meth:`ModelRegistry.commit` then applies all of one plugin's registrations or none.
 Rules: the identical class again is a no-op; built-ins only fill empty slots; an external
-plugin takes a built-in architecture only through ``replaces``; two external providers of
+plugin takes a built-in architecture or model type only through ``replaces``; two external providers of
 one ``model_type``, architecture or layout name is a :class:`PluginConflictError` naming both.
 """
 
@@ -30,7 +30,7 @@ from rtpcore.plugins.registration import (
     first_line,
 )
 
-__all__ = ["BUILTIN_LAYOUTS", "ModelRecord", "ModelRegistry", "Provider"]
+__all__ = ["BUILTIN_LAYOUTS", "ModelRecord", "ModelRegistry", "Provider", "import_model_class"]
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +72,14 @@ class ModelRegistry:
                 name = policy.name
                 if name in layouts:
                     other = layouts[name][1]
-                    raise _conflict(f"KV layout {name!r}", other, view.provider)
+                    raise _conflict(f"KV layout {name!r}", name, other, view.provider)
                 layouts[name] = (policy, view.provider)
             parsers = dict(self._tool_parsers)
             for cls in view.tool_parsers:
                 if cls.name in parsers:
-                    raise _conflict(f"tool-call parser {cls.name!r}", parsers[cls.name][1], view.provider)
+                    raise _conflict(
+                        f"tool-call parser {cls.name!r}", cls.name, parsers[cls.name][1], view.provider
+                    )
                 parsers[cls.name] = (cls, view.provider)
             for model_type, record in models.items():
                 previous = self._models.get(model_type)
@@ -103,11 +105,13 @@ class ModelRegistry:
                     current.provider,
                 )
                 return
-            if not (
-                current.provider.builtin and set(current.architectures) <= set(record.replaces)
-            ):
+            takes_over = record.model_type in record.replaces or set(current.architectures) <= set(
+                record.replaces
+            )
+            if not (current.provider.builtin and takes_over):
                 raise _conflict(
                     f"model_type {record.model_type!r}",
+                    record.model_type,
                     current.provider,
                     record.provider,
                     current,
@@ -134,10 +138,16 @@ class ModelRegistry:
             else:
                 hint = " without listing it in `replaces`" if owner.provider.builtin else ""
                 raise _conflict(
-                    f"architecture {name!r}", owner.provider, record.provider, owner, record, hint
+                    f"architecture {name!r}", name, owner.provider, record.provider, owner, record, hint
                 )
         if current is not None and current.target != record.target:
-            log.info("%s replaces the built-in model_type %r", record.provider, record.model_type)
+            dropped = [a for a in current.architectures if a not in record.architectures]
+            log.info(
+                "%s replaces the built-in model_type %r%s",
+                record.provider,
+                record.model_type,
+                f"; no model serves {', '.join(dropped)} now" if dropped else "",
+            )
             for name in current.architectures:
                 arch.pop(name, None)
         for name in claimed:
@@ -163,9 +173,19 @@ class ModelRegistry:
                     f"unknown model_type {model_type!r}; registered: {', '.join(map(repr, known)) or 'none'}",
                     known=known,
                 )
-            cls = _import_class(record)
+            cls = import_model_class(record)
             self._classes[model_type] = cls
             return cls
+
+    def unimported(self, plugin: str) -> list[str]:
+        """The ``module:Class`` targets the plugin named ``plugin`` registered lazily whose
+        class has not been imported (and validated) yet, sorted."""
+        with self._lock:
+            return sorted(
+                r.target
+                for t, r in self._models.items()
+                if r.provider.plugin == plugin and t not in self._classes
+            )
 
     def infer_model_type(self, hf_config: Mapping[str, Any]) -> str:
         """The model_type serving a parsed ``config.json``: the first of its "architectures"
@@ -267,6 +287,7 @@ class ModelRegistry:
 
 def _conflict(
     what: str,
+    name: str,
     first: Provider,
     second: Provider,
     first_record: ModelRecord | None = None,
@@ -276,7 +297,10 @@ def _conflict(
     a = f"{first} as {first_record.target}" if first_record else str(first)
     b = f"{second} as {second_record.target}" if second_record else str(second)
     if first.builtin:
-        fix = "list it in the plugin's ModelPlugin.replaces to take it over"
+        fix = (
+            f"list {name!r} in the plugin's `replaces` (the ModelPlugin class attribute, or "
+            f"register(..., replaces=...) for a lazy registration) to take it over"
+        )
     else:
         fix = "allow only one of them"
     return PluginConflictError(
@@ -287,19 +311,21 @@ def _conflict(
     )
 
 
-def _import_class(record: ModelRecord) -> type[ModelPlugin]:
+def import_model_class(record: ModelRecord) -> type[ModelPlugin]:
+    """Import a lazy registration's class and run every registration rule on it (those of
+    :func:`~rtpcore.plugins.model_plugin.model_plugin_problems`, and agreement with what was
+    registered): ``PluginLoadError`` (``import-failed`` or ``invalid``) naming the plugin,
+    its distribution and the ``module:Class``."""
     module_name, _, qualname = record.target.partition(":")
-    fields = record.provider.error_fields()
-    where = f"model {record.model_type!r} of {record.provider}"
     try:
         obj: Any = importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except Exception as exc:
         raise PluginLoadError(
-            f"{where} could not import {record.target!r}: {type(exc).__name__}: {first_line(exc)}",
+            f"model {record.model_type!r} of {record.provider} could not import {record.target!r}: {type(exc).__name__}: {first_line(exc)}",
             state="import-failed",
-            **fields,
+            **record.provider.error_fields(),
         ) from exc
     problems = model_plugin_problems(obj)
     if not problems and obj.model_type != record.model_type:
@@ -312,7 +338,10 @@ def _import_class(record: ModelRecord) -> type[ModelPlugin]:
             problems.append(f"its architectures lack {missing[0]!r}, registered for it")
     if problems:
         raise PluginLoadError(
-            f"{where}: {record.target} is invalid: {'; '.join(problems)}", state="invalid", **fields
+            f"model {record.model_type!r} of {record.provider}: {record.target} is invalid: "
+            f"{'; '.join(problems)}",
+            state="invalid",
+            **record.provider.error_fields(),
         )
     cls: type[ModelPlugin] = obj
     return cls

@@ -24,6 +24,7 @@ from rtpcore.errors import (
 )
 from rtpcore.plugins import metadata as lookup
 from rtpcore.plugins.metadata import PLUGIN_GROUP
+from rtpcore.plugins.spelling import allow_plugin
 
 if TYPE_CHECKING:
     from rtpcore.plugins.requests import PluginRequest
@@ -250,12 +251,12 @@ def _entry_point_fallback(
             distribution=request.name,
         )
     owners = [f"{p.distribution} {p.version}" for p in matches]
-    flags = " or ".join(f"--plugins {p.distribution}:{p.name}" for p in matches)
+    flags = " or ".join(allow_plugin(f"{p.distribution}:{p.name}") for p in matches)
     return PlanFailure(
         item,
         "not-installed",
         f"plugin {item!r} names no distribution and is the {PLUGIN_GROUP} entry point of "
-        f"{len(matches)} distributions ({', '.join(owners)}): name one, e.g. {flags}",
+        f"{len(matches)} distributions ({', '.join(owners)}): name one: {flags}",
         providers=tuple(owners),
     )
 
