@@ -181,9 +181,9 @@ def test_a_foreign_exception_from_a_plugin_is_one_line_naming_its_type(
     assert code == 1 and out == ""
     lines = err.strip().splitlines()
     assert lines[-1].startswith("rtpcore: error: building the engine for ")
-    assert lines[-1].endswith(
-        "failed: RuntimeError: kernel library missing (run with --debug for the traceback)"
-    )
+    assert "failed in build_model of model type 'boom' (rtpcore_test_boom:Boom, from plugin 'rtpcore_test_boom'" \
+        in lines[-1]
+    assert lines[-1].endswith(": RuntimeError: kernel library missing (run with --debug for the traceback)")
     assert "Traceback" not in err
     with pytest.raises(EngineBuildError, match="kernel library missing") as excinfo:
         main(["--debug", "generate", *argv])

@@ -47,7 +47,7 @@ def test_deltas_join_to_the_text_and_tokens_to_their_pieces() -> None:
 def test_without_logprobs_deltas_carry_text_only() -> None:
     """No logprobs asked: a delta's tokens are empty (a held-back piece makes no empty chunk)."""
     _, deltas = run(SamplingParams(max_tokens=8, stop=[" END"]), [output([1, 2]), output([6]), output([4], "length")])
-    assert deltas == [SequenceDelta("Hello"), SequenceDelta(""), SequenceDelta(" ENld")]
+    assert deltas == [SequenceDelta("Hello", ids=(1, 2)), SequenceDelta("", ids=(6,)), SequenceDelta(" ENld", ids=(4,))]
 
 
 def test_a_stop_string_ends_the_sequence_at_the_token_that_completed_it() -> None:

@@ -189,6 +189,22 @@ def test_greedy_completion_equals_engine_generate(server: Server, engine: Engine
         assert got.choices[0].finish_reason == ("stop" if len(want) < 12 else "length")
 
 
+def test_return_token_ids_adds_each_choices_ids_whole_and_streamed(server: Server, engine: Engine) -> None:
+    """vLLM's return_token_ids: the ids Engine.generate returns, beside the text; without it, none."""
+    prompt = [1, 40, 41, 42]
+    want = engine.generate([prompt], max_new_tokens=8, temperature=0.0)[0]
+    client = server.client()
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    assert got.choices[0].model_extra["token_ids"] == want
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+    chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                       extra_body={"return_token_ids": True})
+    streamed = [t for c in chunks for choice in c.choices for t in (choice.model_extra or {}).get("token_ids", [])]
+    assert streamed == want
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streamed_deltas_concatenate_to_the_whole_answer(server: Server, chat: bool) -> None:
     """Streaming (completions and chat) yields deltas whose concatenation is the non-streamed text;

@@ -1,5 +1,8 @@
+"""``python -m rtpcore``: the command line (rtpcore.cli)."""
+
 import sys
 
 from rtpcore.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

@@ -290,13 +290,37 @@ class DeviceError(RtpcoreError):
 
 class EngineBuildError(RtpcoreError):
     """Building an engine failed for a reason that is not already an RtpcoreError
-    (a plugin's or model's own exception). Every worker process it started is
-    stopped first. ``.checkpoint`` names the checkpoint; ``__cause__`` is the
-    original exception."""
+    (a plugin's or model's own exception, in ``config_from_hf``, ``build_model`` or the
+    warm-up forward the engine runs before it takes requests). Every worker process it
+    started is stopped first. ``.checkpoint`` names the checkpoint; ``.plugin``,
+    ``.distribution`` and ``.stage`` (``"config_from_hf"``, ``"build_model"``,
+    ``"warm-up"``) name whose code failed where, when it was a plugin's (None
+    otherwise); ``__cause__`` is the original exception."""
 
-    def __init__(self, message: str, *, checkpoint: str):
+    def __init__(
+        self,
+        message: str,
+        *,
+        checkpoint: str,
+        plugin: str | None = None,
+        distribution: str | None = None,
+        stage: str | None = None,
+    ):
         super().__init__(message)
         self.checkpoint = checkpoint
+        self.plugin = plugin
+        self.distribution = distribution
+        self.stage = stage
+
+    def __reduce__(self) -> tuple[object, ...]:  # it crosses from a tensor-parallel rank to rank 0
+        fields = {"checkpoint": self.checkpoint, "plugin": self.plugin,
+                  "distribution": self.distribution, "stage": self.stage}
+        return (_rebuild_keywords, (type(self), str(self), fields))
+
+
+def _rebuild_keywords(cls: type[RtpcoreError], message: str, fields: dict[str, object]) -> RtpcoreError:
+    """Unpickle an error whose constructor takes keywords (``__reduce__``)."""
+    return cls(message, **fields)
 
 
 class EngineClosedError(RtpcoreError):

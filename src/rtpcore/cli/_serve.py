@@ -1,9 +1,9 @@
 """``rtpcore serve``: an OpenAI-compatible HTTP server over one engine (docs/design.md §8).
 
-A thin shell: it resolves the allowlist, checks that the checkpoint has a tokenizer (before
-the engine loads), builds an :class:`~rtpcore.AsyncEngine` and the app over it
+A thin shell: it resolves the allowlist, builds an :class:`~rtpcore.AsyncEngine` and the app over it
 (:func:`rtpcore.serving.app.build_app`, which uses the engine's own tokenizer and chat
-template), and runs it with uvicorn. SIGTERM or SIGINT stops accepting, lets running requests finish
+template; without a tokenizer, or with ``--skip-tokenizer-init``, it serves token ids only),
+and runs it with uvicorn. SIGTERM or SIGINT stops accepting, lets running requests finish
 within ``--shutdown-timeout`` seconds (then cuts them: each ends with finish_reason "abort", a
 stream with its last chunk and ``[DONE]``), closes the engine and exits 0 (a second SIGINT
 quits at once). Connections without complete request headers are closed after
@@ -96,6 +96,10 @@ def add_parser(subparsers: Any) -> None:
                    help="how the model writes tool calls, for tool_choice 'auto': hermes, llama3_json, or a "
                    "parser a loaded plugin registers (rtpcore_register_tool_parsers) (default: none; "
                    "tool_choice 'auto' is then answered 400)")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="serve without loading the checkpoint's tokenizer, as for a checkpoint that has none: "
+                   "prompts are token ids on /v1/completions, answers carry token_ids and no text; chat, text "
+                   "prompts, stop strings, logprobs and response_format are answered 400")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=None, metavar="BYTES",
                    help="a request body over this size is answered 413 before it is parsed (default: 32MiB)")
     p.add_argument("--max-waiting", type=positive_int, default=256, metavar="N",
@@ -153,11 +157,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from rtpcore.engine.async_engine import AsyncEngine
-    from rtpcore.engine.text.tokenizer import tokenizer_file
     from rtpcore.serving.app import begin_drain, build_app, cut_requests
     from rtpcore.serving.server import Server, protocol_class
 
-    tokenizer_file(path)  # before the engine: a missing tokenizer fails fast (the engine's is loaded by build_app)
     engine = AsyncEngine.from_pretrained(
         path,
         max_waiting=args.max_waiting,
@@ -182,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     server: Server | None = None
     try:  # the engine's tokenizer and chat template load here: a broken one ends the start
         app = build_app(engine, model_name=name, api_key=key, on_shutdown=engine.aclose,
+                        skip_tokenizer=args.skip_tokenizer_init,
                         header_timeout=args.header_timeout, max_connections=args.max_connections,
                         open_connections=lambda: server.open_connections if server is not None else 0, **limits)
     except BaseException:

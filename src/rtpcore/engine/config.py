@@ -103,7 +103,7 @@ class EngineOptions:
         commands=("serve",)))
     tensor_parallel_size: int = option(1, "tensor-parallel ranks", CliFlag(
         "tensor-parallel ranks the model's layers are split over; on GPUs rank r uses cuda:r "
-        "(default: %(default)s)", kind="positive_int", metavar="N", commands=("serve",)))
+        "(default: %(default)s)", kind="positive_int", metavar="N"))
     fp32_batched_linear: bool | None = option(
         None, "whether bf16/fp16 linear layers keep a float32 copy for several-row inputs "
         "(rtpcore.models.layers, kernel 'packed+fp32'); None: automatic, see rtpcore.engine.worker.rank")

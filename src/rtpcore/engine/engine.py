@@ -59,6 +59,7 @@ import functools
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -79,7 +80,7 @@ from rtpcore.engine.text.outputs import GenerationOutput
 from rtpcore.engine.text.prompts import Prompt, PromptInputs, TextSide, conversations, prompt_items
 from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.engine.worker.memory import kv_cache_blocks
-from rtpcore.engine.worker.rank import max_positions
+from rtpcore.engine.worker.rank import WARM_UP_PROMPT, max_positions, warm_up_blocks
 from rtpcore.errors import (
     EngineBuildError,
     EngineClosedError,
@@ -200,6 +201,7 @@ class Engine:
         self.model = None
         self.draft = None
         self.draft_kv_cache_specs = []
+        self.warm_up_seconds = 0.0  # the warm-up forward at build (EngineShard.warm_up)
         self.kv_caches = []
         self.plugins = tuple(config.plan.entries)
         self.device = torch.device(config.device)
@@ -223,6 +225,11 @@ class Engine:
             self.num_kv_blocks = kv_cache_blocks(specs, config, self.max_model_len, self._group)
             self._group.run("allocate", self.num_kv_blocks)
             self.kv_caches = shard.kv_caches
+            # A model that cannot run fails here, not at its first request (EngineShard.warm_up).
+            if self.max_model_len > WARM_UP_PROMPT and self.num_kv_blocks >= warm_up_blocks(config.tokens_per_block):
+                started = time.perf_counter()
+                self._group.run("warm_up")
+                self.warm_up_seconds = time.perf_counter() - started
             self.eos_token_ids = eos_token_ids(hf, Path(config.checkpoint))
             self._text = TextSide(config.checkpoint, self.eos_token_ids)  # tokenizer, chat template: on first use
             vocab = hf.get("vocab_size")
@@ -260,9 +267,10 @@ class Engine:
         self._closed = False
         logger.info(
             "engine ready: model_type=%s dtype=%s kv=%s on %s, %d blocks of %d tokens, "
-            "max_model_len=%d, %d tokens per step",
+            "max_model_len=%d, %d tokens per step; warm-up forward %.0f ms",
             self.model_type, config.dtype, config.kv_cache_dtype, self.device, self.num_kv_blocks,
             config.tokens_per_block, self.max_model_len, config.max_num_batched_tokens,
+            1000 * self.warm_up_seconds,
         )
 
     def prefix_cache_identity(self) -> dict[str, Any]:

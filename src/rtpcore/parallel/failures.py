@@ -17,6 +17,7 @@ and none of its bytes are unpickled.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import pickle
 import signal
@@ -30,7 +31,7 @@ from rtpcore.parallel.sealing import BadSeal
 if TYPE_CHECKING:
     from rtpcore.parallel.context import Rendezvous
 
-__all__ = ["describe_exit", "read_failures", "report_failure"]
+__all__ = ["UNGUARDED_MAIN_EXIT", "describe_exit", "read_failures", "refuse_unguarded_main", "report_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +107,52 @@ def read_failures(store: Rendezvous | None, world_size: int) -> list[tuple[int, 
     return reports
 
 
+#: The exit status of a spawned rank that found itself re-running the parent's main script
+#: at import, where that script builds an engine (:func:`refuse_unguarded_main`).
+UNGUARDED_MAIN_EXIT = 86
+
+
+def unguarded_main_script() -> str | None:
+    """The file of the main script this process is importing again as a spawned child, when
+    the import itself is what is starting an engine's ranks; None otherwise.
+
+    Python's ``spawn`` start method runs the parent's main script in every child it starts,
+    as module ``__mp_main__``: its top-level code runs again there, and code under
+    ``if __name__ == "__main__":`` does not. A frame of ``__mp_main__``'s top level on the
+    stack means that top level is building an engine."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "__mp_main__" and frame.f_code.co_name == "<module>":
+            return frame.f_code.co_filename
+        frame = frame.f_back
+    return None
+
+
+def refuse_unguarded_main() -> None:
+    """In a spawned child re-running an unguarded main script: say so on stderr and exit
+    with :data:`UNGUARDED_MAIN_EXIT`, which rank 0 names (:func:`describe_exit`), instead
+    of starting ranks of its own."""
+    script = unguarded_main_script()
+    if script is not None:
+        print(f"rtpcore: {unguarded_main_advice(script)}", file=sys.stderr, flush=True)
+        raise SystemExit(UNGUARDED_MAIN_EXIT)
+
+
+def unguarded_main_advice(script: str | None) -> str:
+    where = f"the script {script!r}" if script else "the main script"
+    return (
+        f"{where} builds a tensor-parallel engine when it is imported; every rank is a process "
+        "started with the 'spawn' method, which imports the main script again. Put the code that "
+        "builds the engine under `if __name__ == \"__main__\":`"
+    )
+
+
 def describe_exit(code: int) -> str:
-    """``"was killed by signal SIGKILL"`` / ``"exited with status 1"``."""
+    """``"was killed by signal SIGKILL"`` / ``"exited with status 1"`` (with the advice of
+    :func:`unguarded_main_advice` for :data:`UNGUARDED_MAIN_EXIT`)."""
+    if code == UNGUARDED_MAIN_EXIT:
+        main = sys.modules.get("__main__")
+        return f"exited at start: {unguarded_main_advice(getattr(main, '__file__', None))}"
     if code < 0:
         try:
             return f"was killed by signal {signal.Signals(-code).name}"

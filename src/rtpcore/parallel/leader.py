@@ -81,7 +81,7 @@ from rtpcore.parallel.context import (
     init_parallel,
     local_store,
 )
-from rtpcore.parallel.failures import describe_exit, read_failures
+from rtpcore.parallel.failures import describe_exit, read_failures, refuse_unguarded_main
 from rtpcore.parallel.follower import (
     JOINED,
     RAISE,
@@ -171,6 +171,7 @@ class WorkerGroup:
             return group
         if device not in (None, "cpu", "cuda"):  # before any process starts
             raise ValueError(f"a group's device must be 'cpu', 'cuda' or None, got {device!r}")
+        refuse_unguarded_main()  # a spawned rank re-running the parent's script exits, naming it
         threads = _cpu_threads(world_size, device, num_threads)
         store = local_store(world_size, start_timeout)
         mp = multiprocessing.get_context("spawn")

@@ -66,10 +66,11 @@ def build_app(
     header_timeout: float | None = None,
     max_connections: int | None = None,
     open_connections: Callable[[], int] | None = None,
+    skip_tokenizer: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``, with the engine's own text side
-    (``engine.engine.text``: its tokenizer, which the checkpoint must have -- else a
-    CheckpointError --, and its chat template, without which chat completions are a 400).
+    (``engine.engine.text``: its tokenizer -- without one, token ids only, see ``Served`` -- and
+    its chat template, without which chat completions are a 400).
     ``on_shutdown`` runs when the app's lifespan ends (after uvicorn has drained or cut the
     open requests).
     ``tool_call_parser``: the ``ToolCallParser`` class that finds calls in answers to requests
@@ -77,8 +78,9 @@ def build_app(
     (docs/design.md §22; the server that runs the app enforces the rest, see
     ``rtpcore.serving.server``): ``header_timeout``, seconds a request body may stop arriving
     before it is a 408 (None: no limit); ``max_connections`` with ``open_connections()``, the
-    connections open, past which every request but ``/health`` is a 503."""
-    served = Served(engine, model_name, api_key, max_request_bytes, tool_call_parser)
+    connections open, past which every request but ``/health`` is a 503. ``skip_tokenizer``:
+    serve token ids only, without the checkpoint's tokenizer (``Served``)."""
+    served = Served(engine, model_name, api_key, max_request_bytes, tool_call_parser, skip_tokenizer=skip_tokenizer)
     served.header_timeout = header_timeout
     served.max_connections = max_connections
     served.open_connections = open_connections

@@ -164,6 +164,7 @@ class _Sampling(_Strict):
     response_format: ResponseFormat | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    return_token_ids: bool | None = None  # vLLM's: each choice (and chunk) also carries its token_ids
     # Accepted without effect (OpenAI platform bookkeeping).
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -24,7 +24,7 @@ from rtpcore.serving.protocol import (
 from rtpcore.serving.state import Served
 from rtpcore.serving.tools import Tools
 
-__all__ = ["check_model", "format_grammar", "params_for", "render_chat", "tool_plan"]
+__all__ = ["check_model", "check_text_needs", "format_grammar", "params_for", "render_chat", "tool_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,24 @@ def render_chat(served: Served, body: ChatCompletionRequest) -> Prompt:
         raise ApiError(400, f"messages: {exc}", param="messages") from None
     except InvalidRequestError as exc:
         raise ApiError.invalid_request(exc) from None
+
+
+def check_text_needs(served: Served, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """On a server without a tokenizer (``--skip-tokenizer-init``), a 400 naming the first
+    field of ``body`` that needs one; nothing otherwise."""
+    if served.tokenizer is not None:
+        return
+    chat = isinstance(body, ChatCompletionRequest)
+    wants = [
+        ("chat completions", "messages", chat),
+        ("a text prompt", "prompt", isinstance(getattr(body, "prompt", None), str)),
+        ("stop strings", "stop", bool(body.stop_strings)),
+        ("logprobs", "logprobs", body._logprobs() is not None),
+        ("response_format", "response_format", body.response_format is not None and body.response_format.type != "text"),
+    ]
+    for what, param, wanted in wants:
+        if wanted:
+            served.require_tokenizer(what, param)
 
 
 def check_model(served: Served, model: str) -> None:

@@ -17,7 +17,7 @@ from fastapi import Depends, Request
 from rtpcore.engine.async_engine import AsyncEngine
 from rtpcore.engine.sample.grammar import GrammarCompiler
 from rtpcore.engine.text.prompts import TextSide
-from rtpcore.engine.text.tokenizer import Tokenizer, tokenizer_file
+from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.metrics import ServerMetrics
 
@@ -30,19 +30,28 @@ class Served:
 
     ``text`` is the engine's own :class:`~rtpcore.engine.text.prompts.TextSide`
     (``engine.engine.text``): the server encodes, renders and detokenizes with the objects
-    ``Engine.generate`` and ``Engine.chat`` use. It needs the tokenizer: a checkpoint without
-    ``tokenizer.json`` is a :class:`~rtpcore.errors.CheckpointError` here. The tokenizer and
-    the chat template are loaded now, so that a broken one fails before the first request.
+    ``Engine.generate`` and ``Engine.chat`` use. Without a tokenizer -- the checkpoint has no
+    ``tokenizer.json`` (a warning), or ``skip_tokenizer`` (``--skip-tokenizer-init``) --
+    prompts are token ids, answers carry ``token_ids`` and no text, and whatever needs text
+    (text prompts, chat, stop strings, logprobs, response_format, tools) is a 400 naming the
+    field and the missing tokenizer (:meth:`require_tokenizer`). The tokenizer and the chat
+    template are loaded now, so that a broken one fails before the first request.
     """
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, max_request_bytes: int,
-                 tool_parser: Any = None):
+                 tool_parser: Any = None, *, skip_tokenizer: bool = False):
         self.engine = engine
         self.text: TextSide = engine.engine.text
-        tokenizer_file(self.text.path)  # none: the CheckpointError Tokenizer.from_pretrained raises
-        tokenizer = self.text.tokenizer
-        assert tokenizer is not None  # the file exists: it loaded, or its CheckpointError was raised
-        self.tokenizer: Tokenizer = tokenizer
+        self.no_tokenizer: str | None = None  # why this server has no tokenizer (None: it has one)
+        if skip_tokenizer:
+            self.no_tokenizer = "this server was started with --skip-tokenizer-init"
+        elif not (self.text.path / "tokenizer.json").is_file():
+            self.no_tokenizer = f"the checkpoint has no tokenizer ({str(self.text.path / 'tokenizer.json')!r} is missing)"
+            logger.warning("serving token ids only: %s; text prompts and chat requests are answered 400",
+                           self.no_tokenizer)
+        if self.no_tokenizer is not None:
+            self.text = self.text.without_tokenizer()
+        self.tokenizer: Tokenizer | None = self.text.tokenizer  # loaded now: a broken one ends the start
         self.has_chat_template = self.text.has_chat_template  # none: chat completions are a 400
         self.model_name = model_name
         self.api_key = api_key
@@ -63,6 +72,13 @@ class Served:
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
 
+    def require_tokenizer(self, what: str, param: str) -> Tokenizer:
+        """The tokenizer, or a 400 naming ``param`` on a server without one."""
+        if self.tokenizer is None:
+            raise ApiError(400, f"{param}: {what} needs a tokenizer, and {self.no_tokenizer}: send the prompt "
+                                "as token ids to /v1/completions (answers carry token_ids)", param=param)
+        return self.tokenizer
+
     def cut(self) -> int:
         """Abort every request running (shutdown past its timeout): each ends with
         finish_reason "abort", streams with their last chunk and [DONE]. How many HTTP requests
@@ -82,8 +98,9 @@ class Served:
                     raise ApiError(400, "this model names no stop token (eos_token_id), which a grammar needs to "
                                         "end: structured outputs and tool calls are unavailable",
                                    param="response_format")
-                size = max(self.vocab_size or 0, self.tokenizer.vocab_size)
-                self._grammars = GrammarCompiler(self.tokenizer.json_path, vocab_size=size, stop_token_ids=stops)
+                tokenizer = self.require_tokenizer("structured output", "response_format")
+                size = max(self.vocab_size or 0, tokenizer.vocab_size)
+                self._grammars = GrammarCompiler(tokenizer.json_path, vocab_size=size, stop_token_ids=stops)
             return self._grammars
 
 

@@ -93,7 +93,7 @@ class _Choice:
                         self._finish(self.state.finish_reason or "stop")
                         yield delta
                         return
-                    if delta.text or delta.tokens:
+                    if delta.text or delta.tokens or delta.ids:
                         yield delta
         except RtpcoreError:
             self._finish("error")
@@ -129,6 +129,8 @@ class _Response:
                  tools: Tools | None = None):
         self.served, self.params, self.chat, self.model = served, params, chat, body.model
         self.tools = tools
+        # Each choice and chunk carries its token ids when asked, and always without a tokenizer (no text).
+        self.token_ids = bool(getattr(body, "return_token_ids", False)) or served.tokenizer is None
         key = uuid.uuid4().hex
         self.id = ("chatcmpl-" if chat else "cmpl-") + key
         self.created = int(time.time())
@@ -213,6 +215,8 @@ class _Response:
             out["message"] = {"role": "assistant", "content": text}
         else:
             out["text"] = text
+        if self.token_ids:
+            out["token_ids"] = list(choice.state.output(index).token_ids)
         return out
 
     async def events(self, include_usage: bool, request: Request) -> AsyncIterator[str]:
@@ -271,10 +275,13 @@ class _Response:
                         for chunk in self._tool_chunks(index, stream, delta, done, choice.finish_reason):
                             yield _sse(chunk)
                         continue
-                    if delta.text or delta.tokens or done:
+                    if delta.text or delta.tokens or (self.token_ids and delta.ids) or done:
                         body = {"content": delta.text} if self.chat else delta.text
-                        yield _sse(self._chunk(index, body, choice.finish_reason if done else None,
-                                               list(delta.tokens), offsets[index]))
+                        chunk = self._chunk(index, body, choice.finish_reason if done else None,
+                                            list(delta.tokens), offsets[index])
+                        if self.token_ids:
+                            chunk["choices"][0]["token_ids"] = list(delta.ids)
+                        yield _sse(chunk)
                     offsets[index] += len(delta.text)
             if include_usage:
                 yield _sse({"id": self.id, "object": self._chunk_object, "created": self.created,
@@ -331,7 +338,7 @@ class _Response:
         starts (``offset``: the text before these tokens)."""
         if self.params.logprobs is None:
             return None
-        tok = self.served.tokenizer
+        tok = self.served.require_tokenizer("logprobs", "logprobs")  # check_text_needs refused it already
         if self.chat:
             return {"content": [
                 {"token": _piece(tok, t.token_id), "logprob": t.logprob, "bytes": list(tok.token_bytes(t.token_id)),

@@ -46,6 +46,8 @@ class SequenceDelta:
 
     text: str = ""
     tokens: tuple[tuple[SampledToken, str], ...] = ()
+    #: The token ids the sequence gained (a stop token included, as in ``CompletionOutput.token_ids``).
+    ids: tuple[int, ...] = ()
 
 
 class SequenceState:
@@ -101,7 +103,7 @@ class SequenceState:
                 tokens.append((draws[i] if i < len(draws) else SampledToken(token), piece))
             if self.decoder is not None and self.decoder.stopped:  # the tokens after this one are not the sequence's
                 self.finish_reason, self.stop_reason = "stop", self.decoder.stop_string
-                return SequenceDelta("".join(pieces), tuple(tokens or ()))
+                return SequenceDelta("".join(pieces), tuple(tokens or ()), tuple(ids[: i + 1]))
         if out.finished:
             tail = self.decoder.finish() if self.decoder is not None else ""  # held back for a stop string that never came
             if tail:
@@ -113,7 +115,7 @@ class SequenceState:
             stop_id = out.stop_token_id
             if self.finish_reason == "stop" and stop_id is not None and stop_id not in self.eos_token_ids:
                 self.stop_reason = stop_id
-        return SequenceDelta("".join(pieces), tuple(tokens or ()))
+        return SequenceDelta("".join(pieces), tuple(tokens or ()), tuple(ids))
 
     def output(self, index: int) -> CompletionOutput:
         logprobs = None if self.logprobs is None else tuple(self.logprobs)

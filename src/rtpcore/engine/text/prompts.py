@@ -151,6 +151,15 @@ class TextSide:
         self._tokenizer: Any = _UNSET
         self._template: Any = _UNSET
 
+    def without_tokenizer(self) -> TextSide:
+        """This text side with neither tokenizer nor chat template, however the checkpoint
+        has them: prompts are token ids and outputs have no text (``rtpcore serve
+        --skip-tokenizer-init``)."""
+        side = TextSide(self.path, self.eos_token_ids)
+        side._tokenizer = None
+        side._template = None
+        return side
+
     @property
     def tokenizer(self) -> Tokenizer | None:
         """The checkpoint's tokenizer; None when it has no ``tokenizer.json``."""

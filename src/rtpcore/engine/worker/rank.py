@@ -23,7 +23,8 @@ rank's :class:`~rtpcore.parallel.context.ParallelContext`, whose ``all_reduce`` 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import attrs
@@ -31,7 +32,7 @@ import torch
 
 from rtpcore.checkpoint.resolve import mtp_plugin
 from rtpcore.engine.worker.memory import memory_limit
-from rtpcore.errors import RtpcoreError
+from rtpcore.errors import EngineBuildError, RtpcoreError
 from rtpcore.models.layers import linear_kernels, weight_quantization
 from rtpcore.models.native import native_decode
 from rtpcore.parallel.context import ParallelContext
@@ -79,7 +80,8 @@ class EngineShard:
         self.hf_config = read_hf_config(config.checkpoint)
         self.model_type = config.model_type or registry.infer_model_type(self.hf_config)
         plugin = registry.get(self.model_type)
-        model_config = plugin.config_from_hf(self.hf_config)  # the whole model's config
+        with plugin_code(registry, self.model_type, plugin, "config_from_hf", config.checkpoint):
+            model_config = plugin.config_from_hf(self.hf_config)  # the whole model's config
         # The draft's configuration is checked before any weight is read: a bad draft fails fast.
         draft = _draft_source(config, registry, self.model_type, plugin, model_config, self.hf_config)
         target = _load(ctx, config, registry, config.checkpoint, self.hf_config, self.model_type, plugin, model_config)
@@ -198,6 +200,28 @@ class EngineShard:
                 if greedy:
                     out = greedy_pick(out)
         return out if self.ctx.rank == 0 else None
+
+    def warm_up(self, _: Any = None) -> None:
+        """Run the model once before the engine takes requests: a prefill of
+        ``WARM_UP_PROMPT`` tokens, then one decode step, into the first KV blocks, as a
+        request would (a separate draft model too; an ``"mtp"`` draft, which reads the
+        target's hidden states of a real step, is not). A model whose weights do not fit
+        what it computes -- a tensor of the wrong shape a plugin did not declare in
+        ``weight_shapes`` -- fails here, at start-up, naming its plugin and
+        distribution, instead of failing every request. The blocks it wrote hold no
+        request's tokens: every request writes its positions before it reads them."""
+        models = [("the model", self.target, self.kv_caches)]
+        if self.draft is not None and self.config.draft_model != "mtp":
+            models.append(("the draft model", self.draft, self.draft_kv_caches))
+        for what, loaded, caches in models:
+            with plugin_code(self.registry, loaded.model_type, loaded.plugin, "warm-up", self.config.checkpoint), \
+                    torch.inference_mode():
+                for batch in warm_up_batches(self.config.tokens_per_block, self.ctx.device):
+                    # Eagerly: a decode graph replays what its capture ran, and the step counters
+                    # count requests' steps.
+                    logits = loaded.model(batch, caches)
+                    if self.ctx.rank == 0:
+                        _check_logits(logits, batch, what, loaded.hf_config.get("vocab_size"))
 
     def graph_counters(self) -> dict[str, int]:
         """This rank's target decode steps replayed from a CUDA graph, and those run eagerly."""
@@ -342,12 +366,111 @@ def _load(
         options["target"] = target
     quantization = getattr(config, "quantization", None)
     with linear_kernels(batched_fp32=_fp32_batched_linear(config, weights, ctx.device)), \
-            weight_quantization(quantization), native_decode(getattr(config, "native_decode", True)):
+            weight_quantization(quantization), native_decode(getattr(config, "native_decode", True)), \
+            plugin_code(registry, model_type, plugin, "build_model", checkpoint):
         model = plugin.build_model(local_config, weights, **options)
     del weights
     if isinstance(model, torch.nn.Module):
         model.eval()
     return LoadedModel(model_type, plugin, hf_config, model_config, local_config, specs, model, bytes_read)
+
+
+#: The warm-up's prompt length: a prefill of this many tokens, then one decode step.
+WARM_UP_PROMPT = 3
+
+
+def warm_up_batches(tokens_per_block: int, device: Any) -> list[Any]:
+    """The warm-up's two steps (:meth:`EngineShard.warm_up`): one sequence's prefill of
+    ``WARM_UP_PROMPT`` tokens (ids 0..), then its decode step, in blocks 0, 1, ..."""
+    from rtpcore.models.forward_batch import ForwardBatch
+
+    n = WARM_UP_PROMPT
+    blocks = torch.arange(-(-(n + 1) // tokens_per_block), device=device)[None]
+
+    def step(start: int, length: int) -> ForwardBatch:
+        positions = torch.arange(start, start + length, device=device)
+        return ForwardBatch(
+            input_ids=positions.clone(),
+            positions=positions,
+            slots=positions.clone(),  # block b holds slots b*tpb..: the table maps them to themselves
+            query_lens=(length,),
+            context_lens=torch.tensor([start + length], device=device),
+            block_tables=blocks,
+            tokens_per_block=tokens_per_block,
+            host_max_context_len=start + length,
+            host_context_lens=(start + length,),
+        )
+
+    return [step(0, n), step(n, 1)]
+
+
+def warm_up_blocks(tokens_per_block: int) -> int:
+    """KV blocks the warm-up writes (the engine needs at least these)."""
+    return -(-(WARM_UP_PROMPT + 1) // tokens_per_block)
+
+
+class ForwardOutputError(Exception):
+    """A model's forward returned what the forward contract does not allow."""
+
+
+def _check_logits(logits: Any, batch: Any, what: str, vocab: Any) -> None:
+    """The forward contract's output: one row of logits per sequence (docs/plugins.md §8)."""
+    rows = batch.num_seqs
+    ok = isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.shape[0] == rows
+    if ok and isinstance(vocab, int) and logits.shape[1] < vocab:
+        ok = False
+    if not ok:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ForwardOutputError(
+            f"{what} returned {shape} for a {'decode' if batch.is_decode else 'prefill'} step of "
+            f"{rows} sequence of {batch.num_tokens} tokens; the forward contract returns (num_seqs, "
+            f"vocab_size) logits, one row per sequence at its last token"
+            + (f" (vocab_size={vocab})" if isinstance(vocab, int) else "")
+        )
+
+
+@contextmanager
+def plugin_code(registry: Any, model_type: str, plugin: Any, stage: str, checkpoint: str) -> Iterator[None]:
+    """Run a plugin's code; its own exception (not an RtpcoreError) becomes an
+    EngineBuildError naming the model type, class, plugin, distribution and stage, with
+    what to change where the cause says (a missing module: a dependency to declare)."""
+    try:
+        yield
+    except RtpcoreError:
+        raise
+    except Exception as exc:
+        try:
+            provider = registry.record(model_type).provider
+        except Exception:  # a registry without the record: name the class only
+            provider = None
+        where = f"{plugin.__module__}:{plugin.__qualname__}"
+        whose = f"{provider}" if provider is not None else "its plugin"
+        doing = {"warm-up": "the warm-up forward (one prefill and one decode step before the engine takes requests)"}
+        cause = exc if isinstance(exc, ForwardOutputError) else f"{type(exc).__name__}: {exc}"
+        message = (
+            f"building the engine for {checkpoint!r} failed in {doing.get(stage, stage)} of model type "
+            f"{model_type!r} ({where}, from {whose}): {cause}"
+        )
+        dist = getattr(provider, "distribution", None)
+        if isinstance(exc, ImportError) and getattr(exc, "name", None):
+            owner = f"the distribution {dist!r}" if dist else "the plugin"
+            message += (
+                f"; {owner} imports {exc.name!r}, which is not installed here: install it, "
+                f"and declare it in {dist or 'the plugin'}'s dependencies"
+            )
+        elif stage == "warm-up":
+            message += (
+                "; the model's weights do not fit what it computes, or its forward breaks the "
+                "forward contract (docs/plugins.md §8): declare weight_shapes(config) so the loader "
+                "names a tensor of the wrong shape"
+            )
+        raise EngineBuildError(
+            message,
+            checkpoint=checkpoint,
+            plugin=getattr(provider, "plugin", None),
+            distribution=dist,
+            stage=stage,
+        ) from exc
 
 
 DEFAULT_MAX_POSITIONS = 4096  # when config.json has no max_position_embeddings

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from rtpcore.serving.protocol import ChatCompletionRequest
 from rtpcore.serving.requests import (
     check_model,
+    check_text_needs,
     format_grammar,
     params_for,
     render_chat,
@@ -28,6 +29,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request, served: ServedDep) -> Any:
     check_model(served, body.model)
+    check_text_needs(served, body)
     tools, grammar = await asyncio.to_thread(tool_plan, served, body)
     if grammar is None:
         grammar = await asyncio.to_thread(format_grammar, served, body.response_format)

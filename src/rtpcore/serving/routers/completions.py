@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from rtpcore.engine.text.prompts import Prompt
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.protocol import CompletionRequest
-from rtpcore.serving.requests import check_model, format_grammar, params_for
+from rtpcore.serving.requests import check_model, check_text_needs, format_grammar, params_for
 from rtpcore.serving.state import ServedDep
 from rtpcore.serving.streaming import respond
 
@@ -23,6 +23,7 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, served: ServedDep) -> Any:
     check_model(served, body.model)
+    check_text_needs(served, body)
     if isinstance(body.prompt, str):  # encoded as Engine.generate encodes text (the checkpoint's BOS rule)
         prompt = (await asyncio.to_thread(served.text.encode, [body.prompt]))[0]
     else:
