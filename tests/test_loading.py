@@ -359,21 +359,26 @@ def _lazy_source(target: str, model_type: str, arch: str, replaces: tuple[str, .
     )
 
 
+def _lazy_dist_without_contract(plugin_env: PluginEnv, dist: str, version: str, plugin: str, arch: str) -> None:
+    """Distribution ``dist`` whose plugin ``plugin`` registers ``ld_<plugin>_m:M`` (model type
+    ``plugin``, serving ``arch``) lazily; M states no forward_contract."""
+    plugin_env.add_dist(
+        dist,
+        version,
+        plugins={plugin: f"ld_{plugin}_hooks"},
+        modules={
+            f"ld_{plugin}_hooks.py": _lazy_source(f"ld_{plugin}_m:M", plugin, arch),
+            f"ld_{plugin}_m.py": "from rtpcore import ModelPlugin\n" + model_source("M", plugin, (arch,), contract=None),
+        },
+    )
+
+
 def test_import_models_refuses_a_lazy_class_before_anything_is_registered(
     plugin_env: PluginEnv,
 ) -> None:
     """Without import_models a lazy class without forward_contract is 'registered' (not
     imported); with it the plugin is 'invalid' and none of its registrations is applied."""
-    plugin_env.add_dist(
-        "ld-lazyfc",
-        "2.0",
-        plugins={"lazyfc": "ld_lazyfc_hooks"},
-        modules={
-            "ld_lazyfc_hooks.py": _lazy_source("ld_lazyfc_m:M", "lazyfc", "LazyFcForCausalLM"),
-            "ld_lazyfc_m.py": "from rtpcore import ModelPlugin\n"
-            + model_source("M", "lazyfc", ("LazyFcForCausalLM",), contract=None),
-        },
-    )
+    _lazy_dist_without_contract(plugin_env, "ld-lazyfc", "2.0", "lazyfc", "LazyFcForCausalLM")
     lazy = load_report(_plan("ld-lazyfc"))
     assert [(o.state, o.unimported) for o in lazy.outcomes] == [("registered", ("ld_lazyfc_m:M",))]
     assert lazy.ok and "ld_lazyfc_m" not in sys.modules
@@ -393,16 +398,7 @@ def test_the_engine_refuses_a_class_that_states_no_forward_contract(
     weight, naming the plugin and the class, and never says the class stated a contract."""
     from rtpcore import FORWARD_CONTRACT, Engine
 
-    plugin_env.add_dist(
-        "ld-engfc",
-        "2.1",
-        plugins={"engfc": "ld_engfc_hooks"},
-        modules={
-            "ld_engfc_hooks.py": _lazy_source("ld_engfc_m:M", "engfc", "EngFcForCausalLM"),
-            "ld_engfc_m.py": "from rtpcore import ModelPlugin\n"
-            + model_source("M", "engfc", ("EngFcForCausalLM",), contract=None),
-        },
-    )
+    _lazy_dist_without_contract(plugin_env, "ld-engfc", "2.1", "engfc", "EngFcForCausalLM")
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text('{"architectures": ["EngFcForCausalLM"]}')
     with pytest.raises(PluginLoadError) as excinfo:
