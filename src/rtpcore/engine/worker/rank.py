@@ -385,7 +385,7 @@ def warm_up_batches(tokens_per_block: int, device: Any) -> list[Any]:
     from rtpcore.models.forward_batch import ForwardBatch
 
     n = WARM_UP_PROMPT
-    blocks = torch.arange(-(-(n + 1) // tokens_per_block), device=device)[None]
+    blocks = torch.arange(warm_up_blocks(tokens_per_block), device=device)[None]
 
     def step(start: int, length: int) -> ForwardBatch:
         positions = torch.arange(start, start + length, device=device)
@@ -417,9 +417,7 @@ def _check_logits(logits: Any, batch: Any, what: str, vocab: Any) -> None:
     """The forward contract's output: one row of logits per sequence (docs/plugins.md §8)."""
     rows = batch.num_seqs
     ok = isinstance(logits, torch.Tensor) and logits.dim() == 2 and logits.shape[0] == rows
-    if ok and isinstance(vocab, int) and logits.shape[1] < vocab:
-        ok = False
-    if not ok:
+    if not ok or (isinstance(vocab, int) and logits.shape[1] < vocab):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ForwardOutputError(
             f"{what} returned {shape} for a {'decode' if batch.is_decode else 'prefill'} step of "
@@ -445,10 +443,12 @@ def plugin_code(registry: Any, model_type: str, plugin: Any, stage: str, checkpo
             provider = None
         where = f"{plugin.__module__}:{plugin.__qualname__}"
         whose = f"{provider}" if provider is not None else "its plugin"
-        doing = {"warm-up": "the warm-up forward (one prefill and one decode step before the engine takes requests)"}
+        doing = stage if stage != "warm-up" else (
+            "the warm-up forward (one prefill and one decode step before the engine takes requests)"
+        )
         cause = exc if isinstance(exc, ForwardOutputError) else f"{type(exc).__name__}: {exc}"
         message = (
-            f"building the engine for {checkpoint!r} failed in {doing.get(stage, stage)} of model type "
+            f"building the engine for {checkpoint!r} failed in {doing} of model type "
             f"{model_type!r} ({where}, from {whose}): {cause}"
         )
         dist = getattr(provider, "distribution", None)
