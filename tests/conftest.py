@@ -16,6 +16,10 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("rtpcore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("rtpcore")
 
+# Packages under tests/plugins/ are real distributions with tests of their own, run from an
+# install by tests/test_neox_plugin.py (and the docs walkthrough), never collected here.
+collect_ignore = ["plugins"]
+
 # --- plugin framework: real dist-info folders on a temporary sys.path -----------------------
 
 

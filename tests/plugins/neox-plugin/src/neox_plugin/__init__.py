@@ -1,0 +1,1 @@
+"""neox-plugin: GPT-NeoX (the Pythia family) served by rtpcore."""

@@ -1,0 +1,85 @@
+"""A GPT-NeoX plugin written as a new author would (tests/plugins/neox-plugin): a real
+distribution, pip-installed into a fresh venv, importing only the public plugin modules
+(docs/design.md §21), whose own tests compare rtpcore's greedy tokens with transformers'
+GPTNeoXForCausalLM at tensor_parallel_size 1 and 2. docs/plugins.md's "Your first plugin"
+walkthrough shows its files, and test_docs_walkthrough checks they are the files here."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from plugin_env import pip_install_into_venv
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "tests" / "plugins" / "neox-plugin"
+PUBLIC = {"rtpcore", "rtpcore.errors", "rtpcore.config_fields", "rtpcore.layers", "rtpcore.batch",
+          "rtpcore.sharding", "rtpcore.kv", "rtpcore.checkpoint", "rtpcore.testing", "rtpcore_native"}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]:
+    """A fresh venv with neox-plugin pip-installed from its folder (a copy: the build writes there)."""
+    tmp = tmp_path_factory.mktemp("neox")
+    source = tmp / "src"
+    subprocess.run(["cp", "-r", str(PACKAGE), str(source)], check=True)
+    return pip_install_into_venv(tmp, str(source))
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_plugin_imports_only_the_public_modules() -> None:
+    files = sorted((PACKAGE / "src").rglob("*.py"))
+    assert files
+    used = {n for f in files for n in _imports(f) if n.split(".")[0] in ("rtpcore", "rtpcore_native")}
+    assert used and used <= PUBLIC, sorted(used - PUBLIC)
+
+
+def test_the_installed_plugin_passes_its_own_tests_against_transformers(venv: tuple[str, dict[str, str]]) -> None:
+    """The package's parity tests, run by the venv's python from the package folder: greedy
+    tokens equal transformers' at 1 and 2 ranks, with and without the parallel residual."""
+    python, env = venv
+    proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+                          cwd=PACKAGE, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"\b4 passed\b", proc.stdout), proc.stdout
+
+
+def test_plugins_check_and_generate_serve_it_from_the_command_line(
+    venv: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    """What an operator types: `plugins check` imports the lazily registered class and passes;
+    `generate --tensor-parallel-size 2` gives the tokens of one rank."""
+    python, env = venv
+    check = subprocess.run([python, "-m", "rtpcore", "plugins", "check", "neox-plugin"],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "gpt_neox" in check.stdout
+    subprocess.run([python, str(PACKAGE / "tests" / "test_neox_parity.py"), str(tmp_path / "ckpt")],
+                   env=env, check=True, capture_output=True, timeout=600)
+
+    def generate(*extra: str) -> list[int]:
+        proc = subprocess.run(
+            [python, "-m", "rtpcore", "generate", str(tmp_path / "ckpt"), "--plugins", "neox-plugin",
+             "--prompt-ids", "5,9,33,7", "--max-new-tokens", "8", "--json", *extra],
+            env=env, capture_output=True, text=True, timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return list(json.loads(proc.stdout)["output_ids"])
+
+    assert generate("--tensor-parallel-size", "2") == generate()
