@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import cpu_line, make_smollm2  # noqa: E402
+from bench_decode import cpu_line, make_smollm2
 
 
 def checkpoint(name: str, tmp: Path) -> tuple[str, list[str]] | None:
