@@ -83,3 +83,16 @@ def test_plugins_check_and_generate_serve_it_from_the_command_line(
         return list(json.loads(proc.stdout)["output_ids"])
 
     assert generate("--tensor-parallel-size", "2") == generate()
+
+
+def test_docs_walkthrough_shows_the_package_files_exactly() -> None:
+    """docs/plugins.md "Your first plugin" shows each file of the package whole, under a
+    `<!-- file: PATH -->` marker: the code a reader copies is the code these tests install and run."""
+    doc = (ROOT / "docs" / "plugins.md").read_text()
+    shown = dict(re.findall(r"<!-- file: (\S+) -->\n```[a-z]*\n(.*?)```\n", doc, flags=re.S))
+    built = ("__pycache__", "build")  # what a build or a run leaves in the folder
+    files = {str(p.relative_to(ROOT)): p for p in PACKAGE.rglob("*")
+             if p.is_file() and not any(part in built or part.endswith(".egg-info") for part in p.parts)}
+    assert set(shown) == set(files)
+    for rel, text in shown.items():
+        assert text == files[rel].read_text(), f"docs/plugins.md shows {rel} other than it is"

@@ -1,6 +1,6 @@
 """neox-plugin against transformers: rtpcore's greedy tokens are transformers' own.
 
-    python tests/test_neox_parity.py DIR   # writes the tiny checkpoint, to try the CLI on
+Run as a script with a folder, it writes the tiny checkpoint there, to try the CLI on.
 """
 
 import sys
