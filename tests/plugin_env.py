@@ -199,3 +199,24 @@ def pip_install_into_venv(tmp_path: Path, *pip_args: str) -> tuple[str, dict[str
         check=True, env=env, capture_output=True,
     )
     return python, env
+
+
+#: The modules a plugin may import (docs/design.md §21).
+PUBLIC_MODULES = frozenset({
+    "rtpcore", "rtpcore.errors", "rtpcore.config_fields", "rtpcore.layers", "rtpcore.batch", "rtpcore.sharding",
+    "rtpcore.kv", "rtpcore.checkpoint", "rtpcore.testing", "rtpcore_native",
+})
+
+
+def rtpcore_imports(files: list[Path]) -> set[str]:
+    """Every ``rtpcore``/``rtpcore_native`` module the Python files import (absolute imports)."""
+    import ast
+
+    names = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+    return {n for n in names if n.split(".")[0] in ("rtpcore", "rtpcore_native")}

@@ -6,7 +6,6 @@ walkthrough shows its files, and test_docs_walkthrough checks they are the files
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import subprocess
@@ -14,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from plugin_env import pip_install_into_venv
+from plugin_env import PUBLIC_MODULES, pip_install_into_venv, rtpcore_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tests" / "plugins" / "neox-plugin"
-PUBLIC = {"rtpcore", "rtpcore.errors", "rtpcore.config_fields", "rtpcore.layers", "rtpcore.batch",
-          "rtpcore.sharding", "rtpcore.kv", "rtpcore.checkpoint", "rtpcore.testing", "rtpcore_native"}
 
 pytestmark = pytest.mark.slow
 
@@ -33,21 +30,9 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]]
     return pip_install_into_venv(tmp, str(source))
 
 
-def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-    return names
-
-
 def test_the_plugin_imports_only_the_public_modules() -> None:
-    files = sorted((PACKAGE / "src").rglob("*.py"))
-    assert files
-    used = {n for f in files for n in _imports(f) if n.split(".")[0] in ("rtpcore", "rtpcore_native")}
-    assert used and used <= PUBLIC, sorted(used - PUBLIC)
+    used = rtpcore_imports(sorted((PACKAGE / "src").rglob("*.py")))
+    assert used and used <= PUBLIC_MODULES, sorted(used - PUBLIC_MODULES)
 
 
 def test_the_installed_plugin_passes_its_own_tests_against_transformers(venv: tuple[str, dict[str, str]]) -> None:

@@ -1,4 +1,4 @@
-"""``rtpcore plugins list`` and ``rtpcore plugins check``.
+"""``rtpcore plugins list``, ``rtpcore plugins check`` and ``rtpcore plugins init`` (``_scaffold``).
 
 ``list`` shows every installed ``rtpcore.plugins`` entry point (read from metadata, never
 imported unless requested), the built-in models, and each requested item with its outcome:
@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from rtpcore.cli._args import add_log_level_argument
+from rtpcore.cli._scaffold import add_init_parser
 from rtpcore.plugins.allowlist import (
     IGNORED_ENV_VARS,
     Allowlist,
@@ -34,9 +35,9 @@ __all__ = ["add_parser"]
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plugins",
-        help="list and check rtpcore plugins",
-        description="List installed rtpcore plugins without importing them, or load some in a fresh "
-        "process and report how that went.",
+        help="list, check and write rtpcore plugins",
+        description="List installed rtpcore plugins without importing them, load some in a fresh "
+        "process and report how that went, or write a new plugin package.",
     )
     actions = parser.add_subparsers(dest="plugins_command", metavar="ACTION", required=True)
 
@@ -87,6 +88,7 @@ def add_parser(subparsers: Any) -> None:
     checker.add_argument("--json", action="store_true", help="print a JSON array of objects")
     add_log_level_argument(checker)
     checker.set_defaults(func=_check)
+    add_init_parser(actions)
 
 
 def _allowlist(plugins: list[str], modules: list[str]) -> Allowlist:
