@@ -19,6 +19,11 @@ call including those imports (``rtpcore.plugins.allowlist`` and ``rtpcore.plugin
 with importlib-metadata and attrs; or ``importlib_metadata`` alone). The target applies to
 ``call`` at the largest size: resolve under 15% of the scan. Exit status 1 when it is missed.
 
+Then the patch check (docs/design.md §18, ``rtpcore.plugins.patches``): what loading one
+plugin costs for the snapshot of every rtpcore module and public class and the comparison
+after its hooks, with the whole engine and server imported (the most there is to compare),
+against loading the same plugin in the same process, best of ``--repeat``. Target: under 5 ms.
+
     python benchmarks/bench_resolution.py [--repeat 9] [--sizes 100,500,2000]
 """
 
@@ -148,7 +153,35 @@ def main() -> int:
         f"\nresolving one name at {last} distributions, first call: {share:.3f} of a full "
         f"importlib_metadata.entry_points() scan (target < {SHARE}: {'PASS' if ok else 'FAIL'})"
     )
-    return 0 if ok else 1
+    check, modules, classes = patch_check_cost(args.repeat)
+    patch_ok = check < PATCH_CHECK_S
+    print(f"patch check per plugin ({modules} rtpcore modules, {classes} public classes imported): "
+          f"{check * 1e3:.2f} ms (target < {PATCH_CHECK_S * 1e3:.0f} ms: {'PASS' if patch_ok else 'FAIL'})")
+    return 0 if ok and patch_ok else 1
+
+
+#: The patch check's cost per plugin (docs/design.md §18).
+PATCH_CHECK_S = 0.005
+
+
+def patch_check_cost(repeat: int) -> tuple[float, int, int]:
+    """Best-of-``repeat`` seconds of one plugin's snapshot and comparison, everything imported."""
+    import importlib
+    import time
+
+    from rtpcore.plugins import patches
+
+    for module in ("rtpcore.engine.engine", "rtpcore.serving.app"):  # every module there is to snapshot
+        importlib.import_module(module)
+
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        with patches.watch() as watch:
+            changes = watch.changes()
+        best = min(best, time.perf_counter() - started)
+        assert not changes
+    return best, len(watch.modules), len(watch.classes)
 
 
 if __name__ == "__main__":

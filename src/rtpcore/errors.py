@@ -8,6 +8,7 @@ the rule it broke. All derive from :class:`RtpcoreError`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "AllowlistError",
@@ -27,6 +28,7 @@ __all__ = [
     "PluginError",
     "PluginLoadError",
     "PluginNotFoundError",
+    "PluginPatchError",
     "PluginVersionError",
     "QueueFullError",
     "RequestFailedError",
@@ -117,6 +119,19 @@ class PluginLoadError(PluginError):
     its hooks or ModelPlugin classes failed validation (``invalid``)."""
 
     state = "import-failed"
+
+
+class PluginPatchError(PluginLoadError):
+    """A plugin replaced, added or deleted an attribute of an rtpcore module or public class
+    while it was imported or its hooks ran (state ``patches``, docs/design.md §18). The change
+    was undone and none of the plugin's registrations were applied. ``.patches`` lists each
+    as ``(module or class, attribute, what happened)``."""
+
+    state = "patches"
+
+    def __init__(self, message: str, *, patches: Sequence[tuple[str, str, str]] = (), **fields: Any):
+        super().__init__(message, **fields)
+        self.patches = tuple(patches)
 
 
 class UnknownArchitectureError(RtpcoreError, LookupError):

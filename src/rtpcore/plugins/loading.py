@@ -30,9 +30,10 @@ from rtpcore.errors import (
     PluginError,
     PluginLoadError,
     PluginNotFoundError,
+    PluginPatchError,
     PluginVersionError,
 )
-from rtpcore.plugins import hooks, provenance
+from rtpcore.plugins import hooks, patches, provenance
 from rtpcore.plugins import metadata as lookup
 from rtpcore.plugins.registration import Provider, builtin_version, first_line
 from rtpcore.plugins.registry import ModelRegistry, import_model_class
@@ -157,11 +158,17 @@ def _load(plan: Plan, *, fail_fast: bool, import_models: bool = False) -> LoadRe
             version=entry.version,
         )
         try:
-            _verify_version(entry)
-            provenance.check_origin(entry)
-            _install(
-                pm, registry, _import_entry(entry), entry.name, provider, import_models=import_models
-            )
+            with patches.watch() as watch:
+                try:
+                    _verify_version(entry)
+                    provenance.check_origin(entry)
+                    _install(
+                        pm, registry, _import_entry(entry), entry.name, provider,
+                        import_models=import_models, watch=watch,
+                    )
+                except BaseException:
+                    watch.undo(watch.changes())  # a failed plugin leaves rtpcore as it found it
+                    raise
         except PluginError as exc:
             if fail_fast:
                 raise
@@ -254,9 +261,11 @@ def _install(
     provider: Provider,
     *,
     import_models: bool = False,
+    watch: patches.Watch | None = None,
 ) -> None:
     """Register ``obj`` under ``name``, validate its hooks, run them, commit atomically
-    (with ``import_models``, after importing and validating every lazily registered class)."""
+    (with ``import_models``, after importing and validating every lazily registered class;
+    with ``watch``, after checking that nothing the plugin ran changed rtpcore)."""
     if pm.is_registered(obj):
         log.debug("%s is the same module as plugin %r: already loaded", provider, pm.get_name(obj))
         return
@@ -285,10 +294,28 @@ def _install(
             view.models[:] = [
                 r if r.cls is not None else evolve(r, cls=import_model_class(r)) for r in view.models
             ]
+        if watch is not None:
+            _refuse_patches(watch, provider)
         registry.commit(view)
     except BaseException:
         pm.unregister(obj)
         raise
+
+
+def _refuse_patches(watch: patches.Watch, provider: Provider) -> None:
+    """A PluginPatchError naming every attribute of rtpcore the plugin changed (undone by the caller)."""
+    changes = watch.changes()
+    if changes:
+        listed = "; ".join(f"{owner}.{attr} {kind}" for owner, attr, kind in changes[:8])
+        more = f" (and {len(changes) - 8} more)" if len(changes) > 8 else ""
+        raise PluginPatchError(
+            f"{provider} changed rtpcore while it loaded: {listed}{more}. Plugins plug in through "
+            "hooks and seams, never by patching (docs/design.md §18); the change was undone and "
+            "none of its registrations applied",
+            patches=changes,
+            state="patches",
+            **provider.error_fields(),
+        )
 
 
 def _check_hooks(pm: pluggy.PluginManager, obj: Any, provider: Provider) -> None:
