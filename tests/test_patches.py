@@ -106,3 +106,35 @@ def test_a_plugin_that_fails_after_patching_leaves_rtpcore_as_it_was(plugin_env:
     outcome, _ = _load(plugin_env, f"pt-fail-{int(at_import)}", body, at_import=at_import)
     assert outcome.state == ("import-failed" if at_import else "invalid"), outcome.error
     assert rtpcore.layers.Linear is original
+
+
+def test_allow_plugin_patches_accepts_one_plugins_changes_logged_and_listed(
+    plugin_env: PluginEnv, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The operator's override: the named plugin loads with its change kept (and logged, and
+    listed by `plugins list`); another plugin's patch is still refused."""
+    original = rtpcore.layers.row_parallel
+    body = "import rtpcore.layers\nrtpcore.layers.row_parallel = print\n"
+    for dist in ("pt-allowed", "pt-other"):
+        name = dist.replace("-", "_")
+        plugin_env.add_dist(dist, "1.0", plugins={name: f"{name}_hooks"},
+                            modules={f"{name}_hooks.py": body + "\n" + hooks_source(
+                                (f"M{name}", name, (f"{name}LM",)))})
+    try:
+        with caplog.at_level("WARNING", logger="rtpcore.plugins.loading"):
+            report = load_report(Allowlist.from_cli(plugins=["pt-allowed"], allow_plugin_patches=["pt-allowed"]).resolve())
+        (outcome,) = report.outcomes
+        assert outcome.state == "loaded" and outcome.patches == (("rtpcore.layers", "row_parallel", "replaced"),)
+        assert "pt_allowed" in report.registry.model_types()
+        assert rtpcore.layers.row_parallel is print  # kept, as accepted
+        assert "accepted by --allow-plugin-patches: rtpcore.layers.row_parallel replaced" in caplog.text
+    finally:
+        rtpcore.layers.row_parallel = original
+    (other,) = load_report(Allowlist.from_cli(plugins=["pt-other"], allow_plugin_patches=["pt-allowed"]).resolve()).outcomes
+    assert other.state == "patches" and "--allow-plugin-patches pt_other" in str(other.error)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_env.site), os.environ.get("PYTHONPATH", "")])}
+    listed = subprocess.run([sys.executable, "-m", "rtpcore", "plugins", "list", "--plugins", "pt-allowed",
+                             "--allow-plugin-patches", "pt-allowed", "--requested-only"],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0, listed.stderr
+    assert "patches accepted by --allow-plugin-patches: rtpcore.layers.row_parallel replaced" in listed.stdout

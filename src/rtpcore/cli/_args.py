@@ -167,6 +167,7 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         **engine_options(args),
         "plugins": plugins,
         "external_model_packages": allow.external_model_packages,
+        "allow_plugin_patches": allow.allow_plugin_patches,
         "device": device,
         "draft_model": draft,
     }

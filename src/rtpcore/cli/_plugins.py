@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from rtpcore.cli._args import add_log_level_argument
@@ -85,18 +86,26 @@ def add_parser(subparsers: Any) -> None:
         metavar="MOD[,MOD...]",
         help="also load these unpackaged modules holding rtpcore hook implementations (repeatable)",
     )
+    checker.add_argument(
+        "--allow-plugin-patches",
+        action="extend",
+        type=lambda v: [n.strip() for n in v.split(",")],
+        default=[],
+        metavar="NAME[,NAME...]",
+        help="accept these plugins' changes to rtpcore (listed) instead of failing them (repeatable)",
+    )
     checker.add_argument("--json", action="store_true", help="print a JSON array of objects")
     add_log_level_argument(checker)
     checker.set_defaults(func=_check)
     add_init_parser(actions)
 
 
-def _allowlist(plugins: list[str], modules: list[str]) -> Allowlist:
-    return Allowlist.from_cli(plugins=plugins, external_model_packages=modules)
+def _allowlist(plugins: list[str], modules: list[str], allow_patches: Sequence[str] = ()) -> Allowlist:
+    return Allowlist.from_cli(plugins=plugins, external_model_packages=modules, allow_plugin_patches=allow_patches)
 
 
 def _list(args: argparse.Namespace) -> int:
-    allowlist = _allowlist(args.plugins, args.external_model_packages)
+    allowlist = _allowlist(args.plugins, args.external_model_packages, args.allow_plugin_patches)
     rows = report_rows(
         allowlist, requested_only=args.requested_only, import_models=args.import_models
     )
@@ -181,6 +190,7 @@ def report_rows(
                     "architectures": [],
                     "layouts": [],
                     "unimported": [],
+                    "patches": [],
                     "declared_architectures": list(plugin.declared_architectures),
                     "error": None,
                 }
@@ -212,6 +222,7 @@ def _row(
         "architectures": list(outcome.architectures),
         "layouts": list(outcome.layouts),
         "unimported": list(outcome.unimported),
+        "patches": [f"{owner}.{attr} {kind}" for owner, attr, kind in outcome.patches],
         "declared_architectures": list(declared),
         "error": str(outcome.error) if outcome.error is not None else None,
     }
@@ -235,6 +246,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         id(table[i + 1]): [] if row["builtin"] else row.get("unimported") or []
         for i, row in enumerate(rows)
     }
+    patched = {id(table[i + 1]): row.get("patches") or [] for i, row in enumerate(rows)}
     for line in table:
         print(
             "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False))
@@ -248,6 +260,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
                 f"    not imported yet: {', '.join(unimported[id(line)])} "
                 "(`rtpcore plugins check` imports and validates them)"
             )
+        if patched.get(id(line)):
+            print(f"    patches accepted by --allow-plugin-patches: {', '.join(patched[id(line)])}")
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -263,6 +277,8 @@ def _check(args: argparse.Namespace) -> int:
         command += ["--plugins", item]
     for module in args.external_model_packages:
         command += ["--external-model-packages", module]
+    for name in args.allow_plugin_patches:
+        command += ["--allow-plugin-patches", name]
     # The child's log records are relayed to stderr; the variables this process has already
     # warned about (rtpcore ignores them, the child too) are left out, so it warns only once.
     env = {k: v for k, v in os.environ.items() if k not in IGNORED_ENV_VARS}

@@ -61,10 +61,10 @@ class CliFlag:
         return f"--no-{dashed}" if self.negative else f"--{dashed}"
 
 
-def option(default: Any, doc: str, cli: CliFlag | None = None) -> Any:
+def option(default: Any, doc: str, cli: CliFlag | None = None, converter: Any = None) -> Any:
     """One engine option: its default, what it does (``doc``), and its command-line flag (None:
-    a keyword of the Python API only)."""
-    return attrs.field(default=default, kw_only=True, metadata={"doc": doc, "cli": cli})
+    a keyword of the Python API only, or a flag of the allowlist's own)."""
+    return attrs.field(default=default, kw_only=True, metadata={"doc": doc, "cli": cli}, converter=converter)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -84,6 +84,9 @@ class EngineOptions:
 
     model_type: str | None = option(
         None, "the registered model type to build; None: inferred from config.json (docs/design.md §4)")
+    allow_plugin_patches: tuple[str, ...] = option(
+        (), "plugins (entry point or distribution names) whose changes to rtpcore are accepted, logged, "
+        "instead of refused (docs/design.md §18; --allow-plugin-patches)", converter=tuple)
     dtype: str = option("auto", "dtype of the weights and activations", CliFlag(
         "dtype of the weights and activations; auto (the default): the checkpoint's torch_dtype on a GPU, "
         "float32 on the CPU", choices=("auto", *DTYPES)))
@@ -264,7 +267,8 @@ class EngineConfig(EngineOptions):
             or not 0.0 < o.gpu_memory_utilization <= 1.0
         ):
             raise RtpcoreError(f"gpu_memory_utilization must be in (0, 1], got {o.gpu_memory_utilization!r}")
-        plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages).resolve()
+        plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages,
+                                  allow_plugin_patches=o.allow_plugin_patches).resolve()
         # A Hub id (org/name[@revision]) becomes its snapshot folder, holding the shards the ranks read.
         path, draft = resolve_checkpoints(path, draft, plan=plan, model_type=o.model_type)
         dtype = _resolve_dtype(o.dtype, resolved_device, path)

@@ -83,19 +83,29 @@ class Allowlist:
 
     plugins: tuple[PluginRequest, ...] = field(default=())
     external_model_packages: tuple[str, ...] = field(default=())
+    #: Plugins whose patches of rtpcore are accepted (``--allow-plugin-patches``).
+    allow_plugin_patches: tuple[str, ...] = field(default=())
 
     @classmethod
     def from_cli(
         cls,
         plugins: Iterable[str] = (),
         external_model_packages: Iterable[str] = (),
+        allow_plugin_patches: Iterable[str] = (),
     ) -> Allowlist:
-        """Build from ``--plugins`` and ``--external-model-packages`` values (each a flag value,
-        possibly comma-separated). Raises AllowlistError naming the bad item and the rule."""
+        """Build from ``--plugins``, ``--external-model-packages`` and ``--allow-plugin-patches``
+        values (each a flag value, possibly comma-separated). Raises AllowlistError naming the
+        bad item and the rule."""
         warn_ignored_environment()
+        if isinstance(allow_plugin_patches, str):
+            allow_plugin_patches = [allow_plugin_patches]
+        allowed = tuple(n.strip() for value in allow_plugin_patches for n in str(value).split(","))
+        if any(not n for n in allowed):
+            raise AllowlistError(f"--allow-plugin-patches {','.join(allowed)!r}: an empty plugin name")
         return cls(
             plugins=parse_plugins(plugins),
             external_model_packages=parse_external_model_packages(external_model_packages),
+            allow_plugin_patches=allowed,
         )
 
     @classmethod
@@ -104,6 +114,7 @@ class Allowlist:
         return cls.from_cli(
             plugins=getattr(args, "plugins", None) or (),
             external_model_packages=getattr(args, "external_model_packages", None) or (),
+            allow_plugin_patches=getattr(args, "allow_plugin_patches", None) or (),
         )
 
     def resolve(self, *, strict: bool = True, path: Iterable[str] | None = None) -> Plan:
@@ -115,7 +126,8 @@ class Allowlist:
         """
         from rtpcore.plugins.resolution import resolve
 
-        return resolve(self.plugins, self.external_model_packages, strict=strict, path=path)
+        return resolve(self.plugins, self.external_model_packages, strict=strict, path=path,
+                       allow_patches=self.allow_plugin_patches)
 
     def __bool__(self) -> bool:
         return bool(self.plugins or self.external_model_packages)
@@ -157,4 +169,14 @@ def add_allowlist_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="MOD[,MOD...]",
         help="allow unpackaged modules holding rtpcore hook implementations (repeatable)",
+    )
+    parser.add_argument(
+        "--allow-plugin-patches",
+        action="extend",
+        type=lambda v: [n.strip() for n in v.split(",")],
+        default=[],
+        metavar="NAME[,NAME...]",
+        help="accept these plugins' changes to rtpcore's modules and classes (logged, listed by "
+        "`plugins list`) instead of refusing them (state 'patches'); NAME is the entry point or "
+        "the distribution (repeatable)",
     )

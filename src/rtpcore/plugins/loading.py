@@ -79,6 +79,8 @@ class LoadOutcome:
     architectures: tuple[str, ...] = ()
     layouts: tuple[str, ...] = ()
     unimported: tuple[str, ...] = ()
+    #: The changes to rtpcore ``--allow-plugin-patches`` accepted: (module or class, attribute, what).
+    patches: tuple[tuple[str, str, str], ...] = ()
 
 
 @frozen
@@ -162,9 +164,10 @@ def _load(plan: Plan, *, fail_fast: bool, import_models: bool = False) -> LoadRe
                 try:
                     _verify_version(entry)
                     provenance.check_origin(entry)
+                    allowed = _patches_allowed(plan, entry)
                     _install(
                         pm, registry, _import_entry(entry), entry.name, provider,
-                        import_models=import_models, watch=watch,
+                        import_models=import_models, watch=None if allowed else watch,
                     )
                 except BaseException:
                     watch.undo(watch.changes())  # a failed plugin leaves rtpcore as it found it
@@ -177,7 +180,12 @@ def _load(plan: Plan, *, fail_fast: bool, import_models: bool = False) -> LoadRe
                 LoadOutcome(request=entry.request, state=exc.state, entry=entry, error=exc)
             )
             continue
-        outcomes.append(_loaded_outcome(registry, entry.request, entry.name, entry))
+        outcome = _loaded_outcome(registry, entry.request, entry.name, entry)
+        if allowed and (changes := tuple(watch.changes())):
+            log.warning("%s changed rtpcore, accepted by --allow-plugin-patches: %s", provider,
+                        "; ".join(f"{owner}.{attr} {kind}" for owner, attr, kind in changes))
+            outcome = evolve(outcome, patches=changes)
+        outcomes.append(outcome)
     by_request = {o.request: o for o in outcomes}
     for request, earlier in plan.duplicates:
         if earlier in by_request:
@@ -302,6 +310,14 @@ def _install(
         raise
 
 
+def _patches_allowed(plan: Plan, entry: PlanEntry) -> bool:
+    """Whether ``--allow-plugin-patches`` names the entry's plugin or distribution."""
+    names = {lookup.canonical_name(n) for n in plan.allow_patches}
+    return lookup.canonical_name(entry.name) in names or (
+        entry.distribution is not None and lookup.canonical_name(entry.distribution) in names
+    )
+
+
 def _refuse_patches(watch: patches.Watch, provider: Provider) -> None:
     """A PluginPatchError naming every attribute of rtpcore the plugin changed (undone by the caller)."""
     changes = watch.changes()
@@ -311,7 +327,7 @@ def _refuse_patches(watch: patches.Watch, provider: Provider) -> None:
         raise PluginPatchError(
             f"{provider} changed rtpcore while it loaded: {listed}{more}. Plugins plug in through "
             "hooks and seams, never by patching (docs/design.md §18); the change was undone and "
-            "none of its registrations applied",
+            f"none of its registrations applied (an operator may accept it: --allow-plugin-patches {provider.plugin})",
             patches=changes,
             state="patches",
             **provider.error_fields(),

@@ -135,6 +135,9 @@ class Plan:
     #: ``(request, earlier request)``: a request whose entries an earlier one already planned
     #: (``--plugins atom-plugin,atom``); it shares that request's outcome.
     duplicates: tuple[tuple[str, str], ...] = field(default=())
+    #: Plugins (entry-point or distribution names) whose patches of rtpcore are accepted,
+    #: logged and listed instead of refused (``--allow-plugin-patches``, docs/design.md §18).
+    allow_patches: tuple[str, ...] = field(default=())
 
     def raise_for_failures(self) -> None:
         """Raise the first failure's error, if any."""
@@ -263,7 +266,7 @@ def _entry_point_fallback(
 
 def resolve(
     plugins: Sequence[PluginRequest], external_model_packages: Sequence[str] = (), *, strict: bool = True,
-    path: Iterable[str] | None = None,
+    path: Iterable[str] | None = None, allow_patches: Sequence[str] = (),
 ) -> Plan:
     """Resolve every request of an allowlist (its ``plugins`` and ``external_model_packages``);
     see :meth:`rtpcore.plugins.allowlist.Allowlist.resolve`."""
@@ -294,6 +297,7 @@ def resolve(
         failures=tuple(failures),
         requests=tuple(str(r) for r in plugins) + tuple(external_model_packages),
         duplicates=tuple(duplicates),
+        allow_patches=tuple(allow_patches),
     )
     if strict:
         plan.raise_for_failures()
