@@ -99,14 +99,17 @@ class PluginEnv:
         architectures: Mapping[str, str] | None = None,
         modules: Mapping[str, str] | None = None,
         site: Path | None = None,
+        requires: tuple[str, ...] = (),
     ) -> Path:
-        """Write ``{name}-{version}.dist-info`` with METADATA and entry_points.txt (groups
-        ``rtpcore.plugins`` and ``rtpcore.architectures``), plus the given modules."""
+        """Write ``{name}-{version}.dist-info`` with METADATA (``Requires-Dist`` lines from
+        ``requires``) and entry_points.txt (groups ``rtpcore.plugins`` and
+        ``rtpcore.architectures``), plus the given modules."""
         base = site or self.site
         escaped = re.sub(r"[-_.]+", "_", name).lower()
         info = base / f"{escaped}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        headers = "".join(f"Requires-Dist: {r}\n" for r in requires)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{headers}")
         lines = []
         for group, eps in (("rtpcore.plugins", plugins), ("rtpcore.architectures", architectures)):
             if eps:

@@ -18,7 +18,7 @@ import rtpcore.layers
 from plugin_env import PluginEnv, hooks_source
 from rtpcore import Allowlist
 from rtpcore.engine.core.scheduler import Scheduler
-from rtpcore.errors import PluginPatchError
+from rtpcore.errors import PluginIncompatibleError, PluginPatchError
 from rtpcore.plugins.loading import load_report
 
 MODEL = ("PtModel", "pt_model", ("PtForCausalLM",))
@@ -138,3 +138,25 @@ def test_allow_plugin_patches_accepts_one_plugins_changes_logged_and_listed(
                             env=env, capture_output=True, text=True, timeout=300)
     assert listed.returncode == 0, listed.stderr
     assert "patches accepted by --allow-plugin-patches: rtpcore.layers.row_parallel replaced" in listed.stdout
+
+
+@pytest.mark.parametrize(("requires", "state"), [
+    (("rtpcore>=99",), "incompatible"),
+    (("torch", "rtpcore<0.0.1"), "incompatible"),
+    (("rtpcore>=0.1",), "loaded"),
+    (("rtpcore>=99; extra == 'test'",), "loaded"),  # a test extra's requirement is not the plugin's
+])
+def test_requires_dist_rtpcore_is_checked_before_any_plugin_code_runs(
+    plugin_env: PluginEnv, requires: tuple[str, ...], state: str
+) -> None:
+    """docs/design.md §18: a plugin written for another rtpcore is `incompatible`, and its
+    module never runs (it would raise)."""
+    source = "raise RuntimeError('the plugin ran')\n" if state == "incompatible" else hooks_source(MODEL)
+    plugin_env.add_dist("pt-req", "1.0", plugins={"pt_req": "pt_req_hooks"},
+                        modules={"pt_req_hooks.py": source}, requires=requires)
+    (outcome,) = load_report(Allowlist.from_cli(plugins=["pt-req"]).resolve()).outcomes
+    assert outcome.state == state, outcome.error
+    if state == "incompatible":
+        assert isinstance(outcome.error, PluginIncompatibleError)
+        assert f"requires {requires[-1]!r}, and this is rtpcore " in str(outcome.error)
+        assert "pt_req_hooks" not in sys.modules

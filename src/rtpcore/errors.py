@@ -25,6 +25,7 @@ __all__ = [
     "KVCacheSpecError",
     "MissingTensorsError",
     "PluginConflictError",
+    "PluginIncompatibleError",
     "PluginError",
     "PluginLoadError",
     "PluginNotFoundError",
@@ -97,6 +98,14 @@ class PluginVersionError(PluginError):
     or differs from the version a parent process resolved."""
 
     state = "version-mismatch"
+
+
+class PluginIncompatibleError(PluginVersionError):
+    """The plugin was written for another rtpcore: its distribution's ``Requires-Dist: rtpcore
+    ...`` excludes the running rtpcore (checked before any of its code runs; state
+    ``incompatible``, docs/design.md §18)."""
+
+    state = "incompatible"
 
 
 class PluginConflictError(PluginError):

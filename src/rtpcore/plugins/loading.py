@@ -28,6 +28,7 @@ from attrs import evolve, field, frozen
 from rtpcore.errors import (
     PluginConflictError,
     PluginError,
+    PluginIncompatibleError,
     PluginLoadError,
     PluginNotFoundError,
     PluginPatchError,
@@ -163,6 +164,7 @@ def _load(plan: Plan, *, fail_fast: bool, import_models: bool = False) -> LoadRe
             with patches.watch() as watch:
                 try:
                     _verify_version(entry)
+                    _check_requires_rtpcore(entry)
                     provenance.check_origin(entry)
                     allowed = _patches_allowed(plan, entry)
                     _install(
@@ -239,6 +241,38 @@ def _verify_version(entry: PlanEntry) -> None:
             state="version-mismatch",
             **entry.error_fields(),
         )
+
+
+def _check_requires_rtpcore(entry: PlanEntry) -> None:
+    """The distribution's ``Requires-Dist: rtpcore ...`` must admit the running rtpcore,
+    checked from its METADATA before any of its code runs (docs/design.md §18)."""
+    if entry.metadata_path is None:
+        return
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.version import InvalidVersion, Version
+
+    running = builtin_version()
+    for line in lookup.requires_dist(entry.metadata_path):
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue  # not ours to judge: pip installed it
+        if lookup.canonical_name(req.name) not in ("rtpcore",) or (
+            req.marker is not None and not req.marker.evaluate({"extra": ""})
+        ):
+            continue
+        try:
+            ok = req.specifier.contains(Version(running), prereleases=True)
+        except InvalidVersion:  # a source tree that is not installed: nothing to compare
+            ok = True
+        if not ok:
+            raise PluginIncompatibleError(
+                f"{entry.describe()} requires {line!r}, and this is rtpcore {running}: install a "
+                f"release of {entry.distribution} written for rtpcore {running}, or an rtpcore that "
+                "it admits; none of its code was run",
+                state="incompatible",
+                **entry.error_fields(),
+            )
 
 
 def _import_entry(entry: PlanEntry) -> Any:

@@ -154,6 +154,24 @@ def _describe(
     )
 
 
+def requires_dist(folder: str) -> list[str]:
+    """The ``Requires-Dist`` headers of the METADATA in ``folder`` (``[]`` when unreadable),
+    read by hand as :func:`_core_fields` reads Name and Version."""
+    dist = importlib_metadata.Distribution.at(folder)
+    try:
+        text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
+    except (OSError, ValueError):
+        return []
+    out = []
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        key, sep, value = line.partition(":")
+        if sep and key == "Requires-Dist":
+            out.append(value.strip())
+    return out
+
+
 def at(folder: str) -> InstalledDistribution | None:
     """The distribution whose metadata folder (or legacy ``.egg-info`` file) is ``folder``,
     read without any search (``Distribution.at``); None when it has no readable Name and
