@@ -251,7 +251,7 @@ def _check_requires_rtpcore(entry: PlanEntry) -> None:
     from packaging.requirements import InvalidRequirement, Requirement
     from packaging.version import InvalidVersion, Version
 
-    running = builtin_version()
+    running = _running_version()
     for line in lookup.requires_dist(entry.metadata_path):
         try:
             req = Requirement(line)
@@ -273,6 +273,15 @@ def _check_requires_rtpcore(entry: PlanEntry) -> None:
                 state="incompatible",
                 **entry.error_fields(),
             )
+
+
+def _running_version() -> str:
+    """rtpcore's version without a metadata search (a worker loading a plan reads one metadata
+    folder per entry and nothing else): the native extension is built with it (.ci/run checks
+    that the two agree)."""
+    import rtpcore_native
+
+    return str(rtpcore_native.__version__)
 
 
 def _import_entry(entry: PlanEntry) -> Any:
