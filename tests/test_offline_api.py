@@ -258,7 +258,7 @@ def test_async_generate_yields_cumulative_outputs_ending_finished(
     (lambda e: e.generate(TEXT, max_new_tokens=3), "max_new_tokens"),
     (lambda e: e.generate(IDS, greedy(), 0.5), "temperature"),
     (lambda e: e.generate([[]], greedy()), "prompt"),
-    (lambda e: e.generate(TEXT, SamplingParams(n=17)), "n"),
+    (lambda e: e.generate(TEXT, SamplingParams(n=257)), "n"),
     (lambda e: e.generate(TEXT, SamplingParams(skip_special_tokens="no")), "skip_special_tokens"),
     (lambda e: e.chat([], greedy()), "messages"),
     (lambda e: e.chat([{"role": "user", "content": [{"type": "image_url"}]}], greedy()), "messages"),

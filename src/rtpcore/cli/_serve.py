@@ -73,6 +73,14 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _choices(text: str) -> int:
+    """``--max-n``: 1 to the engine's own limit of choices (SamplingParams' MAX_N, 256)."""
+    value = positive_int(text)
+    if value > 256:
+        raise argparse.ArgumentTypeError(f"must be at most 256 (the engine's limit of choices), got {text!r}")
+    return value
+
+
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "serve",
@@ -102,6 +110,18 @@ def add_parser(subparsers: Any) -> None:
                    "prompts, stop strings, logprobs and response_format are answered 400")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=None, metavar="BYTES",
                    help="a request body over this size is answered 413 before it is parsed (default: 32MiB)")
+    limits = p.add_argument_group("request caps", "each refused as a 400 naming the field and the cap "
+                                  "(docs/serving.md)")
+    for flag, default, what, kind in (
+        ("--max-logit-bias", 1024, "logit_bias entries of one request", positive_int),
+        ("--max-stop-strings", 16, "stop strings of one request (each at most 1024 characters)", positive_int),
+        ("--max-stop-token-ids", 1024, "stop_token_ids of one request", positive_int),
+        ("--max-n", 16, "choices (n) of one request, at most 256", _choices),
+        ("--max-tools", 128, "tools of one chat request", positive_int),
+        ("--max-schema-bytes", 4 << 20, "bytes of one response_format or tool schema, as JSON (e.g. 8MiB)",
+         parse_bytes),
+    ):
+        limits.add_argument(flag, type=kind, default=default, metavar="N", help=f"{what} (default: %(default)s)")
     p.add_argument("--max-waiting", type=positive_int, default=256, metavar="N",
                    help="requests that may wait for admission; one more is answered 429 (default: %(default)s)")
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
@@ -159,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     from rtpcore.engine.async_engine import AsyncEngine
     from rtpcore.serving.app import begin_drain, build_app, cut_requests
     from rtpcore.serving.server import Server, protocol_class
+    from rtpcore.serving.state import RequestLimits
 
     engine = AsyncEngine.from_pretrained(
         path,
@@ -184,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
     server: Server | None = None
     try:  # the engine's tokenizer and chat template load here: a broken one ends the start
         app = build_app(engine, model_name=name, api_key=key, on_shutdown=engine.aclose,
-                        skip_tokenizer=args.skip_tokenizer_init,
+                        skip_tokenizer=args.skip_tokenizer_init, limits=RequestLimits(
+                            max_logit_bias=args.max_logit_bias, max_stop_strings=args.max_stop_strings,
+                            max_stop_token_ids=args.max_stop_token_ids, max_n=args.max_n,
+                            max_tools=args.max_tools, max_schema_bytes=args.max_schema_bytes),
                         header_timeout=args.header_timeout, max_connections=args.max_connections,
                         open_connections=lambda: server.open_connections if server is not None else 0, **limits)
     except BaseException:

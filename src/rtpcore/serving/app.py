@@ -44,15 +44,16 @@ from rtpcore.engine.async_engine import AsyncEngine
 from rtpcore.serving.errors import ApiError, validation_body
 from rtpcore.serving.guard import Guard
 from rtpcore.serving.protocol import ErrorBody
-from rtpcore.serving.routers import chat, completions, health, models, prometheus
-from rtpcore.serving.state import Served
+from rtpcore.serving.routers import chat, completions, health, models, prometheus, tokens, version
+from rtpcore.serving.state import RequestLimits, Served
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "begin_drain", "build_app", "cut_requests"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # --max-request-bytes
-ROUTERS = (health.router, prometheus.router, models.router, completions.router, chat.router)
+ROUTERS = (health.router, prometheus.router, models.router, completions.router, chat.router, tokens.router,
+           version.router)
 
 
 def build_app(
@@ -67,6 +68,7 @@ def build_app(
     max_connections: int | None = None,
     open_connections: Callable[[], int] | None = None,
     skip_tokenizer: bool = False,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``, with the engine's own text side
     (``engine.engine.text``: its tokenizer -- without one, token ids only, see ``Served`` -- and
@@ -79,8 +81,10 @@ def build_app(
     ``rtpcore.serving.server``): ``header_timeout``, seconds a request body may stop arriving
     before it is a 408 (None: no limit); ``max_connections`` with ``open_connections()``, the
     connections open, past which every request but ``/health`` is a 503. ``skip_tokenizer``:
-    serve token ids only, without the checkpoint's tokenizer (``Served``)."""
-    served = Served(engine, model_name, api_key, max_request_bytes, tool_call_parser, skip_tokenizer=skip_tokenizer)
+    serve token ids only, without the checkpoint's tokenizer (``Served``). ``limits``: the caps on
+    one request (``state.RequestLimits``; its defaults when None)."""
+    served = Served(engine, model_name, api_key, max_request_bytes, tool_call_parser, skip_tokenizer=skip_tokenizer,
+                    limits=limits)
     served.header_timeout = header_timeout
     served.max_connections = max_connections
     served.open_connections = open_connections
@@ -108,7 +112,8 @@ def build_app(
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # a bug of ours, not the client's
-        logger.exception("internal error serving %s", request.url.path)
+        logger.exception("internal error serving %s (X-Request-Id %s)", request.url.path,
+                         getattr(request.state, "request_id", None))
         body = ErrorBody(message=f"internal error: {type(exc).__name__}", type="server_error")
         return JSONResponse(body.wrap(), status_code=500)
 

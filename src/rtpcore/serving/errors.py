@@ -5,6 +5,8 @@ about a request that failed while it ran."""
 from __future__ import annotations
 
 import logging
+import re
+from contextvars import ContextVar
 
 from fastapi.exceptions import RequestValidationError
 
@@ -18,9 +20,13 @@ from rtpcore.serving.protocol import (
     ErrorBody,
 )
 
-__all__ = ['ApiError', 'failure_body', 'failure_status', 'validation_body']
+__all__ = ["REQUEST_ID", "ApiError", "failure_body", "failure_status", "validation_body"]
 
 logger = logging.getLogger(__name__)
+
+#: The ``X-Request-Id`` of the HTTP request being answered (set by ``guard.Guard``), for the
+#: server's log lines about it.
+REQUEST_ID: ContextVar[str | None] = ContextVar("rtpcore_request_id", default=None)
 
 class ApiError(Exception):
     """An answer other than 200, in OpenAI's error shape."""
@@ -37,12 +43,18 @@ class ApiError(Exception):
         return cls(400, str(exc), param=exc.field, code=exc.code)
 
 
+#: What pydantic adds to an error's location for the member of a union it tried (``str``,
+#: ``list[dict[str,any]]``, ``function-after[...]``, a model's class name): not a field.
+_UNION_MEMBER = re.compile(r"[A-Z]\w*|(?:str|int|float|bool|none|dict|list|tuple|literal|json-or-python|"
+                           r"function-\w+|nullable|union|tagged-union)(?:\[.*\])?")
+
+
 def validation_body(exc: RequestValidationError) -> ErrorBody:
     """The first validation error as OpenAI's 400: ``param`` names the field (``messages[0].content``)."""
     error = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     path = ""
     for part in error.get("loc", ()):
-        if part == "body":
+        if part == "body" or (isinstance(part, str) and _UNION_MEMBER.fullmatch(part)):
             continue
         path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
     param = path or None
@@ -60,7 +72,8 @@ def failure_body(response_id: str, request_id: str, error: RtpcoreError, params:
     """A failed request's error for its client: its own fault named (a grammar the grammar
     engine gave up on is the client's schema: ``invalid_request_error`` naming its field),
     anything else only pointed at (logged here with both ids)."""
-    logger.error("request %s (engine request %s) failed: %s", response_id, request_id, error)
+    logger.error("request %s (X-Request-Id %s, engine request %s) failed: %s", response_id, REQUEST_ID.get(),
+                 request_id, error)
     if isinstance(error, RequestFailedError) and error.reason == "grammar":
         field = getattr(params.grammar, "field", None) if params is not None else None
         return ErrorBody(message=f"{field or 'the schema'}: {error}", type="invalid_request_error", param=field,

@@ -1,6 +1,8 @@
 """The request boundary's ASGI middleware (:class:`Guard`, pure ASGI: Starlette's
-``BaseHTTPMiddleware`` would hide disconnects from the handlers): the connection cap, the API
-key, the body limit (413), a body that stops arriving (408), lone surrogates (400)."""
+``BaseHTTPMiddleware`` would hide disconnects from the handlers): the request's ``X-Request-Id``
+(on every response, and in the server's log lines about it), the connection cap, the API key,
+the body limit (413), a body that stops arriving (408), JSON nested deeper than
+:data:`MAX_JSON_DEPTH` levels and lone surrogates (400)."""
 
 from __future__ import annotations
 
@@ -8,16 +10,27 @@ import asyncio
 import hmac
 import json
 import logging
+import re
+import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from rtpcore.serving.errors import REQUEST_ID
 from rtpcore.serving.protocol import (
     ErrorBody,
     lone_surrogate,
 )
 from rtpcore.serving.state import Served
 
-__all__ = ['Guard']
+__all__ = ["MAX_JSON_DEPTH", "Guard", "json_too_deep", "request_id"]
+
+#: Paths outside /v1/ that need the API key too (they run the tokenizer on the client's input).
+GUARDED = ("/tokenize", "/detokenize")
+
+#: The deepest nesting of arrays and objects a request body may have (docs/design.md §17).
+MAX_JSON_DEPTH = 64
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: one C loop per run of plain characters
+_INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +51,22 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        rid = request_id(_header(scope, b"x-request-id"))
+        scope.setdefault("state", {})["request_id"] = rid
+        token = REQUEST_ID.set(rid)
+        header = (b"x-request-id", rid.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        try:
+            await self._guard(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)
+
+    async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         served = self.served
         if (served.max_connections is not None and served.open_connections is not None
                 and scope["path"] != "/health" and served.open_connections() > served.max_connections):
@@ -46,7 +75,7 @@ class Guard:
                         f"{served.max_connections} (--max-connections); retry later",
                 type="server_error", code="too_many_connections"), retry_after=True)
             return
-        if served.api_key is not None and scope["path"].startswith("/v1/"):
+        if served.api_key is not None and (scope["path"].startswith("/v1/") or scope["path"] in GUARDED):
             header = _header(scope, b"authorization")
             if not hmac.compare_digest(header.encode(), f"Bearer {served.api_key}".encode()):
                 await _send_error(send, 401, ErrorBody(
@@ -81,6 +110,11 @@ class Guard:
             chunks.append(chunk)
             more = bool(message.get("more_body"))
         body = b"".join(chunks)
+        if scope["method"] == "POST" and json_too_deep(body):
+            await _send_error(send, 400, ErrorBody(
+                message=f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+                type="invalid_request_error", param="body"))
+            return
         if b"\\u" in body and scope["method"] == "POST":  # an escape: it may be a lone surrogate
             where = _lone_surrogate_in(body)
             if where is not None:
@@ -98,6 +132,28 @@ class Guard:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def request_id(sent: str) -> str:
+    """The request's id: the client's ``X-Request-Id`` when it is 1-128 printable ASCII
+    characters, else a new one."""
+    if 0 < len(sent) <= 128 and all(33 <= ord(c) < 127 for c in sent):
+        return sent
+    return uuid.uuid4().hex
+
+
+def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``body`` (JSON or not) nests ``[`` / ``{`` deeper than ``limit``. Linear and in
+    C: a body with fewer brackets than that cannot; else strings are cut out, then each pass
+    removes the innermost level, ``limit`` passes at most."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    rest = _STRING.sub(b"0", body)
+    for _ in range(limit):
+        rest, n = _INNERMOST.subn(b"0", rest)
+        if n == 0:
+            return False
+    return b"[" in rest or b"{" in rest
 
 
 def _lone_surrogate_in(body: bytes) -> str | None:

@@ -23,11 +23,21 @@ _ITERATION_BUCKETS = tuple(float(1 << i) for i in range(15))  # 1, 2, 4, ... 163
 
 class ServerMetrics:
     """The metrics of one server. ``stats`` returns the engine's live numbers as a mapping
-    with ``kv_blocks_total``, ``kv_blocks_free``, ``running`` and ``waiting``."""
+    with ``kv_blocks_total``, ``kv_blocks_free``, ``running`` and ``waiting``.
 
-    def __init__(self, stats: Callable[[], dict[str, int]]):
+    Besides rtpcore's own names, the ones vLLM's published Grafana dashboard reads, labelled
+    ``model_name`` (docs/design.md §17), so that dashboard works unchanged:
+    ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+    (0 to 1), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
+    ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+    ``vllm:e2e_request_latency_seconds``, ``vllm:prefix_cache_queries_total`` and
+    ``vllm:prefix_cache_hits_total``. Feed them through :meth:`tokens`, :meth:`first_token`,
+    :meth:`between_tokens`, :meth:`prompt` and :meth:`finished`."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]], model_name: str = "model"):
         self.registry = CollectorRegistry()
         self._stats = stats
+        self.model_name = model_name
         gauges = {
             "kv_blocks_total": "KV-cache blocks per layer",
             "kv_blocks_free": "KV-cache blocks per layer not held by any request",
@@ -62,6 +72,53 @@ class ServerMetrics:
             "rtpcore_iteration_sequences", "sequences in each engine step",
             buckets=_ITERATION_BUCKETS[:13], registry=self.registry,
         )
+
+        label = {"model_name": model_name}
+        for name, doc, read in (
+            ("num_requests_running", "requests in the running batch", self._reader("running")),
+            ("num_requests_waiting", "requests waiting to be admitted", self._reader("waiting")),
+            ("kv_cache_usage_perc", "share of the KV-cache blocks in use, 0 to 1", self._usage),
+        ):
+            Gauge(f"vllm:{name}", doc, ["model_name"], registry=self.registry).labels(**label).set_function(read)
+        self._vllm_prompt = Counter("vllm:prompt_tokens", "prompt tokens of the requests started", ["model_name"],
+                                    registry=self.registry).labels(**label)
+        self._vllm_generation = Counter("vllm:generation_tokens", "tokens generated for clients", ["model_name"],
+                                        registry=self.registry).labels(**label)
+        self._vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "time from arrival to the first token",
+                                    ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry).labels(**label)
+        self._vllm_itl = Histogram("vllm:inter_token_latency_seconds", "time between consecutive tokens",
+                                   ["model_name"], buckets=_TBT_BUCKETS, registry=self.registry).labels(**label)
+        self._vllm_e2e = Histogram("vllm:e2e_request_latency_seconds", "time from arrival to the last token",
+                                   ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry).labels(**label)
+        self.registry.register(_VllmEngineCounters(stats, model_name))
+
+    def tokens(self, count: int) -> None:
+        """``count`` tokens were generated for a client."""
+        self.generated_tokens.inc(count)
+        self._vllm_generation.inc(count)
+
+    def first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+        self._vllm_ttft.observe(seconds)
+
+    def between_tokens(self, seconds: float) -> None:
+        self.time_between_tokens.observe(seconds)
+        self._vllm_itl.observe(seconds)
+
+    def prompt(self, count: int) -> None:
+        """An engine request of ``count`` prompt tokens was started."""
+        self._vllm_prompt.inc(count)
+
+    def finished(self, reason: str, seconds: float | None) -> None:
+        """A request ended with ``reason``, ``seconds`` after it arrived (None: it produced nothing)."""
+        self.requests.labels(finish_reason=reason).inc()
+        if seconds is not None:
+            self._vllm_e2e.observe(seconds)
+
+    def _usage(self) -> float:
+        stats = self._stats()
+        total = stats["kv_blocks_total"]
+        return (total - stats["kv_blocks_free"]) / total if total else 0.0
 
     def observe_step(self, report: Any) -> None:
         """An engine step ended (``rtpcore.engine.core.outputs.StepReport``; called on the stepping thread)."""
@@ -104,3 +161,20 @@ class _EngineCounters(Collector):
         values = self._stats()
         for name, (key, doc) in _ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=values.get(key, 0))
+
+
+class _VllmEngineCounters(Collector):
+    """The prefix cache's counters under vLLM's names, labelled ``model_name``."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]], model_name: str):
+        self._stats, self._model = stats, model_name
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        values = self._stats()
+        for name, key, doc in (
+            ("vllm:prefix_cache_queries", "prefix_cache_queries_total", "prompt tokens looked up in the prefix cache"),
+            ("vllm:prefix_cache_hits", "prefix_cache_hits_total", "prompt tokens found in the prefix cache"),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model], values.get(key, 0))
+            yield family

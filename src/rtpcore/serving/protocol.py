@@ -38,23 +38,22 @@ __all__ = [
     "COMPLETIONS_DEFAULT_MAX_TOKENS",
     "MAX_LOGPROBS",
     "MAX_MESSAGES",
-    "MAX_N",
     "MAX_STOP_LENGTH",
-    "MAX_STOP_STRINGS",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
+    "DetokenizeRequest",
     "ErrorBody",
     "StreamOptions",
+    "StructuredOutputs",
+    "TokenizeRequest",
     "lone_surrogate",
 ]
 
 MAX_LOGPROBS = 20  # top log-probabilities per token (OpenAI's limit)
-MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters of one stop string: each is searched in every new piece of text
 MAX_MESSAGES = 4096  # messages of one chat request
-MAX_N = 16  # choices of one request
-ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier")
+ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the default of OpenAI for /v1/completions
 
 
@@ -96,6 +95,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's padding against length side channels: accepted, none added
 
 
 class JsonSchemaFormat(_Strict):
@@ -116,6 +116,25 @@ class ResponseFormat(_Strict):
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type 'json_schema' needs json_schema: {name, schema}")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of ``choice`` (one of these strings),
+    ``regex`` (text matching it whole), ``json`` (a JSON schema, or its JSON text) and
+    ``grammar`` (a Lark grammar, llguidance's dialect), honoured as ``response_format`` is."""
+
+    choice: list[str] | None = None
+    regex: str | None = None
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [k for k, v in (("choice", self.choice), ("regex", self.regex), ("json", self.json_),
+                                ("grammar", self.grammar)) if v is not None]
+        if len(given) != 1:
+            raise ValueError(f"send exactly one of choice, regex, json, grammar; got {', '.join(given) or 'none'}")
         return self
 
 
@@ -154,7 +173,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    n: int | None = Field(default=None, ge=1)  # at most the server's --max-n (requests.check_limits)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)  # docs/design.md §22
@@ -162,21 +181,38 @@ class _Sampling(_Strict):
     min_tokens: int | None = Field(default=None, ge=0)
     ignore_eos: bool | None = None  # vLLM's: run to max_tokens past the model's stop tokens
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _Sampling:
+        fmt = self.response_format
+        if self.structured_outputs is not None and fmt is not None and fmt.type != "text":
+            raise ValueError("structured_outputs and response_format both constrain the output: send one")
+        return self
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     return_token_ids: bool | None = None  # vLLM's: each choice (and chunk) also carries its token_ids
-    # Accepted without effect (OpenAI platform bookkeeping).
+    # Accepted without effect (OpenAI platform bookkeeping; prompt_cache_key is a routing hint).
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    modalities: list[str] | None = None  # only ["text"]: this server writes text
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, modalities: list[str] | None) -> list[str] | None:
+        other = [m for m in modalities or () if m != "text"]
+        if other:
+            raise ValueError(f"this server writes text only; {other[0]!r} is not among its outputs: send [\"text\"]")
+        return modalities
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
         strings = [stop] if isinstance(stop, str) else stop or []
-        if len(strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
         if any(s == "" for s in strings):
             raise ValueError("a stop string must not be empty")
         if any(len(s) > MAX_STOP_LENGTH for s in strings):
@@ -350,9 +386,10 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tools: list[Tool] | None = None  # at most the server's --max-tools (requests.check_limits)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None  # to the chat template
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -399,6 +436,38 @@ class ChatCompletionRequest(_Sampling):
 
     def _logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): ``prompt`` encoded as /v1/completions encodes it, or
+    ``messages`` rendered by the chat template as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool | None = None  # default: true for a prompt; a template writes its own
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, tokens: list[int]) -> list[int]:
+        if any(t < 0 for t in tokens):
+            raise ValueError("token ids must be >= 0")
+        return tokens
 
 
 class ErrorBody(BaseModel):

@@ -4,6 +4,7 @@ engine's text side), its grammar (response_format, tool calls) and its SamplingP
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -24,7 +25,7 @@ from rtpcore.serving.protocol import (
 from rtpcore.serving.state import Served
 from rtpcore.serving.tools import Tools
 
-__all__ = ["check_model", "check_text_needs", "format_grammar", "params_for", "render_chat", "tool_plan"]
+__all__ = ["body_grammar", "check_limits", "check_model", "check_text_needs", "format_grammar", "params_for", "render_chat", "tool_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,30 @@ def format_grammar(served: Served, fmt: ResponseFormat | None) -> Grammar | None
         raise ApiError(400, str(exc), param="response_format.json_schema.schema") from None
 
 
+def body_grammar(served: Served, body: CompletionRequest | ChatCompletionRequest) -> Grammar | None:
+    """The grammar of the request's ``structured_outputs`` or ``response_format`` (runs in a
+    worker thread); None when neither constrains the output."""
+    so = body.structured_outputs
+    if so is None:
+        return format_grammar(served, body.response_format)
+    try:
+        if so.choice is not None:
+            return served.grammars().choice(so.choice)
+        if so.regex is not None:
+            return served.grammars().regex(so.regex)
+        if so.grammar is not None:
+            return served.grammars().lark(so.grammar)
+        schema = so.json_
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise ApiError(400, f"structured_outputs.json: not JSON: {exc}", param="structured_outputs.json") from None
+        return served.grammars().json_schema(schema, field="structured_outputs.json")
+    except InvalidRequestError as exc:
+        raise ApiError(400, str(exc), param=exc.field or "structured_outputs") from None
+
+
 def tool_plan(served: Served, body: ChatCompletionRequest) -> tuple[Tools | None, Grammar | None]:
     """How the request's tools are answered, and the grammar that constrains the output to a
     call ("required" or a named function; runs in a worker thread)."""
@@ -52,6 +77,9 @@ def tool_plan(served: Served, body: ChatCompletionRequest) -> tuple[Tools | None
     if body.response_format is not None and body.response_format.type != "text":
         raise ApiError(400, "response_format cannot be combined with tool calls (tool_choice "
                             f"{body.tool_choice!r}); send one of them", param="response_format")
+    if body.structured_outputs is not None and mode != "auto":
+        raise ApiError(400, "structured_outputs cannot be combined with tool calls (tool_choice "
+                            f"{body.tool_choice!r}); send one of them", param="structured_outputs")
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
     if mode == "auto":
         if served.tool_parser is None:
@@ -95,6 +123,11 @@ def render_chat(served: Served, body: ChatCompletionRequest) -> Prompt:
     if reserved:
         raise ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the request itself, not here",
                        param="chat_template_kwargs")
+    if body.reasoning_effort is not None:  # the template reads it as a variable (gpt-oss's do)
+        if "reasoning_effort" in extra:
+            raise ApiError(400, "reasoning_effort is sent twice: as a field and in chat_template_kwargs; send one",
+                           param="reasoning_effort")
+        extra["reasoning_effort"] = body.reasoning_effort
     final = bool(body.continue_final_message)
     try:
         return served.text.render_conversation(
@@ -110,6 +143,32 @@ def render_chat(served: Served, body: ChatCompletionRequest) -> Prompt:
         raise ApiError.invalid_request(exc) from None
 
 
+def check_limits(served: Served, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """The caps of ``served.limits`` (docs/design.md §17): a 400 naming the field and the cap
+    (and the flag that raises it), before anything is compiled or run."""
+    limits = served.limits
+    counts = [
+        ("logit_bias", len(body.logit_bias or {}), limits.max_logit_bias, "--max-logit-bias", "entries"),
+        ("stop", len(body.stop_strings), limits.max_stop_strings, "--max-stop-strings", "strings"),
+        ("stop_token_ids", len(body.stop_token_ids or ()), limits.max_stop_token_ids, "--max-stop-token-ids", "ids"),
+        ("n", body.num_choices, limits.max_n, "--max-n", "choices"),
+    ]
+    tools = getattr(body, "tools", None) or ()
+    counts.append(("tools", len(tools), limits.max_tools, "--max-tools", "tools"))
+    for field, count, cap, flag, what in counts:
+        if count > cap:
+            raise ApiError(400, f"{field}: at most {cap} {what} on this server ({flag}), got {count}", param=field)
+    schemas = [("tools", t.function.parameters) for t in tools if t.function.parameters is not None]
+    fmt = body.response_format
+    if fmt is not None and fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
+        schemas.append(("response_format", fmt.json_schema.schema_))
+    for field, schema in schemas:
+        size = len(json.dumps(schema, separators=(",", ":")).encode())
+        if size > limits.max_schema_bytes:
+            raise ApiError(400, f"{field}: a schema of {size} bytes is over this server's limit of "
+                                f"{limits.max_schema_bytes} (--max-schema-bytes)", param=field)
+
+
 def check_text_needs(served: Served, body: CompletionRequest | ChatCompletionRequest) -> None:
     """On a server without a tokenizer (``--skip-tokenizer-init``), a 400 naming the first
     field of ``body`` that needs one; nothing otherwise."""
@@ -122,6 +181,7 @@ def check_text_needs(served: Served, body: CompletionRequest | ChatCompletionReq
         ("stop strings", "stop", bool(body.stop_strings)),
         ("logprobs", "logprobs", body._logprobs() is not None),
         ("response_format", "response_format", body.response_format is not None and body.response_format.type != "text"),
+        ("structured_outputs", "structured_outputs", body.structured_outputs is not None),
     ]
     for what, param, wanted in wants:
         if wanted:

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import Annotated, Any
 
+import attrs
 from fastapi import Depends, Request
 
 from rtpcore.engine.async_engine import AsyncEngine
@@ -21,9 +22,22 @@ from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.metrics import ServerMetrics
 
-__all__ = ["Served", "ServedDep", "served_state"]
+__all__ = ["RequestLimits", "Served", "ServedDep", "served_state"]
 
 logger = logging.getLogger(__name__)
+
+@attrs.frozen
+class RequestLimits:
+    """The caps on one request (docs/design.md §17), each a 400 naming the field and the cap;
+    ``rtpcore serve`` has a flag to raise each (``--max-n``, ...)."""
+
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_stop_strings: int = 16  # stop strings (each at most protocol.MAX_STOP_LENGTH characters)
+    max_stop_token_ids: int = 1024
+    max_n: int = 16  # choices (the engine's own limit: rtpcore.engine.sample.params.MAX_N)
+    max_tools: int = 128
+    max_schema_bytes: int = 4 << 20  # a response_format or tool schema, as JSON
+
 
 class Served:
     """What the handlers share: the engine, its text side, the model's limits, metrics.
@@ -39,8 +53,9 @@ class Served:
     """
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, max_request_bytes: int,
-                 tool_parser: Any = None, *, skip_tokenizer: bool = False):
+                 tool_parser: Any = None, *, skip_tokenizer: bool = False, limits: RequestLimits | None = None):
         self.engine = engine
+        self.limits = limits or RequestLimits()
         self.text: TextSide = engine.engine.text
         self.no_tokenizer: str | None = None  # why this server has no tokenizer (None: it has one)
         if skip_tokenizer:
@@ -58,7 +73,7 @@ class Served:
         self.max_request_bytes = max_request_bytes
         self.max_model_len = engine.engine.max_model_len  # prompt + output, at most
         self.vocab_size = engine.engine.vocab_size
-        self.metrics = ServerMetrics(lambda: engine.stats().as_dict())
+        self.metrics = ServerMetrics(lambda: engine.stats().as_dict(), model_name)
         engine.add_step_observer(self.metrics.observe_step)
         self.created = int(time.time())
         self.draining = False  # shutting down: new requests are 503s

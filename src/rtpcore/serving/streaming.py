@@ -52,11 +52,13 @@ class _Choice:
         self.finish_reason: str | None = None  # what clients see: the sequence's, or "error"
         self.started = asyncio.Event()  # the first output came: the prompt is computed (and cached)
         self.last_time: float | None = None
+        self.arrival: float | None = None  # the engine request's arrival time, from its first output
 
     def submit(self, ids: list[int]) -> None:
         """Queue the engine request; raises an ApiError (nothing queued) when it is refused."""
         try:
             self.stream = self.served.engine.stream(ids, self.params, request_id=self.planned_id)
+            self.served.metrics.prompt(len(ids))
         except QueueFullError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from None
         except InvalidRequestError as exc:
@@ -107,16 +109,18 @@ class _Choice:
         """End the choice with ``reason`` (what clients see), counted once in the metrics."""
         if self.finish_reason is None:
             self.finish_reason = reason
-            self.served.metrics.requests.labels(finish_reason=reason).inc()
+            ended = None if self.arrival is None or self.last_time is None else max(0.0, self.last_time - self.arrival)
+            self.served.metrics.finished(reason, ended)
 
     def _observe(self, out: RequestOutput) -> None:
         m = self.served.metrics
-        m.generated_tokens.inc(len(out.token_ids))
+        m.tokens(len(out.token_ids))
+        self.arrival = out.arrival_time
         for t in out.token_times:
             if self.last_time is None:
-                m.time_to_first_token.observe(max(0.0, t - out.arrival_time))
+                m.first_token(max(0.0, t - out.arrival_time))
             else:
-                m.time_between_tokens.observe(max(0.0, t - self.last_time))
+                m.between_tokens(max(0.0, t - self.last_time))
             self.last_time = t
 
 

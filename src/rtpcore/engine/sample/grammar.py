@@ -155,23 +155,55 @@ class GrammarCompiler:
             key = json.dumps(schema, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"{field}: the schema is not JSON: {exc}", field=field, value=schema) from None
-        cache_key = f"{field}\0{key}"  # messages and grammars name the field
+        return self._compiled(
+            f"{field}\0{key}", lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS),  # type: ignore[arg-type]
+            f"JSON schema {key[:80]}", field, schema, "invalid or unsupported JSON schema",
+        )
+
+    def regex(self, pattern: str, *, field: str = "structured_outputs.regex") -> Grammar:
+        """Text matching the regular expression ``pattern`` whole (llguidance's syntax, Rust's
+        regex crate's); an invalid one is an InvalidRequestError naming ``field``."""
+        import llguidance
+
+        return self._compiled(f"regex\0{field}\0{pattern}", lambda: llguidance.LLMatcher.grammar_from_regex(pattern),
+                              f"regex {pattern[:80]!r}", field, pattern, "invalid regular expression")
+
+    def lark(self, grammar: str, *, field: str = "structured_outputs.grammar") -> Grammar:
+        """Text of the Lark grammar ``grammar`` (llguidance's Lark dialect; its ``start`` rule)."""
+        import llguidance
+
+        return self._compiled(f"lark\0{field}\0{grammar}", lambda: llguidance.LLMatcher.grammar_from_lark(grammar),
+                              f"grammar {grammar[:80]!r}", field, grammar, "invalid grammar")
+
+    def choice(self, options: Sequence[str], *, field: str = "structured_outputs.choice") -> Grammar:
+        """Exactly one of ``options`` (non-empty strings)."""
+        if not options or not all(isinstance(o, str) and o for o in options):
+            raise InvalidRequestError(f"{field}: a list of one or more non-empty strings is needed",
+                                      field=field, value=options)
+        rule = " | ".join(json.dumps(o) for o in options)  # Lark string literals take JSON's escapes
+        return self.lark(f"start: {rule}\n", field=field)
+
+    def _compiled(self, cache_key: str, make_text: Any, source: str, field: str, value: Any, kind: str) -> Grammar:
+        """The grammar ``make_text()`` writes, compiled, validated and probed once per key (a
+        refusal is cached too: the same request is refused again without compiling)."""
+        import llguidance
+
         with self._lock:
             found = self._cache.get(cache_key)
             if found is not None:
                 self._cache.move_to_end(cache_key)
                 if isinstance(found, str):  # refused before: the same answer, not compiled again
-                    raise InvalidRequestError(found, field=field, value=schema)
+                    raise InvalidRequestError(found, field=field, value=value)
                 return found
         try:
-            text = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)  # type: ignore[arg-type]
+            text = make_text()
             problem = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         except ValueError as exc:
             problem = str(exc)
         if problem:
-            message = f"{field}: invalid or unsupported JSON schema: {problem.strip().splitlines()[0]}"
+            message = f"{field}: {kind}: {problem.strip().splitlines()[0]}"
         else:
-            grammar = Grammar(self, text, f"JSON schema {key[:80]}", field)
+            grammar = Grammar(self, text, source, field)
             found_problem = self.probe(grammar)
             message = f"{field}: {found_problem}" if found_problem else ""
         with self._lock:
@@ -179,7 +211,7 @@ class GrammarCompiler:
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         if message:
-            raise InvalidRequestError(message, field=field, value=schema)
+            raise InvalidRequestError(message, field=field, value=value)
         return grammar
 
     def probe(self, grammar: Grammar) -> str | None:

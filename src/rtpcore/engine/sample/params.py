@@ -31,7 +31,7 @@ GREEDY_BELOW = 1e-5  # a temperature below this is greedy (0 included): no divis
 MAX_LOGIT_BIAS = 100.0  # |bias| limit of logit_bias (OpenAI's)
 # repetition_penalty's bounds: dividing a logit by 1e-308 makes every logit infinite (docs/design.md §22)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
-MAX_N = 16  # most sequences one request of the offline API may ask for (the server's limit of n)
+MAX_N = 256  # most sequences one request may ask for (the server's own default cap is 16: --max-n)
 _DECIMAL = re.compile(r"[0-9]+")
 _SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
 

@@ -11,9 +11,10 @@ from fastapi import APIRouter, Request
 
 from rtpcore.serving.protocol import ChatCompletionRequest
 from rtpcore.serving.requests import (
+    body_grammar,
+    check_limits,
     check_model,
     check_text_needs,
-    format_grammar,
     params_for,
     render_chat,
     tool_plan,
@@ -29,10 +30,11 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request, served: ServedDep) -> Any:
     check_model(served, body.model)
+    check_limits(served, body)
     check_text_needs(served, body)
     tools, grammar = await asyncio.to_thread(tool_plan, served, body)
     if grammar is None:
-        grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
+        grammar = await asyncio.to_thread(body_grammar, served, body)
     prompt = await asyncio.to_thread(render_chat, served, body)
     params = params_for(served, body, prompt, grammar)
     return await respond(served, request, body, prompt, params, chat=True, tools=tools)

@@ -11,7 +11,13 @@ from fastapi import APIRouter, Request
 from rtpcore.engine.text.prompts import Prompt
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.protocol import CompletionRequest
-from rtpcore.serving.requests import check_model, check_text_needs, format_grammar, params_for
+from rtpcore.serving.requests import (
+    body_grammar,
+    check_limits,
+    check_model,
+    check_text_needs,
+    params_for,
+)
 from rtpcore.serving.state import ServedDep
 from rtpcore.serving.streaming import respond
 
@@ -23,6 +29,7 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request, served: ServedDep) -> Any:
     check_model(served, body.model)
+    check_limits(served, body)
     check_text_needs(served, body)
     if isinstance(body.prompt, str):  # encoded as Engine.generate encodes text (the checkpoint's BOS rule)
         prompt = (await asyncio.to_thread(served.text.encode, [body.prompt]))[0]
@@ -31,6 +38,6 @@ async def completions(body: CompletionRequest, request: Request, served: ServedD
         if served.vocab_size is not None and max(prompt.token_ids) >= served.vocab_size:
             raise ApiError(400, f"prompt: token id {max(prompt.token_ids)} is not below the vocabulary size "
                                 f"{served.vocab_size}", param="prompt")
-    grammar = await asyncio.to_thread(format_grammar, served, body.response_format)
+    grammar = await asyncio.to_thread(body_grammar, served, body)
     params = params_for(served, body, prompt, grammar)
     return await respond(served, request, body, prompt, params, chat=False)

@@ -1,0 +1,69 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's): the server's own encoding -- a prompt as
+/v1/completions encodes it, messages as /v1/chat/completions renders them -- and its decoding,
+in a worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter
+
+from rtpcore.engine.text.prompts import RESERVED_TEMPLATE_KWARGS
+from rtpcore.errors import ChatTemplateError, InvalidRequestError
+from rtpcore.serving.errors import ApiError
+from rtpcore.serving.protocol import DetokenizeRequest, TokenizeRequest
+from rtpcore.serving.requests import check_model
+from rtpcore.serving.state import Served, ServedDep
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, served: ServedDep) -> dict[str, Any]:
+    if body.model is not None:
+        check_model(served, body.model)
+    tokens = await asyncio.to_thread(_encode, served, body)
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": served.max_model_len}
+
+
+def _encode(served: Served, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None:
+        tok = served.require_tokenizer("tokenize", "prompt")
+        return list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False))
+    served.require_tokenizer("tokenize", "messages")
+    if not served.has_chat_template:
+        raise ApiError(400, "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
+                            "chat_template); send a prompt", param="messages")
+    extra = dict(body.chat_template_kwargs or {})
+    reserved = [k for k in extra if k in RESERVED_TEMPLATE_KWARGS]
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the request itself, not here",
+                       param="chat_template_kwargs")
+    assert body.messages is not None
+    try:
+        prompt = served.text.render_conversation(
+            [m.for_template() for m in body.messages],
+            add_generation_prompt=body.add_generation_prompt is not False,
+            template_kwargs=extra,
+        )
+    except ChatTemplateError as exc:
+        raise ApiError(400, f"messages: {exc}", param="messages") from None
+    except InvalidRequestError as exc:
+        raise ApiError.invalid_request(exc) from None
+    return list(prompt.token_ids)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, served: ServedDep) -> dict[str, Any]:
+    if body.model is not None:
+        check_model(served, body.model)
+    tok = served.require_tokenizer("detokenize", "tokens")
+    size = max(served.vocab_size or 0, tok.vocab_size)
+    if body.tokens and max(body.tokens) >= size:
+        raise ApiError(400, f"tokens: token id {max(body.tokens)} is not below the vocabulary size {size}",
+                       param="tokens")
+    text = await asyncio.to_thread(tok.decode, body.tokens, skip_special_tokens=False)
+    return {"prompt": text}
