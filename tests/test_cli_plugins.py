@@ -358,3 +358,18 @@ def test_list_says_registered_not_loaded_for_classes_it_has_not_imported(
     out = capsys.readouterr().out
     assert out.splitlines()[1].startswith("registered")
     assert "not imported yet: lazy_good_m:M (`rtpcore plugins check` imports and validates them)" in out
+
+
+def test_list_shows_each_plugins_registrations_per_seam(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/design.md §18: `seams` maps each seam to what the plugin registered there (atom-plugin,
+    installed for real: two models, its ue8m0 KV layout, its DeepSeek-V3 tool parser); the table
+    lists the other seams after the models."""
+    code, rows = _list(capsys, "--plugins", "atom-plugin", "--requested-only")
+    assert code == 0
+    (atom,) = [r for r in rows if r["requested"]]
+    assert atom["seams"] == {"models": ["deepseek_v2", "deepseek_v3"], "kv_layouts": ["ue8m0"],
+                             "tool_parsers": ["deepseek_v3"]}
+    builtin = next(r for r in _list(capsys)[1] if r["builtin"])
+    assert builtin["seams"] == {"models": ["llama"], "kv_layouts": [], "tool_parsers": []}
+    assert main(["plugins", "list", "--plugins", "atom-plugin", "--requested-only"]) == 0
+    assert "; kv_layouts: ue8m0; tool_parsers: deepseek_v3" in capsys.readouterr().out

@@ -191,6 +191,7 @@ def report_rows(
                     "layouts": [],
                     "unimported": [],
                     "patches": [],
+                    "seams": {"models": [], "kv_layouts": [], "tool_parsers": []},
                     "declared_architectures": list(plugin.declared_architectures),
                     "error": None,
                 }
@@ -223,6 +224,9 @@ def _row(
         "layouts": list(outcome.layouts),
         "unimported": list(outcome.unimported),
         "patches": [f"{owner}.{attr} {kind}" for owner, attr, kind in outcome.patches],
+        # What it registered, per seam (docs/design.md §18).
+        "seams": {"models": list(outcome.models), "kv_layouts": list(outcome.layouts),
+                  "tool_parsers": list(outcome.tool_parsers)},
         "declared_architectures": list(declared),
         "error": str(outcome.error) if outcome.error is not None else None,
     }
@@ -238,6 +242,9 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             models += f" ({', '.join(row['architectures'])})"
         elif row["declared_architectures"]:
             models = f"declares {', '.join(row['declared_architectures'])}"
+        for seam in ("kv_layouts", "tool_parsers"):  # the other seams' registrations, after the models
+            if row["seams"][seam]:
+                models += f"; {seam}: {', '.join(row['seams'][seam])}"
         name = row["name"] + (" (built-in)" if row["builtin"] else "")
         table.append((row["state"], name, dist, row["value"] or "-", models or "-"))
     widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]

@@ -68,8 +68,8 @@ _loaded: dict[Plan, ModelRegistry | PluginError] = {}
 @frozen
 class LoadOutcome:
     """The outcome of one requested item: ``state`` is one of :data:`OK_STATES` or a failure
-    state of docs/design.md §3; ``models``, ``architectures`` and ``layouts`` are what it
-    registered, ``unimported`` the ``module:Class`` targets of its lazy registrations not
+    state of docs/design.md §3; ``models``, ``architectures``, ``layouts`` and ``tool_parsers``
+    are what it registered, ``unimported`` the ``module:Class`` targets of its lazy registrations not
     imported yet (state ``registered``)."""
 
     request: str
@@ -79,6 +79,7 @@ class LoadOutcome:
     models: tuple[str, ...] = ()
     architectures: tuple[str, ...] = ()
     layouts: tuple[str, ...] = ()
+    tool_parsers: tuple[str, ...] = ()
     unimported: tuple[str, ...] = ()
     #: The changes to rtpcore ``--allow-plugin-patches`` accepted: (module or class, attribute, what).
     patches: tuple[tuple[str, str, str], ...] = ()
@@ -214,6 +215,7 @@ def _loaded_outcome(
         models=tuple(models),
         architectures=tuple(archs),
         layouts=tuple(layouts),
+        tool_parsers=tuple(registry.tool_parsers_of(plugin)),
         unimported=unimported,
     )
 

@@ -273,6 +273,11 @@ class ModelRegistry:
         with self._lock:
             return sorted(self._tool_parsers)
 
+    def tool_parsers_of(self, plugin: str) -> list[str]:
+        """The names of the tool-call parsers the plugin named ``plugin`` registered, sorted."""
+        with self._lock:
+            return sorted(n for n, (_, p) in self._tool_parsers.items() if p.plugin == plugin)
+
     def by_provider(self, plugin: str) -> tuple[list[str], list[str], list[str]]:
         """(model types, architectures, layout names) registered by the plugin named ``plugin``."""
         with self._lock:
