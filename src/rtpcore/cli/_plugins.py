@@ -25,6 +25,7 @@ from rtpcore.cli._scaffold import add_init_parser
 from rtpcore.plugins.allowlist import (
     IGNORED_ENV_VARS,
     Allowlist,
+    add_allow_patches_argument,
     add_allowlist_arguments,
     external_model_packages_arg,
     plugins_arg,
@@ -86,14 +87,7 @@ def add_parser(subparsers: Any) -> None:
         metavar="MOD[,MOD...]",
         help="also load these unpackaged modules holding rtpcore hook implementations (repeatable)",
     )
-    checker.add_argument(
-        "--allow-plugin-patches",
-        action="extend",
-        type=lambda v: [n.strip() for n in v.split(",")],
-        default=[],
-        metavar="NAME[,NAME...]",
-        help="accept these plugins' changes to rtpcore (listed) instead of failing them (repeatable)",
-    )
+    add_allow_patches_argument(checker)
     checker.add_argument("--json", action="store_true", help="print a JSON array of objects")
     add_log_level_argument(checker)
     checker.set_defaults(func=_check)

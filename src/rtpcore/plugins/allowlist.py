@@ -38,6 +38,7 @@ __all__ = [
     "Allowlist",
     "IgnoredEnvironmentWarning",
     "PluginRequest",
+    "add_allow_patches_argument",
     "add_allowlist_arguments",
     "external_model_packages_arg",
     "parse_external_model_packages",
@@ -170,6 +171,11 @@ def add_allowlist_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MOD[,MOD...]",
         help="allow unpackaged modules holding rtpcore hook implementations (repeatable)",
     )
+    add_allow_patches_argument(parser)
+
+
+def add_allow_patches_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--allow-plugin-patches`` (repeatable) to ``parser``."""
     parser.add_argument(
         "--allow-plugin-patches",
         action="extend",

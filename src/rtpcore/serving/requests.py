@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rtpcore.engine.sample.grammar import Grammar
@@ -18,6 +19,7 @@ from rtpcore.errors import (
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     NamedToolChoice,
     ResponseFormat,
@@ -25,7 +27,10 @@ from rtpcore.serving.protocol import (
 from rtpcore.serving.state import Served
 from rtpcore.serving.tools import Tools
 
-__all__ = ["body_grammar", "check_limits", "check_model", "check_text_needs", "format_grammar", "params_for", "render_chat", "tool_plan"]
+__all__ = [
+    "body_grammar", "check_limits", "check_model", "check_text_needs", "format_grammar", "params_for", "render_chat",
+    "render_messages", "tool_plan",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -115,27 +120,39 @@ def _parameters(function: Any) -> dict[str, Any]:
 def render_chat(served: Served, body: ChatCompletionRequest) -> Prompt:
     """The rendered conversation and its token ids (runs in a worker thread): the engine's
     own rendering (``TextSide.render_conversation``, as ``Engine.chat``)."""
-    if not served.has_chat_template:
-        raise ApiError(400, "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
-                            "chat_template); use /v1/completions", param="messages")
     extra = dict(body.chat_template_kwargs or {})
-    reserved = [k for k in extra if k in RESERVED_TEMPLATE_KWARGS]
-    if reserved:
-        raise ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the request itself, not here",
-                       param="chat_template_kwargs")
     if body.reasoning_effort is not None:  # the template reads it as a variable (gpt-oss's do)
         if "reasoning_effort" in extra:
             raise ApiError(400, "reasoning_effort is sent twice: as a field and in chat_template_kwargs; send one",
                            param="reasoning_effort")
         extra["reasoning_effort"] = body.reasoning_effort
     final = bool(body.continue_final_message)
+    return render_messages(
+        served, body.messages,
+        add_generation_prompt=body.add_generation_prompt if body.add_generation_prompt is not None else not final,
+        continue_final_message=final,
+        tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+        template_kwargs=extra, reserved_in=body.chat_template_kwargs or {},
+    )
+
+
+def render_messages(served: Served, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
+                    continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any], reserved_in: Mapping[str, Any]) -> Prompt:
+    """``messages`` rendered by the chat template and encoded (/v1/chat/completions, /tokenize),
+    each refusal a 400 naming its field: no template, a variable of ``reserved_in`` (the
+    client's ``chat_template_kwargs``) the request sets itself, the template's own failure."""
+    if not served.has_chat_template:
+        raise ApiError(400, "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
+                            "chat_template); use /v1/completions", param="messages")
+    reserved = [k for k in reserved_in if k in RESERVED_TEMPLATE_KWARGS]
+    if reserved:
+        raise ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the request itself, not here",
+                       param="chat_template_kwargs")
     try:
         return served.text.render_conversation(
-            [m.for_template() for m in body.messages],
-            add_generation_prompt=body.add_generation_prompt if body.add_generation_prompt is not None else not final,
-            continue_final_message=final,
-            tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
-            template_kwargs=extra,
+            [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, template_kwargs=template_kwargs,
         )
     except ChatTemplateError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None

@@ -9,11 +9,9 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from rtpcore.engine.text.prompts import RESERVED_TEMPLATE_KWARGS
-from rtpcore.errors import ChatTemplateError, InvalidRequestError
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.protocol import DetokenizeRequest, TokenizeRequest
-from rtpcore.serving.requests import check_model
+from rtpcore.serving.requests import check_model, render_messages
 from rtpcore.serving.state import Served, ServedDep
 
 __all__ = ["router"]
@@ -34,25 +32,10 @@ def _encode(served: Served, body: TokenizeRequest) -> list[int]:
         tok = served.require_tokenizer("tokenize", "prompt")
         return list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False))
     served.require_tokenizer("tokenize", "messages")
-    if not served.has_chat_template:
-        raise ApiError(400, "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
-                            "chat_template); send a prompt", param="messages")
-    extra = dict(body.chat_template_kwargs or {})
-    reserved = [k for k in extra if k in RESERVED_TEMPLATE_KWARGS]
-    if reserved:
-        raise ApiError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the request itself, not here",
-                       param="chat_template_kwargs")
     assert body.messages is not None
-    try:
-        prompt = served.text.render_conversation(
-            [m.for_template() for m in body.messages],
-            add_generation_prompt=body.add_generation_prompt is not False,
-            template_kwargs=extra,
-        )
-    except ChatTemplateError as exc:
-        raise ApiError(400, f"messages: {exc}", param="messages") from None
-    except InvalidRequestError as exc:
-        raise ApiError.invalid_request(exc) from None
+    kwargs = body.chat_template_kwargs or {}
+    prompt = render_messages(served, body.messages, add_generation_prompt=body.add_generation_prompt is not False,
+                             template_kwargs=dict(kwargs), reserved_in=kwargs)
     return list(prompt.token_ids)
 
 
