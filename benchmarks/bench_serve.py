@@ -235,7 +235,8 @@ def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: lis
     (which names its log too) starts with "rtpcore", which is what gets it ``ignore_eos``."""
     port = free_port()
     argv = [sys.executable, "-m", "rtpcore", "serve", str(ckpt), "--host", HOST, "--port", str(port),
-            "--dtype", "float32", "--served-model-name", "bench"]
+            "--dtype", "float32", "--served-model-name", "bench",
+            "--enable-prompt-tokens-details"]  # the cached fraction is read from usage
     if max_batch_size is not None:
         argv += ["--max-batch-size", str(max_batch_size)]
     argv += extra or []

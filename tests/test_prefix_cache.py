@@ -13,7 +13,7 @@ import pytest
 
 from rtpcore.engine.core.block_pool import BlockAllocator
 from rtpcore.engine.core.kv_manager import KVManager
-from rtpcore.engine.core.prefix_cache import PrefixCache, block_keys, namespace_key
+from rtpcore.engine.core.prefix_cache import PrefixCache, block_keys, namespace_key, salt_key
 from rtpcore.engine.core.request import Request
 from rtpcore.engine.core.scheduler import Scheduler
 from rtpcore.engine.sample.params import SamplingParams
@@ -47,6 +47,23 @@ def test_keys_differ_for_any_change_of_identity_tokens_or_position() -> None:
     assert block_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, namespace_key({"model": "other"}))[0] != base[0]
     assert block_keys([1, 2, 3, 9, 5, 6, 7, 8], 4, ROOT)[1] != base[1]  # a changed parent changes the child
     assert block_keys([5, 6, 7, 8], 4, ROOT)[0] != base[1]  # same tokens, other position
+
+
+def test_a_cache_salt_enters_the_first_block_so_salted_and_unsalted_keys_differ_from_it_on() -> None:
+    """Recomputed with hashlib: a salted block 0 is sha256(root + salt_key(salt) + tokens); every later
+    key chains from it, so no key of a salted chain is a key of the unsalted one or of another salt's,
+    while the same salt gives the same keys."""
+    tokens = list(range(1, 13))
+    plain = block_keys(tokens, 4, ROOT)
+    salted = block_keys(tokens, 4, ROOT, salt="tenant-a")
+    assert salted[0] == hashlib.sha256(ROOT + salt_key("tenant-a") + array("q", tokens[0:4]).tobytes()).digest()
+    assert salted[1] == hashlib.sha256(salted[0] + array("q", tokens[4:8]).tobytes()).digest()
+    other = block_keys(tokens, 4, ROOT, salt="tenant-b")
+    assert len(salted) == len(plain) == len(other) == 3
+    assert not set(salted) & set(plain) and not set(salted) & set(other) and not set(plain) & set(other)
+    assert block_keys(tokens, 4, ROOT, salt="tenant-a") == salted
+    assert block_keys(tokens, 4, salted[0], start=1, salt="tenant-a") == salted[1:]  # only block 0 takes it
+    assert salt_key("a") != salt_key("b") and len(salt_key("x" * 10_000)) == 32
 
 
 # -- the allocator --------------------------------------------------------------------------------
@@ -150,6 +167,27 @@ def test_a_repeated_prompt_starts_after_its_full_blocks_and_counts_its_hit() -> 
     assert step(s) == [("again", 12, 1)]  # 3 cached blocks, the last token computed
     assert again.blocks[:3] == first_blocks(s, PROMPT) and again.num_cached_tokens == 12
     assert (s.kv.prefix_cache.queries_total, s.kv.prefix_cache.hits_total) == (26, 12)
+
+
+def test_a_salted_request_finds_only_blocks_cached_under_its_own_salt() -> None:
+    """The same prompt under salt a, unsalted, and under salt b finds nothing cached the first time
+    each; a second request with salt a finds salt a's 3 blocks; the unsalted one finds the unsalted."""
+    s = scheduler()
+
+    def run(name: str, salt: str | None) -> Request:
+        r = request(name, PROMPT)
+        r.params = SamplingParams(max_tokens=64, cache_salt=salt)
+        s.waiting.append(r)
+        step(s)
+        s.retire(r)
+        return r
+
+    assert run("a1", "a").num_cached_tokens == 0
+    assert run("plain1", None).num_cached_tokens == 0
+    assert run("b1", "b").num_cached_tokens == 0
+    assert run("a2", "a").num_cached_tokens == 12
+    assert run("plain2", None).num_cached_tokens == 12
+    assert s.kv.pool.num_cached == 9  # three chains of 3 blocks
 
 
 def first_blocks(s: Scheduler, tokens: list[int]) -> list[int]:

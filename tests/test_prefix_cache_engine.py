@@ -222,3 +222,22 @@ def test_reset_prefix_cache_forgets_every_block(ckpt: Path) -> None:
         before = engine.stats().prefix_cache_hits_total
         assert engine.generate([[*PREFIX, 1]], max_new_tokens=4) == first
         assert engine.stats().prefix_cache_hits_total == before
+
+
+def test_engine_generate_shares_cached_blocks_only_under_the_same_cache_salt(ckpt: Path) -> None:
+    """The offline API takes SamplingParams.cache_salt: the prompt asked under salt a, unsalted and under
+    salt b finds nothing cached the first time each; asked again under a (or unsalted) it finds its own
+    7 blocks; the tokens are the same under every salt."""
+    from rtpcore import SamplingParams
+
+    prompt = [*PREFIX, 1]
+    with Engine.from_pretrained(ckpt, tokens_per_block=TPB) as engine:
+
+        def ask(salt: str | None) -> tuple[int, list[int]]:
+            params = SamplingParams(max_tokens=N, cache_salt=salt, stop_token_ids=(), ignore_eos=True)
+            out = engine.generate([{"prompt_token_ids": prompt}], params)[0]
+            return out.num_cached_tokens, list(out.outputs[0].token_ids)
+
+        runs = [ask("a"), ask(None), ask("b"), ask("a"), ask(None)]
+    assert [cached for cached, _ in runs] == [0, 0, 0, 28, 28]
+    assert all(tokens == runs[0][1] for _, tokens in runs)

@@ -63,6 +63,7 @@ def _same_kept_and_values(ours: torch.Tensor, theirs: torch.Tensor) -> None:
         ("repetition_penalty", float("nan")), ("repetition_penalty", True),
         ("presence_penalty", 2.5), ("presence_penalty", -2.1), ("presence_penalty", float("nan")),
         ("frequency_penalty", 2.01), ("frequency_penalty", -3), ("frequency_penalty", None),
+        ("cache_salt", ""), ("cache_salt", 5), ("cache_salt", b"salt"), ("cache_salt", ["a"]),
     ],
 )
 def test_a_bad_value_names_its_field(field: str, value: Any) -> None:
@@ -79,7 +80,9 @@ def test_new_settings_are_stored_in_canonical_form() -> None:
     assert p.logit_bias == ((3, -100.0), (7, 2.0), (12, 100.0))
     assert (p.min_p, p.min_tokens, p.repetition_penalty) == (0.0, 3, 2.0)
     assert attrs.evolve(p, temperature=1.0).logit_bias == p.logit_bias  # the stored pairs convert again
+    assert SamplingParams(cache_salt="tenant-7").cache_salt == "tenant-7"
     d = SamplingParams()
+    assert d.cache_salt is None
     assert (d.min_p, d.logit_bias, d.min_tokens, d.repetition_penalty, d.presence_penalty, d.frequency_penalty) == (
         None, (), 0, 1.0, 0.0, 0.0)
 

@@ -108,6 +108,10 @@ def add_parser(subparsers: Any) -> None:
                    help="serve without loading the checkpoint's tokenizer, as for a checkpoint that has none: "
                    "prompts are token ids on /v1/completions, answers carry token_ids and no text; chat, text "
                    "prompts, stop strings, logprobs and response_format are answered 400")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (prompt tokens found in the prefix "
+                   "cache). Off by default: the count tells one client whether another sent the same prompt "
+                   "before; clients that share nothing should also send distinct cache_salt values")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=None, metavar="BYTES",
                    help="a request body over this size is answered 413 before it is parsed (default: 32MiB)")
     limits = p.add_argument_group("request caps", "each refused as a 400 naming the field and the cap "
@@ -209,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
                             max_logit_bias=args.max_logit_bias, max_stop_strings=args.max_stop_strings,
                             max_stop_token_ids=args.max_stop_token_ids, max_n=args.max_n,
                             max_tools=args.max_tools, max_schema_bytes=args.max_schema_bytes),
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         header_timeout=args.header_timeout, max_connections=args.max_connections,
                         open_connections=lambda: server.open_connections if server is not None else 0, **limits)
     except BaseException:

@@ -69,6 +69,7 @@ def build_app(
     open_connections: Callable[[], int] | None = None,
     skip_tokenizer: bool = False,
     limits: RequestLimits | None = None,
+    enable_prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``, with the engine's own text side
     (``engine.engine.text``: its tokenizer -- without one, token ids only, see ``Served`` -- and
@@ -82,12 +83,15 @@ def build_app(
     before it is a 408 (None: no limit); ``max_connections`` with ``open_connections()``, the
     connections open, past which every request but ``/health`` is a 503. ``skip_tokenizer``:
     serve token ids only, without the checkpoint's tokenizer (``Served``). ``limits``: the caps on
-    one request (``state.RequestLimits``; its defaults when None)."""
+    one request (``state.RequestLimits``; its defaults when None).
+    ``enable_prompt_tokens_details``: usage reports ``prompt_tokens_details.cached_tokens`` (off,
+    it is left out: the count tells a client whether another sent the same prompt before)."""
     served = Served(engine, model_name, api_key, max_request_bytes, tool_call_parser, skip_tokenizer=skip_tokenizer,
                     limits=limits)
     served.header_timeout = header_timeout
     served.max_connections = max_connections
     served.open_connections = open_connections
+    served.prompt_tokens_details = enable_prompt_tokens_details
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

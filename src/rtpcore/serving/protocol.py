@@ -192,6 +192,7 @@ class _Sampling(_Strict):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     return_token_ids: bool | None = None  # vLLM's: each choice (and chunk) also carries its token_ids
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: prefix-cache blocks shared per salt
     # Accepted without effect (OpenAI platform bookkeeping; prompt_cache_key is a routing hint).
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -295,6 +296,7 @@ class _Sampling(_Strict):
             grammar=grammar, n=self.num_choices,
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
+            cache_salt=self.cache_salt,
         )
 
 

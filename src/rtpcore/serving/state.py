@@ -84,6 +84,8 @@ class Served:
         self.max_connections: int | None = None
         self.open_connections: Callable[[], int] | None = None
         self.tool_parser = tool_parser  # the ToolCallParser class of --tool-call-parser, or None
+        # --enable-prompt-tokens-details: usage reports prompt_tokens_details.cached_tokens (docs/design.md §17)
+        self.prompt_tokens_details = False
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
 

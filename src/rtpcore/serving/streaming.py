@@ -170,11 +170,17 @@ class _Response:
 
     @property
     def usage(self) -> dict[str, Any]:
+        """OpenAI's usage. ``prompt_tokens_details.cached_tokens`` only on a server started with
+        ``--enable-prompt-tokens-details``: it tells a client whether a prompt was in the prefix
+        cache, that is whether someone sent it before (docs/design.md §17)."""
         per_run = [c.completion_tokens for c in self.choices]
         completion = per_run[0] * self.n if len(self.choices) == 1 else sum(per_run)
         prompt = len(self.ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.choices[0].state.num_cached_tokens}}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion}
+        if self.served.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.choices[0].state.num_cached_tokens}
+        return usage
 
     async def collect(self) -> dict[str, Any]:
         """The whole answer (non-streamed)."""

@@ -8,6 +8,12 @@ through a SHA-256 collision, which no client can provoke (a non-cryptographic ha
 Python's ``hash()``, would let one forge a key and read or poison another user's cached
 prefix).
 
+A request's ``cache_salt`` (``SamplingParams.cache_salt``) enters the key of its first block
+(:func:`salt_key`), and so every key of its chain: requests share cached blocks only with
+requests of the same salt, and unsalted requests only with each other. Without the salt a
+client could time its requests, or read ``cached_tokens``, to learn whether another client
+sent a prompt; with a salt per tenant it learns nothing about other tenants.
+
 A draft that reads the target's hidden states (multi-token prediction) stores at position
 p what it computed from token p + 1: the block's bytes depend on the first token of the
 next block too. Such an engine keys each block over its tokens and ``lookahead`` = 1 token
@@ -31,7 +37,7 @@ if TYPE_CHECKING:
     from rtpcore.engine.core.block_pool import BlockAllocator
     from rtpcore.engine.core.request import Request
 
-__all__ = ["KEY_VERSION", "NoPrefixCache", "PrefixCache", "block_keys", "namespace_key"]
+__all__ = ["KEY_VERSION", "NoPrefixCache", "PrefixCache", "block_keys", "namespace_key", "salt_key"]
 
 KEY_VERSION = 1  # changes when the key's content changes
 
@@ -43,16 +49,27 @@ def namespace_key(identity: Mapping[str, Any]) -> bytes:
     return hashlib.sha256(text.encode()).digest()
 
 
+def salt_key(salt: str) -> bytes:
+    """What a ``cache_salt`` adds to the hash of a chain's first block: SHA-256 of the salt's
+    UTF-8 under a label of its own (32 bytes, whatever the salt's length, so a salted first
+    block hashes a longer message than any unsalted one)."""
+    return hashlib.sha256(b"rtpcore cache_salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+
+
 def block_keys(
     tokens: Sequence[int], tokens_per_block: int, parent: bytes, *, start: int = 0, lookahead: int = 0,
+    salt: str | None = None,
 ) -> list[bytes]:
     """The keys of the full blocks ``start``, ``start + 1``, ... of ``tokens`` whose tokens
     (and ``lookahead`` tokens after each) are all known; ``parent``: the key of block
-    ``start - 1`` (the namespace for block 0)."""
+    ``start - 1`` (the namespace for block 0). ``salt``: the request's ``cache_salt``, hashed
+    into block 0 between the namespace and the tokens (:func:`salt_key`)."""
     keys: list[bytes] = []
     tpb = tokens_per_block
     for i in range(start, (len(tokens) - lookahead) // tpb):
         h = hashlib.sha256(parent)
+        if i == 0 and salt is not None:
+            h.update(salt_key(salt))
         h.update(array("q", tokens[i * tpb : (i + 1) * tpb + lookahead]).tobytes())
         parent = h.digest()
         keys.append(parent)
@@ -78,11 +95,13 @@ class PrefixCache:
         self.hits_total = 0
 
     def keys(self, r: Request) -> list[bytes]:
-        """``r``'s block keys, extended to the full blocks its tokens now make."""
+        """``r``'s block keys (its ``cache_salt`` in the first), extended to the full blocks
+        its tokens now make."""
         keys = r.block_keys
         if (len(r.tokens) - self.lookahead) // self.tpb > len(keys):
             parent = keys[-1] if keys else self.namespace
-            keys += block_keys(r.tokens, self.tpb, parent, start=len(keys), lookahead=self.lookahead)
+            keys += block_keys(r.tokens, self.tpb, parent, start=len(keys), lookahead=self.lookahead,
+                               salt=r.params.cache_salt)
         return keys
 
     def find(self, pool: BlockAllocator, r: Request) -> list[int]:

@@ -226,6 +226,16 @@ def _include_stop_str_in_output(value: Any) -> bool:
     return _flag("include_stop_str_in_output", value)
 
 
+def _cache_salt(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(
+            f"cache_salt must be None or a non-empty string, got {value!r}", field="cache_salt", value=value
+        )
+    return value
+
+
 def _n(value: Any) -> int:
     if not _is_int(value) or not 1 <= value <= MAX_N:
         raise InvalidRequestError(f"n must be an integer from 1 to {MAX_N}, got {value!r}", field="n", value=value)
@@ -268,6 +278,11 @@ class SamplingParams:
     one runs ``n`` times, sequence ``i`` seeded with ``seed + i`` when seeded (as ``rtpcore
     serve`` answers ``n``); ``skip_special_tokens`` leaves special tokens out of the text;
     ``include_stop_str_in_output`` keeps the stop string that ended the text.
+
+    ``cache_salt`` (None, or a non-empty string): enters the key of the request's first
+    prefix-cache block (``rtpcore.engine.core.prefix_cache``), so the request shares cached
+    blocks only with requests of the same salt; None shares the unsalted cache. Output is
+    the same with any salt.
     """
 
     max_tokens: int = attrs.field(default=16, converter=_max_tokens)
@@ -289,6 +304,7 @@ class SamplingParams:
     n: int = attrs.field(default=1, converter=_n)
     skip_special_tokens: bool = attrs.field(default=True, converter=_skip_special_tokens)
     include_stop_str_in_output: bool = attrs.field(default=False, converter=_include_stop_str_in_output)
+    cache_salt: str | None = attrs.field(default=None, converter=_cache_salt)
 
     @classmethod
     def create(
