@@ -20,8 +20,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from test_llama import make_checkpoint
-from test_serve import Server, write_tokenizer
+from test_llama import make_checkpoint  # noqa: E402
+from test_serve import Server, write_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
