@@ -3,10 +3,10 @@
 A :class:`GrammarCompiler` knows one model's vocabulary -- the bytes of every token id, from
 rtpcore's tokenizer itself (``Tokenizer.token_table``: what each id writes after other text,
 whatever its decoder; added and special tokens spell no text, so no grammar writes with them)
-and the ids that end a request -- and compiles JSON schemas (OpenAI's ``response_format``, tool-call arguments) into
-:class:`Grammar` objects, cached by schema. The JSON grammars allow no free whitespace: the
-separators are exactly those ``json.dumps`` writes (``", "`` and ``": "``), whatever a
-schema's own ``x-guidance`` options say, so a model cannot loop on blanks.
+and the ids that end a request -- and compiles JSON schemas (OpenAI's ``response_format``,
+tool-call arguments) into :class:`Grammar` objects, cached by schema. The JSON grammars allow
+no free whitespace: the separators are exactly those ``json.dumps`` writes (``", "`` and
+``": "``), whatever a schema's own ``x-guidance`` options say, so a model cannot loop on blanks.
 
 A request carries its :class:`Grammar` in ``SamplingParams.grammar``; the engine core gives
 each request its own :class:`GrammarState` (a matcher at the request's position). Every step,
@@ -291,8 +291,8 @@ class _TokenTable:
         self._encode = tokenizer.encode
 
     def __call__(self, text: str) -> list[int]:
-        if not isinstance(text, str):  # llguidance asks once whether bytes are taken: they are not
-            raise TypeError("text, not bytes")
+        if not isinstance(text, str):  # TokenizerWrapper tries bytes once: this encoder takes text only
+            raise TypeError(f"expected text, got {type(text).__name__}")
         ids = self._encode(text, add_special_tokens=False)
         if self.greedy is None or (all(0 <= i < len(self.tokens) for i in ids)
                                    and b"".join(self.tokens[i] for i in ids) == text.encode()):

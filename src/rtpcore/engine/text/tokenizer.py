@@ -172,16 +172,16 @@ class Tokenizer:
 
     @functools.cached_property
     def text_start(self) -> str:
-        """What :meth:`token_table` has a text start with: ``" "`` for a tokenizer whose tokens
-        write, at the start of a text, their in-text bytes without the leading space (a
-        WordPiece word, ``"{"`` after text is ``" {"``) and for which some tokens write
-        something else there (a ``##`` piece keeps its ``##``): the first token must then be
-        one that writes a leading space after text, which the decoder drops. ``""`` for every
-        other tokenizer (byte-level BPE writes its spaces wherever it is; a SentencePiece
-        ``▁`` dropped at the start is harmless, since its tokens write nothing else there).
+        """What a text read through :meth:`token_table` starts with before its first token:
+        ``" "`` for a tokenizer that writes a word at the start of a text without the leading
+        space it writes after text (WordPiece: ``"{"`` is ``" {"`` after text, ``"{"`` first)
+        while other tokens write something else there (a ``##`` piece keeps its ``##``): a
+        text must then start with a whole word, whose space the decoder drops. ``""`` for
+        every other tokenizer (byte-level BPE writes its spaces wherever they are; a
+        SentencePiece ``▁`` dropped at the start is harmless, as nothing else changes there).
 
-        A constrained request's text starts after nothing, so a grammar, which reads
-        :meth:`token_table`, is given this start first (``rtpcore.engine.sample.grammar``)."""
+        A constrained request's text starts after nothing, so a grammar reading the table
+        is given this start first (``rtpcore.engine.sample.grammar``)."""
         table = self._table
         added = self.added_token_ids
         ids = [i for i in range(len(table)) if i not in added and table[i]]
