@@ -163,14 +163,16 @@ def compile_times(tokenizer_json: Path, schema: dict[str, Any], vocab: int, eos:
                   repeats: int) -> list[tuple[str, list[float]]]:
     """(what, milliseconds of each repetition, the first in this process first)."""
     from rtpcore.engine.sample.grammar import GrammarCompiler
+    from rtpcore.engine.text.tokenizer import Tokenizer
 
     rows: dict[str, list[float]] = {k: [] for k in (
-        "GrammarCompiler(tokenizer.json)", "json_schema, cold (fresh compiler)", "json_schema, cached",
+        "GrammarCompiler(Tokenizer.from_pretrained(...))", "json_schema, cold (fresh compiler)", "json_schema, cached",
         "Grammar.state() (one request's matcher)", "first mask of a fresh matcher")}
     names = list(rows)
     bits = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
     for _ in range(repeats):
-        ms, compiler = timed_ms(lambda: GrammarCompiler(tokenizer_json, vocab_size=vocab, stop_token_ids=[eos]))
+        ms, compiler = timed_ms(lambda: GrammarCompiler(Tokenizer.from_pretrained(tokenizer_json.parent),
+                                                        vocab_size=vocab, stop_token_ids=[eos]))
         rows[names[0]].append(ms)
         ms, grammar = timed_ms(lambda c=compiler: c.json_schema(schema))
         rows[names[1]].append(ms)
@@ -530,8 +532,9 @@ def main(argv: list[str] | None = None) -> int:
         compiled = compile_times(ckpt / "tokenizer.json", schema, vocab, eos, repeats=3 if quick else 5)
 
         from rtpcore.engine.sample.grammar import GrammarCompiler
+        from rtpcore.engine.text.tokenizer import Tokenizer
 
-        grammar = GrammarCompiler(ckpt / "tokenizer.json", vocab_size=vocab, stop_token_ids=[eos]).json_schema(schema)
+        grammar = GrammarCompiler(Tokenizer.from_pretrained(ckpt), vocab_size=vocab, stop_token_ids=[eos]).json_schema(schema)
         print(f"decode: batch sizes {args.batch_sizes}, greedy and sampled (temperature 1, a seed per request), "
               f"{args.prompt_len}-token prompts, constrained max_tokens {args.tokens}, plain as long as the same "
               f"request constrained; 1 warm-up + {args.runs} alternating rounds, medians", flush=True)

@@ -43,7 +43,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def compiler(checkpoint: Path) -> GrammarCompiler:
     tok = Tokenizer.from_pretrained(checkpoint)
-    return GrammarCompiler(tok.json_path, vocab_size=tok.vocab_size, stop_token_ids=[EOS])
+    return GrammarCompiler(tok, vocab_size=tok.vocab_size, stop_token_ids=[EOS])
 
 
 def test_masks_touch_only_the_constrained_rows(compiler: GrammarCompiler, checkpoint: Path) -> None:

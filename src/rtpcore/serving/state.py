@@ -117,7 +117,7 @@ class Served:
                                    param="response_format")
                 tokenizer = self.require_tokenizer("structured output", "response_format")
                 size = max(self.vocab_size or 0, tokenizer.vocab_size)
-                self._grammars = GrammarCompiler(tokenizer.json_path, vocab_size=size, stop_token_ids=stops)
+                self._grammars = GrammarCompiler(tokenizer, vocab_size=size, stop_token_ids=stops)
             return self._grammars
 
 

@@ -1,11 +1,12 @@
 """Grammar-constrained decoding (docs/design.md §16), on llguidance.
 
-A :class:`GrammarCompiler` knows one model's vocabulary -- its ``tokenizer.json`` (added and
-special tokens spell no text, so no grammar writes with them) and the ids that end a request
--- and compiles JSON schemas (OpenAI's ``response_format``, tool-call arguments) into
-:class:`Grammar` objects, cached by schema. The JSON grammars allow no free whitespace: the
-separators are exactly those ``json.dumps`` writes (``", "`` and ``": "``), whatever a
-schema's own ``x-guidance`` options say, so a model cannot loop on blanks.
+A :class:`GrammarCompiler` knows one model's vocabulary -- the bytes of every token id, from
+rtpcore's tokenizer itself (``Tokenizer.token_table``: what each id writes after other text,
+whatever its decoder; added and special tokens spell no text, so no grammar writes with them)
+and the ids that end a request -- and compiles JSON schemas (OpenAI's ``response_format``,
+tool-call arguments) into :class:`Grammar` objects, cached by schema. The JSON grammars allow
+no free whitespace: the separators are exactly those ``json.dumps`` writes (``", "`` and
+``": "``), whatever a schema's own ``x-guidance`` options say, so a model cannot loop on blanks.
 
 A request carries its :class:`Grammar` in ``SamplingParams.grammar``; the engine core gives
 each request its own :class:`GrammarState` (a matcher at the request's position). Every step,
@@ -20,9 +21,12 @@ llguidance compiles the schema in about 3 ms and fills a mask in 30 µs p50 / 11
 xgrammar takes about 63 ms and 94 / 1628 µs (its slow masks recur at every string value), and
 outlines-core builds a 340 MiB index over the vocabulary in about 9 s and ignores an integer's
 ``minimum``. Beyond speed: xgrammar's string rule lets raw control characters through, which
-``json.loads`` rejects (this project's tests found it). llguidance reads the checkpoint's
-``tokenizer.json`` directly, names what is wrong in a schema, and has no dependencies;
-xgrammar needs transformers and triton at run time.
+``json.loads`` rejects (this project's tests found it). llguidance takes the vocabulary as
+token byte strings, names what is wrong in a schema, and has no dependencies; xgrammar needs
+transformers and triton at run time. (llguidance can also read a ``tokenizer.json`` itself,
+but it guesses the byte reading from the decoder's type and refuses decoders it does not
+know -- Metaspace, WordPiece, a Fuse sequence without byte fallback: "can't determine decoder
+type". rtpcore gives it the bytes the tokenizer's own decoder writes instead.)
 
 Speculative decoding: constrained requests decode without proposals (the draft would
 have to follow the grammar too); the others in the batch keep speculating.
@@ -34,14 +38,13 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from rtpcore.errors import InvalidRequestError
 
-__all__ = ["JSON_SEPARATORS", "Grammar", "GrammarCompiler", "GrammarState", "apply_grammar_masks"]
+__all__ = ["JSON_SEPARATORS", "Grammar", "GrammarCompiler", "GrammarState", "Vocabulary", "apply_grammar_masks"]
 
 JSON_SEPARATORS = (", ", ": ")  # what json.dumps writes: the only whitespace the JSON grammars allow
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": JSON_SEPARATORS[0], "key_separator": JSON_SEPARATORS[1]}
@@ -119,12 +122,30 @@ class GrammarState:
         fill_next_token_bitmask(self._matcher, bitmask, row)
 
 
-class GrammarCompiler:
-    """Compiles grammars for one vocabulary: ``tokenizer_json`` (the checkpoint's
-    ``tokenizer.json``), ``vocab_size`` (the model's logits width, at least the tokenizer's)
-    and ``stop_token_ids`` (the ids that may end a grammar)."""
+class Vocabulary(Protocol):
+    """What a compiler reads of a tokenizer (``rtpcore.engine.text.tokenizer.Tokenizer`` has it)."""
 
-    def __init__(self, tokenizer_json: str | Path, *, vocab_size: int, stop_token_ids: Iterable[int]):
+    @property
+    def added_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def text_start(self) -> str: ...
+
+    def token_table(self) -> tuple[bytes, ...]: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+class GrammarCompiler:
+    """Compiles grammars for one vocabulary: ``tokenizer`` (the checkpoint's
+    :class:`~rtpcore.engine.text.tokenizer.Tokenizer`: its ``token_table`` gives each id's
+    bytes), ``vocab_size`` (the model's logits width, at least the tokenizer's: the ids past the
+    tokenizer's spell nothing) and ``stop_token_ids`` (the ids that may end a grammar)."""
+
+    def __init__(self, tokenizer: Vocabulary, *, vocab_size: int, stop_token_ids: Iterable[int]):
         import llguidance
         import llguidance.torch  # its first import takes a second or more (torch.compile's import): here,
         # where the server builds the compiler off the event loop, not at a step's first mask
@@ -134,7 +155,11 @@ class GrammarCompiler:
             raise ValueError("a grammar needs at least one stop token id to end")
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stops)
-        self.tokenizer = llguidance.LLTokenizer(str(tokenizer_json), n_vocab=vocab_size, eos_token=stops)
+        self.text_start = tokenizer.text_start
+        table = _TokenTable(tokenizer, vocab_size, stops)
+        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(table), n_vocab=vocab_size, eos_token=stops)
+        self._forcing = set(table.tokens) >= {bytes([b]) for b in range(256)}  # every byte a token (_after)
+        table.greedy = self.tokenizer.greedy_tokenize
         self._cache: OrderedDict[str, Grammar | str] = OrderedDict()  # a str: why it was refused
         self._lock = threading.Lock()
 
@@ -196,7 +221,7 @@ class GrammarCompiler:
                     raise InvalidRequestError(found, field=field, value=value)
                 return found
         try:
-            text = make_text()
+            text = _after(self.text_start, make_text(), forcing=self._forcing)
             problem = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         except ValueError as exc:
             problem = str(exc)
@@ -241,6 +266,63 @@ class GrammarCompiler:
             if not state.accept(token) or state.error is not None:
                 return _problem(state.error or "the grammar refused a token it allowed")
         return None
+
+
+class _TokenTable:
+    """What ``llguidance.TokenizerWrapper`` reads: each id's bytes (``Tokenizer.token_table``;
+    added and special tokens behind llguidance's special-token mark, 0xFF, so no grammar
+    writes them; ids past the tokenizer's spell nothing), the special ids, and an encoder.
+
+    llguidance encodes the text a grammar forces and expects ids whose bytes are that text.
+    The tokenizer's own encoding is used when they are; otherwise (a SentencePiece or
+    Metaspace tokenizer prepends its ``▁``: ``"{"`` encodes to ``"▁{"``, which writes ``" {"``)
+    llguidance's greedy encoding over the same table (``greedy``, set once it is built)."""
+
+    greedy: Any = None
+
+    def __init__(self, tokenizer: Vocabulary, vocab_size: int, stops: Sequence[int]):
+        added = tokenizer.added_token_ids
+        table = tokenizer.token_table()
+        self.tokens = [b"\xff" + t if i in added else t for i, t in enumerate(table[:vocab_size])]
+        self.tokens += [b""] * (vocab_size - len(self.tokens))
+        self.special_token_ids = sorted(i for i in added if i < vocab_size)
+        self.eos_token_id = stops[0]
+        self.bos_token_id = tokenizer.bos_token_id
+        self._encode = tokenizer.encode
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # TokenizerWrapper tries bytes once: this encoder takes text only
+            raise TypeError(f"expected text, got {type(text).__name__}")
+        ids = self._encode(text, add_special_tokens=False)
+        if self.greedy is None or (all(0 <= i < len(self.tokens) for i in ids)
+                                   and b"".join(self.tokens[i] for i in ids) == text.encode()):
+            return ids
+        return list(self.greedy(text))
+
+
+def _after(start: str, text: str, *, forcing: bool) -> str:
+    """The grammar ``text`` (llguidance's JSON form or Lark) preceded by the literal ``start``
+    (``Tokenizer.text_start``: a WordPiece tokenizer's first token writes its leading space
+    only after other text, so the grammar, which reads each token's bytes after text, sees that
+    space first) and, unless ``forcing``, with llguidance's forced-bytes shortcut off: it
+    encodes the bytes a grammar forces and takes the ids as spelling them exactly, which holds
+    only for a vocabulary where every byte is a token (byte-level BPE, byte fallback). A
+    WordPiece vocabulary cannot spell a lone ``" "`` (its spaces come with the next word), and
+    the shortcut then allows tokens as if the space were written. ``text`` itself when there is
+    nothing to add."""
+    if not start and forcing:
+        return text
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("grammars"), list) and parsed["grammars"]:
+        grammars, body = parsed["grammars"], str(parsed["grammars"][0]["name"])
+    else:  # Lark
+        parsed, grammars, body = {}, [{"name": "body", "lark_grammar": text}], "body"
+    options = "" if forcing else '%llguidance {"no_forcing": true}\n'
+    lead = {"name": "text_start", "lark_grammar": f"{options}start: {json.dumps(start) + ' ' if start else ''}@{body}"}
+    return json.dumps({**parsed, "grammars": [lead, *grammars]})
 
 
 _UNSATISFIABLE = "the schema allows no text: nothing can satisfy it (a reference to itself with no way out?)"

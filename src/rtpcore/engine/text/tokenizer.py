@@ -145,23 +145,110 @@ class Tokenizer:
         return f"<id {token_id}>" if found is None else str(found)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The bytes one token stands for, even when they are part of a character (decoding
-        it alone would give U+FFFD): a byte-level BPE entry mapped back through its byte
-        alphabet, a byte-fallback entry (``<0xE2>``) as its byte, a SentencePiece entry with
-        ``▁`` as a space; otherwise (added and special tokens, other decoders) the UTF-8 of
-        its decoded text."""
-        entry = self._backend.id_to_token(int(token_id))
-        if entry is not None and int(token_id) not in self._added_ids:
-            if self._byte_level:
-                table = _byte_level_decoder()
-                if all(c in table for c in entry):
-                    return bytes(table[c] for c in entry)
-            m = _BYTE_FALLBACK.fullmatch(entry)
-            if m is not None:
-                return bytes([int(m.group(1), 16)])
-            if self._metaspace:
-                return entry.replace("\u2581", " ").encode()
-        return self.decode([token_id], skip_special_tokens=False).encode()
+        """The bytes one token writes after other text (:meth:`token_table`'s entry), even
+        when they are part of a character; an added or special token's text; for an entry
+        whose bytes cannot be known (see :meth:`token_table`), the UTF-8 of its decoded text."""
+        token_id = int(token_id)
+        added = self._backend.get_added_tokens_decoder()
+        if token_id in added:
+            return str(added[token_id].content).encode()
+        anchor, head = self._anchor
+        text = self._backend.decode([anchor, token_id], skip_special_tokens=False)
+        found = self._piece_bytes(token_id, text, head)
+        return found if found is not None else self.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_table(self) -> tuple[bytes, ...]:
+        """Every id's bytes (index: the id, :attr:`vocab_size` entries), as the tokenizer's own
+        decoder writes them after other text: the decode of ``[anchor, id]`` past the decode of
+        ``[anchor]``, for one plain ASCII token ``anchor`` (a SentencePiece or Metaspace ``▁``
+        gives its space, a WordPiece ``##`` piece none and a whole word its leading space).
+        Nothing is inferred from the decoder's type: whatever decoder ``tokenizer.json`` holds
+        is run by the ``tokenizers`` library itself. A token that is part of a character
+        decodes to U+FFFD; its bytes come from its vocabulary entry -- the byte-level alphabet
+        (``Ġ``, ``â``) or a byte-fallback entry (``<0xE2>``) -- and only when they decode to
+        what the tokenizer decoded; an entry no reading fits gets ``b""`` (a grammar never
+        writes it). Added and special tokens: their text. Built once, in one batched decode."""
+        return self._table
+
+    @functools.cached_property
+    def text_start(self) -> str:
+        """What a text read through :meth:`token_table` starts with before its first token:
+        ``" "`` for a tokenizer that writes a word at the start of a text without the leading
+        space it writes after text (WordPiece: ``"{"`` is ``" {"`` after text, ``"{"`` first)
+        while other tokens write something else there (a ``##`` piece keeps its ``##``): a
+        text must then start with a whole word, whose space the decoder drops. ``""`` for
+        every other tokenizer (byte-level BPE writes its spaces wherever they are; a
+        SentencePiece ``▁`` dropped at the start is harmless, as nothing else changes there).
+
+        A constrained request's text starts after nothing, so a grammar reading the table
+        is given this start first (``rtpcore.engine.sample.grammar``)."""
+        table = self._table
+        added = self.added_token_ids
+        ids = [i for i in range(len(table)) if i not in added and table[i]]
+        alone = self._backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        drops = other = False
+        for i, text in zip(ids, alone, strict=True):
+            if REPLACEMENT in text:
+                continue
+            raw, start = table[i], text.encode()
+            if raw == start:
+                continue
+            if raw == b" " + start:
+                drops = True
+            else:
+                other = True
+        return " " if drops and other else ""
+
+    @functools.cached_property
+    def _table(self) -> tuple[bytes, ...]:
+        n = self.vocab_size
+        added = self._backend.get_added_tokens_decoder()
+        anchor, head = self._anchor
+        ids = [i for i in range(n) if i not in added]
+        texts = self._backend.decode_batch([[anchor, i] for i in ids], skip_special_tokens=False)
+        table = [b""] * n
+        for i, text in zip(ids, texts, strict=True):
+            table[i] = self._piece_bytes(i, text, head) or b""
+        for i, token in added.items():
+            if 0 <= i < n:
+                table[i] = str(token.content).encode()
+        return tuple(table)
+
+    @functools.cached_property
+    def _anchor(self) -> tuple[int, str]:
+        """A token that decodes alone to plain ASCII letters (``"a"``, ``"▁a"``, ...), and its
+        decoded text: what :meth:`token_table` decodes each token after."""
+        added = self._backend.get_added_tokens_decoder()
+        words = [self.encode(word, add_special_tokens=False) for word in ("a", "the", "x")]
+        candidates = [ids[0] for ids in words if len(ids) == 1]
+        candidates += [i for i in range(self.vocab_size) if i not in added]
+        for i in candidates:
+            text = str(self._backend.decode([i], skip_special_tokens=False))
+            if text.isascii() and text.isalpha():
+                return i, text
+        return (candidates[0] if candidates else 0), ""
+
+    def _piece_bytes(self, token_id: int, text: str, head: str) -> bytes | None:
+        """The bytes of ``token_id`` from the decode ``text`` of ``[anchor, token_id]`` (``head``:
+        the anchor's own decode); None when they cannot be known."""
+        piece = text[len(head) :] if text.startswith(head) else None
+        if piece is not None and REPLACEMENT not in piece:
+            return piece.encode()
+        entry = self._backend.id_to_token(token_id)
+        if entry is None:
+            return None
+        alphabet = _byte_level_decoder()
+        readings = []
+        if all(c in alphabet for c in entry):
+            readings.append(bytes(alphabet[c] for c in entry))
+        m = _BYTE_FALLBACK.fullmatch(entry)
+        if m is not None:
+            readings.append(bytes([int(m.group(1), 16)]))
+        want = piece if piece is not None else str(self._backend.decode([token_id], skip_special_tokens=False))
+        for raw in readings:  # the reading that decodes as the tokenizer decoded the token
+            if raw.decode("utf-8", "replace") == want:
+                return raw
+        return None
 
     @property
     def json_path(self) -> Path:
@@ -171,26 +258,10 @@ class Tokenizer:
         return self.path / "tokenizer.json"
 
     @functools.cached_property
-    def _decoder_kinds(self) -> frozenset[str]:
-        """The types of the tokenizer.json decoder (and of a Sequence's parts)."""
-        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
-        parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
-        kinds = {str(d.get("type")) for d in parts if isinstance(d, dict)}
-        if any(d.get("type") == "Replace" and "\u2581" in json.dumps(d, ensure_ascii=False) for d in parts if isinstance(d, dict)):
-            kinds.add("Metaspace")
-        return frozenset(kinds)
-
-    @property
-    def _byte_level(self) -> bool:
-        return "ByteLevel" in self._decoder_kinds
-
-    @property
-    def _metaspace(self) -> bool:
-        return "Metaspace" in self._decoder_kinds
-
-    @functools.cached_property
-    def _added_ids(self) -> frozenset[int]:
-        return frozenset(self._backend.get_added_tokens_decoder())
+    def added_token_ids(self) -> frozenset[int]:
+        """The ids of added tokens (special or not: ``tokenizer.json``'s ``added_tokens`` and
+        those ``tokenizer_config.json`` declares)."""
+        return frozenset(int(i) for i in self._backend.get_added_tokens_decoder())
 
     @property
     def vocab_size(self) -> int:
@@ -216,6 +287,7 @@ class Tokenizer:
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not a whole character
 
 
 @functools.cache
