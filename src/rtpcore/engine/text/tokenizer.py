@@ -149,6 +149,9 @@ class Tokenizer:
         when they are part of a character; an added or special token's text; for an entry
         whose bytes cannot be known (see :meth:`token_table`), the UTF-8 of its decoded text."""
         token_id = int(token_id)
+        table = self.__dict__.get("_table")  # built already (a grammar compiler asked): read it
+        if table is not None and 0 <= token_id < len(table) and table[token_id]:
+            return table[token_id]
         added = self._backend.get_added_tokens_decoder()
         if token_id in added:
             return str(added[token_id].content).encode()
