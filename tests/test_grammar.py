@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,57 @@ def test_constrained_and_plain_requests_in_one_batch(checkpoint: Path, compiler:
             assert 0 < stats.proposed <= 3 * 2 * 19
     finally:
         asyncio.run(engine.aclose())
+
+
+def test_a_schema_asked_for_by_many_threads_at_once_is_compiled_once(
+    compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/design.md §17: the calls for a schema another thread is compiling wait for that
+    compile (the same 50,000-value enum sent by several clients at once is compiled once). The
+    first compile is held inside its probe until the other callers have had a second to start
+    their own; then all of them get the one grammar."""
+    import threading
+
+    schema = {"type": "object", "properties": {"once": {"enum": [f"v{i}" for i in range(200)]}}}
+    probes: list[int] = []
+    release = threading.Event()
+    real = GrammarCompiler.probe
+
+    def probe(self: GrammarCompiler, grammar: Any) -> str | None:
+        probes.append(1)
+        release.wait(timeout=60)
+        return real(self, grammar)
+
+    monkeypatch.setattr(GrammarCompiler, "probe", probe)
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda: results.append(compiler.json_schema(schema))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 1.0  # time for a wrong implementation to start a second compile
+    while time.monotonic() < deadline and len(probes) < 2:
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(probes) == 1 and len(results) == 4 and all(r is results[0] for r in results)
+
+
+def test_each_state_of_a_grammar_is_a_copy_of_one_matcher(compiler: GrammarCompiler) -> None:
+    """The n choices of a request each get a GrammarState copied from the matcher built once per
+    grammar (llguidance's deep_copy), never a rebuilt one; the copies advance apart."""
+    grammar = compiler.json_schema({"type": "object", "properties": {"copied": {"type": "integer"}}})
+    first = grammar.state()
+    prototype = grammar._prototype
+    states = [grammar.state() for _ in range(16)]
+    assert grammar._prototype is prototype is not None
+    assert len({id(s._matcher) for s in [first, *states]}) == 17
+
+    def mask(state: Any) -> torch.Tensor:
+        m = torch.zeros((1, (compiler.vocab_size + 31) // 32), dtype=torch.int32)
+        state.fill(m, 0)
+        return m
+
+    start = mask(first)
+    allowed = ((start[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(-1).nonzero().flatten()
+    assert states[0].accept(int(allowed[0]))
+    assert not torch.equal(mask(states[0]), start) and torch.equal(mask(states[1]), start)

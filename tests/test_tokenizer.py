@@ -196,3 +196,127 @@ def test_encoding_new_text_on_many_threads_holds_no_word_cache(tmp_path: Path) -
         grown[mode] = max(grown.get(mode, 0), int(out.stdout.strip()))
     assert grown["tokenizers"] > 24 << 20, f"tokenizers' cache no longer grows ({grown}): revisit _no_word_cache"
     assert grown["rtpcore"] < grown["tokenizers"] / 8, grown
+
+
+def test_encode_releases_the_gil_while_it_works(tmp_path: Path) -> None:
+    """Tokenizer.encode goes through the `tokenizers` batch encoder, which releases the GIL
+    (docs/design.md §17: the server encodes in a worker thread, and its event loop must keep
+    running). With the interpreter's switch interval at 60 s no thread is made to give the GIL
+    up between bytecodes: the main thread runs while the worker is inside encode only when
+    encode releases the GIL (a single `tokenizers` encode does not)."""
+    import sys
+    import threading
+
+    tok = Tokenizer.from_pretrained(write_tokenizer(tmp_path, FAST))
+    text = "The capital of France is Paris. Hello, world! " * 20_000
+    state = {"inside": False, "seen_inside": False}
+    started = threading.Event()
+
+    def work() -> None:
+        state["inside"] = True
+        started.set()
+        tok.encode(text)
+        state["inside"] = False
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        worker = threading.Thread(target=work)
+        worker.start()
+        started.wait()
+        state["seen_inside"] = bool(state["inside"])
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert state["seen_inside"], "the main thread ran only once encode was over: encode held the GIL"
+    raw = tok._backend.encode(text).ids  # the batch encoder gives a single encode's ids
+    assert tok.encode(text) == list(raw)
+
+
+def _bpe_json(**parts: Any) -> Any:
+    """The trained byte-level BPE with some parts of its tokenizer.json replaced."""
+    import json
+
+    from tokenizers import Tokenizer as Raw
+
+    from tokenizer_files import byte_bpe
+
+    spec = json.loads(byte_bpe().to_str())
+    for key, value in parts.items():
+        if key == "model":
+            spec["model"].update(value)
+        else:
+            spec[key] = value
+    return Raw.from_str(json.dumps(spec))
+
+
+LONGEST_CASES: dict[str, tuple[dict[str, Any], int | None]] = {
+    # name: (tokenizer.json parts replaced, the bound as a multiple of the longest entry, None: no bound)
+    "byte-level BPE": ({}, 1),
+    "NFC composes up to four code points into one": ({"normalizer": {"type": "NFC"}}, 4),
+    "a normalizer that strips text": ({"normalizer": {"type": "Strip", "strip_left": True, "strip_right": True}}, None),
+    "a pre-tokenizer that drops whitespace": ({"pre_tokenizer": {"type": "WhitespaceSplit"}}, None),
+    "a BPE with no unknown token and an incomplete alphabet": ({"pre_tokenizer": None}, None),
+    "a fused unknown token": ({"pre_tokenizer": None, "model": {"unk_token": "<|eot_id|>", "fuse_unk": True}}, None),
+    "an unknown token per character": ({"pre_tokenizer": None, "model": {"unk_token": "<|eot_id|>"}}, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LONGEST_CASES))
+def test_the_longest_token_in_characters_bounds_every_encoding_or_is_none(tmp_path: Path, name: str) -> None:
+    """Tokenizer.max_chars_per_token (docs/design.md §17: a prompt longer than it times
+    max_model_len is refused unencoded) is the longest vocabulary entry times what the
+    normalizer can fold, or None where text can vanish or one token can cover any run of it;
+    where it is a number, no text encodes to fewer tokens than its length divided by it."""
+    parts, factor = LONGEST_CASES[name]
+    raw = _bpe_json(**parts)
+    tok = Tokenizer.from_pretrained(write_tokenizer(tmp_path, FAST, tokenizer=raw))
+    longest = max(len(t) for t in raw.get_vocab(with_added_tokens=True))
+    assert tok.max_chars_per_token == (None if factor is None else factor * longest)
+    if tok.max_chars_per_token is not None:
+        for text in [*TEXTS, "e\u0301\u0323" * 50, " " * 5000, "<|eot_id|>" * 40, "\u00e9" * 300]:
+            ids = tok.encode(text, add_special_tokens=False)
+            assert len(text) <= len(ids) * tok.max_chars_per_token, text[:40]
+
+
+def test_an_added_token_that_swallows_blanks_gives_no_bound(tmp_path: Path) -> None:
+    from tokenizers import AddedToken
+
+    raw = _bpe_json()
+    raw.add_tokens([AddedToken("<tool>", rstrip=True)])
+    tok = Tokenizer.from_pretrained(write_tokenizer(tmp_path, FAST, tokenizer=raw))
+    assert tok.max_chars_per_token is None
+
+
+def test_a_text_certain_to_exceed_max_model_len_is_refused_before_it_is_encoded(tmp_path: Path) -> None:
+    """TextSide refuses a prompt -- text, or a rendered conversation -- whose characters over the
+    longest token already exceed max_model_len, with an InvalidRequestError naming the field
+    (code context_length_exceeded), without encoding it; a text at the bound is encoded."""
+    from rtpcore.engine.text.prompts import TextSide
+    from rtpcore.errors import InvalidRequestError
+
+    config = {**FAST, "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    side = TextSide(write_tokenizer(tmp_path, config), eos_token_ids=(), max_model_len=64)
+    tok = side.tokenizer
+    assert tok is not None and tok.max_chars_per_token is not None
+    encoded: list[int] = []
+    real = tok._backend
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("encode"):
+                encoded.append(1)
+            return getattr(real, name)
+
+    tok._backend = Counting()
+    bound = 64 * tok.max_chars_per_token
+    with pytest.raises(InvalidRequestError) as info:
+        side.encode(["a" * (bound + 1)], field="prompt")
+    assert (info.value.field, info.value.code) == ("prompt", "context_length_exceeded")
+    with pytest.raises(InvalidRequestError) as info:
+        side.render_conversation([{"role": "user", "content": "a" * (bound + 1)}])
+    assert (info.value.field, info.value.code) == ("messages", "context_length_exceeded")
+    assert encoded == []
+    side.encode(["a" * bound])
+    assert side.render_conversation([{"role": "user", "content": "a" * (bound + 1)}], check_length=False)
+    assert len(encoded) == 2

@@ -5,6 +5,7 @@ installed package, and the registry's rules (a name taken twice, a reserved name
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -128,3 +129,163 @@ def rtpcore_register_tool_parsers(registry):
 def test_the_base_class_is_abstract_over_parse() -> None:
     with pytest.raises(NotImplementedError):
         ToolCallParser().parse("x")
+
+
+# -- incremental parsing (docs/design.md §17) -----------------------------------------------------
+
+MARKERS = 16_384
+
+
+def stream_through(parser: type[ToolCallParser], pieces: list[str]) -> tuple[str, list[ToolCall], Any]:
+    """The pieces through the server's ToolStream (tool_choice "auto"): the content it lets
+    out, the calls, and the parser instance (its ``scanned``)."""
+    from rtpcore.serving.tools import Tools
+
+    stream = Tools("auto", parser=parser, tools=[]).stream()
+    content = ""
+    for piece in pieces:
+        out, _ = stream.feed(piece)
+        content += out
+    rest, _ = stream.finish()
+    return content + rest, list(stream.calls), stream._parser
+
+
+def test_hermes_work_is_linear_in_16k_unclosed_markers() -> None:
+    """16,384 ``<tool_call>`` markers never closed, fed 8 at a time as the server feeds each
+    streamed delta: every character is examined a bounded number of times (the whole-answer
+    regex before this scanned from each marker to the end: 16,384 times the answer), and the
+    answer stays text."""
+    pieces = ["<tool_call>" * 8] * (MARKERS // 8)
+    content, calls, parser = stream_through(HermesParser, pieces)
+    total = sum(map(len, pieces))
+    assert calls == [] and content == "".join(pieces)
+    assert parser.scanned <= 2 * total + 16 * len(pieces), (parser.scanned, total)
+
+
+def test_hermes_streams_16k_calls_each_from_the_delta_that_closes_it() -> None:
+    one = '<tool_call>{"name": "f", "arguments": {"i": 1}}</tool_call>'
+    from rtpcore.serving.tools import Tools
+
+    stream = Tools("auto", parser=HermesParser, tools=[]).stream()
+    streamed = 0
+    for _ in range(MARKERS):
+        half = len(one) // 2
+        for piece in (one[:half], one[half:]):
+            _, calls = stream.feed(piece)
+            streamed += len(calls)
+    assert streamed == MARKERS  # each call went out with the delta that closed it
+    rest, calls = stream.finish()
+    assert calls == [] and rest == "" and len(stream.calls) == MARKERS
+    assert stream._parser.scanned <= 3 * MARKERS * len(one) + 32 * 2 * MARKERS
+
+
+def test_llama3_json_work_is_linear_in_16k_calls_and_16k_open_braces() -> None:
+    call = '{"name": "f", "parameters": {"s": "}{"}}; '
+    content, calls, parser = stream_through(Llama3JsonParser, [call] * MARKERS)
+    assert len(calls) == MARKERS and content == ""
+    assert parser.scanned <= 3 * MARKERS * len(call)
+    braces = ["{" * 8] * (MARKERS // 8)
+    content, calls, parser = stream_through(Llama3JsonParser, braces)
+    assert calls == [] and content == "".join(braces) and parser.scanned <= 2 * MARKERS
+
+
+# The parsers before they were incremental: each reads the whole answer (the reference the
+# incremental ones must agree with on every text, however it is cut into pieces).
+def reference_hermes(text: str) -> ParsedToolCalls:
+    import re
+
+    from rtpcore.serving.tool_parsers import _call_from
+
+    calls: list[ToolCall] = []
+    content: list[str] = []
+    last = 0
+    for m in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.DOTALL):
+        try:
+            call = _call_from(json.loads(m.group(1)), "arguments", "parameters")
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            continue
+        content.append(text[last : m.start()])
+        calls.append(call)
+        last = m.end()
+    content.append(text[last:])
+    rest = "".join(content).strip()
+    return ParsedToolCalls(rest or None, tuple(calls)) if calls else ParsedToolCalls(text)
+
+
+def reference_llama3(text: str) -> ParsedToolCalls:
+    from rtpcore.serving.tool_parsers import _call_from
+
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    if not body.startswith("{"):
+        return ParsedToolCalls(text)
+    calls: list[ToolCall] = []
+    decoder = json.JSONDecoder()
+    at = 0
+    while at < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return ParsedToolCalls(text)
+        call = _call_from(obj, "parameters", "arguments")
+        if call is None:
+            return ParsedToolCalls(text)
+        calls.append(call)
+        at = end
+        while at < len(body) and body[at] in " \n\t;":
+            at += 1
+    return ParsedToolCalls(None, tuple(calls))
+
+
+HERMES_PARTS = ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"x": 1}}', "{bad", " ", "\n", "text ",
+                "<tool", "_call>", "</tool_", '{"name": 3}', '{"name": "g", "parameters": {}}']
+LLAMA_PARTS = ["<|python_tag|>", "{", "}", '{"name": "f", "parameters": {"x": "}"}}', '"', "\\", ";", " ", "\n", "\r",
+               "text", '{"name": "g"}', "<|py", "thon_tag|>", '{"a": [1, {"b": "\\"}"}]}']
+
+
+def _pieces(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({min(c, len(text)) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+
+
+@pytest.mark.parametrize(("parser", "reference", "parts"), [
+    (HermesParser, reference_hermes, HERMES_PARTS), (Llama3JsonParser, reference_llama3, LLAMA_PARTS)])
+def test_incremental_parsers_agree_with_the_whole_answer_parsers_however_the_text_is_cut(
+    parser: type[ToolCallParser], reference: Any, parts: list[str]
+) -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=400)
+    @given(st.lists(st.sampled_from(parts), max_size=10), st.text(" ", max_size=2),
+           st.lists(st.integers(0, 200), max_size=8))
+    def check(chosen: list[str], lead: str, cuts: list[int]) -> None:
+        text = lead + "".join(chosen)
+        expected = reference(text)
+        assert parser().parse(text) == expected
+        content, calls, _ = stream_through(parser, _pieces(text, cuts))
+        whole_content, whole_calls, _ = stream_through(parser, [text])
+        assert (content, calls) == (whole_content, whole_calls)
+        assert tuple(calls) == expected.calls
+        if not expected.calls:
+            assert content == text
+
+    check()
+
+
+def test_a_parser_with_only_parse_streams_through_the_default_feed_and_finish() -> None:
+    """A plugin's parser that implements only parse (the API before feed and finish) works
+    unchanged: the default feed keeps the pieces and finish parses them whole."""
+
+    class Whole(ToolCallParser):
+        name = "whole"
+        markers = ("<c>",)
+
+        def parse(self, text: str) -> ParsedToolCalls:
+            calls = tuple(ToolCall.of(n, {}) for n in text.split("<c>")[1:])
+            return ParsedToolCalls(None, calls) if calls else ParsedToolCalls(text)
+
+    content, calls, _ = stream_through(Whole, ["Hi ", "<", "c>a<c", ">b"])
+    assert content == "Hi " and [c.name for c in calls] == ["a", "b"]
+    assert stream_through(Whole, ["no call"])[:2] == ("no call", [])

@@ -231,7 +231,7 @@ class Engine:
                 self._group.run("warm_up")
                 self.warm_up_seconds = time.perf_counter() - started
             self.eos_token_ids = eos_token_ids(hf, Path(config.checkpoint))
-            self._text = TextSide(config.checkpoint, self.eos_token_ids)  # tokenizer, chat template: on first use
+            self._text = TextSide(config.checkpoint, self.eos_token_ids, self.max_model_len)  # tokenizer, template: on first use
             vocab = hf.get("vocab_size")
             self.vocab_size = vocab if isinstance(vocab, int) else None
             self._allocator = BlockAllocator(self.num_kv_blocks)

@@ -18,10 +18,17 @@ registered like the model itself::
         registry.register_tool_parser(MyParser)
 
 ``rtpcore serve --tool-call-parser my_family`` then parses every answer to a request with
-``tools`` and ``tool_choice: "auto"``. Streaming needs nothing more: text streams as
-content until it may be a marker's start (``markers`` anywhere, ``prefix_markers`` only at
-the start of the answer; ``""`` among them holds every answer), then the server holds the
-rest and calls :meth:`parse` on it when the answer ends.
+``tools`` and ``tool_choice: "auto"``. Text streams as content until it may be a marker's
+start (``markers`` anywhere, ``prefix_markers`` only at the start of the answer, after blanks;
+``""`` among them holds every answer); from the marker on, the server hands the parser each
+new piece of text (:meth:`ToolCallParser.feed`), streams the calls it returns at once, and
+asks it for the rest when the answer ends (:meth:`ToolCallParser.finish`).
+
+A parser that implements only :meth:`~ToolCallParser.parse` works as is: the default ``feed``
+keeps the pieces and the default ``finish`` parses them once, whole. A parser that overrides
+``feed`` and ``finish`` makes its work per piece bounded by the piece, not by the text so
+far (docs/design.md §17: the server parses on its event loop, and an answer can hold tens of
+thousands of markers); the built-in ``hermes`` and ``llama3_json`` parsers do.
 """
 
 from __future__ import annotations
@@ -77,6 +84,27 @@ class ToolCallParser:
     def parse(self, text: str) -> ParsedToolCalls:
         """The calls in a whole answer. Text that is not a well-formed call stays content."""
         raise NotImplementedError
+
+    def feed(self, text: str) -> tuple[ToolCall, ...]:
+        """Streaming: the next piece of the answer, from the marker that started a call on
+        (the text before it went out as content). Returns the calls this piece completed
+        that nothing later in the answer can change (the server streams them at once); the
+        rest waits for :meth:`finish`. An override examines each character a bounded number
+        of times. This default keeps the piece for :meth:`finish`."""
+        self._fed().append(text)
+        return ()
+
+    def finish(self) -> ParsedToolCalls:
+        """The answer ended: its content (of the text fed) and the calls :meth:`feed` did not
+        return. This default: :meth:`parse` of the text fed, whole."""
+        fed = self._fed()
+        text = "".join(fed)
+        fed.clear()
+        return self.parse(text)
+
+    def _fed(self) -> list[str]:
+        pieces: list[str] = self.__dict__.setdefault("_fed_pieces", [])
+        return pieces
 
     @property
     def tool_names(self) -> list[str]:

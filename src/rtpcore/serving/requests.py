@@ -138,10 +138,12 @@ def render_chat(served: Served, body: ChatCompletionRequest) -> Prompt:
 
 def render_messages(served: Served, messages: Sequence[ChatMessage], *, add_generation_prompt: bool,
                     continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-                    template_kwargs: dict[str, Any], reserved_in: Mapping[str, Any]) -> Prompt:
+                    template_kwargs: dict[str, Any], reserved_in: Mapping[str, Any],
+                    check_length: bool = True) -> Prompt:
     """``messages`` rendered by the chat template and encoded (/v1/chat/completions, /tokenize),
     each refusal a 400 naming its field: no template, a variable of ``reserved_in`` (the
-    client's ``chat_template_kwargs``) the request sets itself, the template's own failure."""
+    client's ``chat_template_kwargs``) the request sets itself, the template's own failure, and
+    (``check_length``) a rendered text certain to be over max_model_len tokens, unencoded."""
     if not served.has_chat_template:
         raise ApiError(400, "this model has no chat template (chat_template.jinja or tokenizer_config.json's "
                             "chat_template); use /v1/completions", param="messages")
@@ -153,6 +155,7 @@ def render_messages(served: Served, messages: Sequence[ChatMessage], *, add_gene
         return served.text.render_conversation(
             [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools, template_kwargs=template_kwargs,
+            check_length=check_length,
         )
     except ChatTemplateError as exc:
         raise ApiError(400, f"messages: {exc}", param="messages") from None

@@ -67,6 +67,8 @@ class Served:
         if self.no_tokenizer is not None:
             self.text = self.text.without_tokenizer()
         self.tokenizer: Tokenizer | None = self.text.tokenizer  # loaded now: a broken one ends the start
+        if self.tokenizer is not None:  # read once now, not by the first request (TextSide.check_length)
+            _ = self.tokenizer.max_chars_per_token
         self.has_chat_template = self.text.has_chat_template  # none: chat completions are a 400
         self.model_name = model_name
         self.api_key = api_key

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from rtpcore.plugins.tool_parser import ToolCall
@@ -39,14 +39,20 @@ class Tools:
 
 class ToolStream:
     """One choice's text -> content and tool-call deltas, as it streams (``feed``) and at its
-    end (``finish``); ``calls`` holds the calls found."""
+    end (``finish``); ``calls`` holds the calls found. The work per piece of text is bounded by
+    the piece (docs/design.md §17; this runs on the event loop): before a marker, only what may
+    be a marker's start is held back (and, at the answer's start, the blanks before it); from
+    the marker on, each piece goes to the parser (``ToolCallParser.feed``), whose calls stream
+    as they complete."""
 
     def __init__(self, tools: Tools):
         self.tools = tools
         self.calls: list[ToolCall] = []
         self.ids: list[str] = []
-        self._held = ""  # text that may be (the start of) a call
-        self._holding = False  # a marker was seen: everything from it on waits for the end
+        self._held = ""  # auto: text that may be (the start of) a call, before a marker was seen
+        self._blank = True  # auto: _held is all blanks (what a prefix marker may follow)
+        self._pieces: list[str] = []  # named, required: the output so far, read at the end
+        self._holding = False  # auto: a marker was seen; everything from it on goes to the parser
         self._started = False  # named: the call's header was sent
         self._sent = 0  # text seen so far (to know whether a prefix marker is at the start)
         self._parser: Any = tools.parser(tools.tools) if tools.parser is not None else None
@@ -60,65 +66,79 @@ class ToolStream:
                 self.ids.append(_call_id())
                 pieces.append({"index": 0, "id": self.ids[0], "type": "function",
                                "function": {"name": self.tools.name, "arguments": ""}})
-            self._held += text
+            self._pieces.append(text)
             if text:
                 pieces.append({"index": 0, "function": {"arguments": text}})
             return "", pieces
-        if mode == "required" or self._holding:
+        if mode == "required":
+            self._pieces.append(text)
+            return "", []
+        parser = self._parser
+        if self._holding:
+            return "", self._found(parser.feed(text)) if text else []
+        # auto: stream content until it may be a call
+        at_start = self._sent == 0
+        if at_start and self._blank and not text.strip():  # blanks at the start: held, as a prefix marker may follow
             self._held += text
             return "", []
-        # auto: stream content until it may be a call
         held = self._held + text
-        parser = self._parser
-        at_start = self._sent == 0
-        cut = _marker_cut(held, parser.markers, parser.prefix_markers if at_start else ())
+        prefix = parser.prefix_markers if at_start else ()
+        cut = _marker_cut(held, parser.markers, prefix)
+        calls: list[dict[str, Any]] = []
         if cut is None:
-            keep = _partial_marker(held, parser.markers, parser.prefix_markers if at_start else ())
+            keep = _partial_marker(held, parser.markers, prefix)
             out, self._held = held[: len(held) - keep], held[len(held) - keep :]
         else:
-            out, self._held, self._holding = held[:cut], held[cut:], True
+            out, self._held, self._holding = held[:cut], "", True
+            calls = self._found(parser.feed(held[cut:]))
         self._sent += len(out)
-        return out, []
+        self._blank = self._sent == 0 and not self._held.strip()
+        return out, calls
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """What was held back: the content after the calls, and the calls (not for "named",
-        whose pieces already went out)."""
-        mode, text = self.tools.mode, self._held
-        self._held = ""
-        if mode == "named":
-            self.calls = [ToolCall(str(self.tools.name), text)] if _is_json_object(text) else []
-            return "", []
-        if mode == "required":
+        """What was held back: the content after the calls, and the calls not streamed yet
+        (none for "named", whose pieces already went out)."""
+        mode = self.tools.mode
+        if mode in ("named", "required"):
+            text, self._pieces = "".join(self._pieces), []
+            if mode == "named":
+                self.calls = [ToolCall(str(self.tools.name), text)] if _is_json_object(text) else []
+                return "", []
             try:
                 items = json.loads(text)
-            except json.JSONDecodeError:  # cut short (max_tokens): no call
+            except (ValueError, RecursionError):  # cut short (max_tokens): no call
                 return text, []
-            self.calls = [ToolCall.of(i["name"], i.get("parameters", {})) for i in items
-                          if isinstance(i, dict) and isinstance(i.get("name"), str)]
-            content = ""
-        else:
-            parsed = self._parser.parse(text) if self._holding else None
-            if parsed is None or not parsed.calls:
+            if not isinstance(items, list):
                 return text, []
-            self.calls = list(parsed.calls)
-            content = parsed.content or ""
-        self.ids = [_call_id() for _ in self.calls]
-        return content, self.call_objects(indexed=True)
+            return "", self._found(ToolCall.of(i["name"], i.get("parameters", {})) for i in items
+                                   if isinstance(i, dict) and isinstance(i.get("name"), str))
+        if not self._holding:
+            rest, self._held = self._held, ""
+            return rest, []
+        parsed = self._parser.finish()  # without any call, its content is the whole text fed
+        return parsed.content or "", self._found(parsed.calls)
 
-    def call_objects(self, indexed: bool = False) -> list[dict[str, Any]]:
-        """The calls as OpenAI's ``tool_calls`` (``index`` added for stream deltas)."""
+    def _found(self, calls: Iterable[ToolCall]) -> list[dict[str, Any]]:
+        """Record new calls; their stream pieces, each whole (``index``, ``id``, ``type``,
+        ``function``)."""
         out = []
-        for i, (call, call_id) in enumerate(zip(self.calls, self.ids, strict=True)):
-            obj: dict[str, Any] = {"id": call_id, "type": "function",
-                                   "function": {"name": call.name, "arguments": call.arguments}}
-            out.append({"index": i, **obj} if indexed else obj)
+        for call in calls:
+            self.calls.append(call)
+            self.ids.append(_call_id())
+            out.append({"index": len(self.calls) - 1, "id": self.ids[-1], "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments}})
         return out
+
+    def call_objects(self) -> list[dict[str, Any]]:
+        """The calls as OpenAI's ``tool_calls`` of a whole message."""
+        return [{"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                for call, call_id in zip(self.calls, self.ids, strict=True)]
 
 
 def _is_json_object(text: str) -> bool:
     try:
         return isinstance(json.loads(text), dict)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return False
 
 

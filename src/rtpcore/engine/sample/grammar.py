@@ -161,6 +161,7 @@ class GrammarCompiler:
         self._forcing = set(table.tokens) >= {bytes([b]) for b in range(256)}  # every byte a token (_after)
         table.greedy = self.tokenizer.greedy_tokenize
         self._cache: OrderedDict[str, Grammar | str] = OrderedDict()  # a str: why it was refused
+        self._compiling: dict[str, threading.Event] = {}  # keys being compiled now; set once cached
         self._lock = threading.Lock()
 
     def json_object(self) -> Grammar:
@@ -210,16 +211,32 @@ class GrammarCompiler:
 
     def _compiled(self, cache_key: str, make_text: Any, source: str, field: str, value: Any, kind: str) -> Grammar:
         """The grammar ``make_text()`` writes, compiled, validated and probed once per key (a
-        refusal is cached too: the same request is refused again without compiling)."""
+        refusal is cached too: the same request is refused again without compiling). A call
+        for a key another thread is compiling waits for that compile instead of repeating it
+        (the same large schema sent by many clients at once is compiled once)."""
+        while True:
+            with self._lock:
+                found = self._cache.get(cache_key)
+                if found is not None:
+                    self._cache.move_to_end(cache_key)
+                    if isinstance(found, str):  # refused before: the same answer, not compiled again
+                        raise InvalidRequestError(found, field=field, value=value)
+                    return found
+                compiling = self._compiling.get(cache_key)
+                if compiling is None:  # this call compiles it; the calls for it meanwhile wait
+                    compiling = self._compiling[cache_key] = threading.Event()
+                    break
+            compiling.wait()  # then the cache holds its result (or, if it raised, this call compiles)
+        try:
+            return self._compile(cache_key, make_text, source, field, value, kind)
+        finally:
+            with self._lock:
+                del self._compiling[cache_key]
+            compiling.set()
+
+    def _compile(self, cache_key: str, make_text: Any, source: str, field: str, value: Any, kind: str) -> Grammar:
         import llguidance
 
-        with self._lock:
-            found = self._cache.get(cache_key)
-            if found is not None:
-                self._cache.move_to_end(cache_key)
-                if isinstance(found, str):  # refused before: the same answer, not compiled again
-                    raise InvalidRequestError(found, field=field, value=value)
-                return found
         try:
             text = _after(self.text_start, make_text(), forcing=self._forcing)
             problem = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)

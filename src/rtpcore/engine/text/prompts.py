@@ -144,9 +144,10 @@ class TextSide:
     the tokenizer's ``eos_token`` (:attr:`tokenizer_eos`; ``output_processor.PromptRun`` does,
     offline and on the server)."""
 
-    def __init__(self, path: str | Path, eos_token_ids: Sequence[int]):
+    def __init__(self, path: str | Path, eos_token_ids: Sequence[int], max_model_len: int | None = None):
         self.path = Path(path)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len  # texts certain to encode past it are refused unencoded (check_length)
         self._lock = threading.Lock()
         self._tokenizer: Any = _UNSET
         self._template: Any = _UNSET
@@ -155,7 +156,7 @@ class TextSide:
         """This text side with neither tokenizer nor chat template, however the checkpoint
         has them: prompts are token ids and outputs have no text (``rtpcore serve
         --skip-tokenizer-init``)."""
-        side = TextSide(self.path, self.eos_token_ids)
+        side = TextSide(self.path, self.eos_token_ids, self.max_model_len)
         side._tokenizer = None
         side._template = None
         return side
@@ -208,8 +209,10 @@ class TextSide:
             )
         return template
 
-    def encode(self, items: Sequence[str | list[int]]) -> list[Prompt]:
-        """Each item as a :class:`Prompt`: text encoded with the checkpoint's BOS rule."""
+    def encode(self, items: Sequence[str | list[int]], *, field: str = "prompts") -> list[Prompt]:
+        """Each item as a :class:`Prompt`: text encoded with the checkpoint's BOS rule. A text
+        certain to encode past ``max_model_len`` tokens is refused before it is encoded
+        (:meth:`check_length`; ``field`` names it)."""
         out = []
         for i, item in enumerate(items):
             if isinstance(item, str):
@@ -220,6 +223,7 @@ class TextSide:
                         f"tokenizer ({str(self.path / 'tokenizer.json')!r} is missing) to encode it",
                         field="prompts", value=item,
                     )
+                self.check_length(item, field, "prompt" if len(items) == 1 else f"prompt {i}")
                 out.append(Prompt(item, tuple(tok.encode(item, add_special_tokens=True))))
             else:
                 out.append(Prompt(None, tuple(item)))
@@ -261,13 +265,16 @@ class TextSide:
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        check_length: bool = True,
     ) -> Prompt:
         """One conversation rendered by the chat template (``tools`` and ``template_kwargs``
         reach it; the caller keeps :data:`RESERVED_TEMPLATE_KWARGS` out of the latter) and
         encoded without adding special tokens (the template wrote them): what :meth:`render`
         and ``/v1/chat/completions`` run. ``continue_final_message``: the text ends with the
         last message's content, cut before what the template closes it with, so that the model
-        continues it. The template's own failure is a
+        continues it. ``check_length``: a rendered text certain to encode past ``max_model_len``
+        tokens is refused before it is encoded (:meth:`check_length`, field ``messages``; False
+        for a caller that only counts tokens). The template's own failure is a
         :class:`~rtpcore.errors.ChatTemplateError` (the caller says which conversation); no
         template, no tokenizer, or a template that does not write the last message's content
         verbatim is an InvalidRequestError naming the field."""
@@ -282,7 +289,30 @@ class TextSide:
                 raise InvalidRequestError("continue_final_message: the chat template does not render the last "
                                           "message's content verbatim", field="continue_final_message")
             text = text[: end + len(content)]
+        if check_length:
+            self.check_length(text, "messages", "rendered conversation")
         return Prompt(text, tuple(tok.encode(text, add_special_tokens=False)))
+
+    def check_length(self, text: str, field: str, what: str = "prompt") -> None:
+        """Refuse, before it is encoded, a text that encodes to more than ``max_model_len``
+        tokens however it is split: its characters divided by the most characters one token
+        stands for (:attr:`Tokenizer.max_chars_per_token
+        <rtpcore.engine.text.tokenizer.Tokenizer.max_chars_per_token>`, computed once per
+        tokenizer) already exceed ``max_model_len``. An InvalidRequestError naming ``field``
+        (``code`` "context_length_exceeded"); nothing when no bound holds for the tokenizer, or
+        without ``max_model_len``. Encoding megabytes of text costs seconds of CPU, and such a
+        prompt would be refused once encoded."""
+        tok = self.tokenizer
+        limit = self.max_model_len
+        chars = tok.max_chars_per_token if tok is not None else None
+        if limit is None or chars is None or len(text) <= chars * limit:
+            return
+        at_least = -(-len(text) // chars)
+        raise InvalidRequestError(
+            f"This model's maximum context length is {limit} tokens (max_model_len), and the {what} of "
+            f"{len(text)} characters is at least {at_least} tokens (no token of this tokenizer stands for more "
+            f"than {chars} characters): shorten it", field=field, value=len(text), code="context_length_exceeded",
+        )
 
 
 def _template_kwargs(value: Any) -> dict[str, Any]:

@@ -125,8 +125,15 @@ class Tokenizer:
 
     # -- ids ---------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; with ``add_special_tokens`` the checkpoint's BOS/EOS rule applies."""
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text``; with ``add_special_tokens`` the checkpoint's BOS/EOS rule applies.
+
+        Encoded by the ``tokenizers`` batch encoder (``encode_batch_fast``, else ``encode_batch``;
+        the ids are ``encode``'s), which releases the GIL while it works: a long prompt encoded in
+        a worker thread leaves the other threads -- the server's event loop -- running. A single
+        ``encode`` holds the GIL throughout (seconds for a few megabytes of text)."""
+        backend = self._backend
+        batch = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+        return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; special tokens are left out unless ``skip_special_tokens`` is False."""
@@ -266,6 +273,25 @@ class Tokenizer:
         those ``tokenizer_config.json`` declares)."""
         return frozenset(int(i) for i in self._backend.get_added_tokens_decoder())
 
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters of input text one token can stand for, or None when no bound
+        holds. Read once from ``tokenizer.json``: the longest vocabulary entry or added token
+        (an entry spells at least as many characters as it covers: a byte-level BPE entry
+        spells its bytes, a byte-fallback ``<0xE2>`` six characters for one byte), times how
+        many characters the normalizer can fold into one (NFC and NFKC compose at most four
+        code points into one; a ``Replace`` of a string by a shorter one folds by their ratio).
+        None where text can vanish or one token can cover any run of it: a normalizer that
+        strips (``Strip``, ``StripAccents``, BERT's, a precompiled SentencePiece map, a regex
+        ``Replace``), a pre-tokenizer that drops what it splits on (whitespace splitting,
+        ``Removed`` behaviour), an added token that swallows the blanks beside it (``lstrip``,
+        ``rstrip``), a model whose unknown token stands for a whole word or a fused run
+        (WordPiece, WordLevel, Unigram without byte fallback, BPE with ``fuse_unk``), or a BPE
+        that drops characters it has no entry for. ``TextSide.check_length`` divides a
+        prompt's characters by it."""
+        config = json.loads(self._backend.to_str())
+        return _max_chars_per_token(config, self._backend.get_vocab(with_added_tokens=True))
+
     @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
@@ -305,6 +331,92 @@ def _byte_level_decoder() -> dict[str, int]:
             table[chr(256 + shifted)] = b
             shifted += 1
     return table
+
+
+_KEEPING_NORMALIZERS = frozenset({"NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"})  # never shorten text
+_COMPOSING_NORMALIZERS = frozenset({"NFC", "NFKC"})
+_COMPOSED = 4  # code points composition folds into one at most: the longest canonical decomposition
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"})
+
+
+def _max_chars_per_token(config: Mapping[str, Any], vocab: Iterable[str]) -> int | None:
+    """:attr:`Tokenizer.max_chars_per_token` from a parsed ``tokenizer.json`` and its vocabulary
+    (added tokens included)."""
+    fold = _fold(config.get("normalizer"))
+    if fold is None or not _keeps_text(config.get("pre_tokenizer")):
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in config.get("added_tokens") or () if isinstance(t, dict)):
+        return None
+    entries = list(vocab)
+    if not entries or not _covers_every_character(config, entries):
+        return None
+    return max(len(e) for e in entries) * fold
+
+
+def _fold(normalizer: Any) -> int | None:
+    """How many input characters ``normalizer`` can make into one (None: unbounded)."""
+    if normalizer is None:
+        return 1
+    if not isinstance(normalizer, Mapping):
+        return None
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers") or ():
+            f = _fold(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in _KEEPING_NORMALIZERS:
+        return 1
+    if kind in _COMPOSING_NORMALIZERS:
+        return _COMPOSED
+    if kind == "Replace":
+        pattern, content = (normalizer.get("pattern") or {}).get("String"), normalizer.get("content")
+        if isinstance(pattern, str) and pattern and isinstance(content, str) and content:
+            return max(1, -(-len(pattern) // len(content)))
+    return None
+
+
+def _keeps_text(pre_tokenizer: Any) -> bool:
+    """Whether ``pre_tokenizer`` hands on every character it is given."""
+    if pre_tokenizer is None:
+        return True
+    if not isinstance(pre_tokenizer, Mapping):
+        return False
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in pre_tokenizer.get("pretokenizers") or ())
+    if kind in ("Split", "Punctuation"):
+        return pre_tokenizer.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def _covers_every_character(config: Mapping[str, Any], vocab: list[str]) -> bool:
+    """Whether the model gives every character a token of its own or part of one (never one
+    unknown token for a run of them, never nothing)."""
+    model = config.get("model") or {}
+    kind = model.get("type")
+    if kind == "Unigram":
+        return bool(model.get("byte_fallback"))
+    if kind != "BPE":
+        return False  # WordPiece, WordLevel: one unknown token stands for a whole word
+    if model.get("byte_fallback"):
+        return True
+    if model.get("unk_token") is not None:
+        return not model.get("fuse_unk")
+    # No unknown token: a character without an entry is dropped, unless byte-level BPE has every byte.
+    byte_level = any(_has_type(config.get(part), "ByteLevel") for part in ("normalizer", "pre_tokenizer"))
+    return byte_level and set(_byte_level_decoder()) <= set(vocab)
+
+
+def _has_type(node: Any, kind: str) -> bool:
+    if not isinstance(node, Mapping):
+        return False
+    if node.get("type") == kind:
+        return True
+    return any(_has_type(p, kind) for key in ("normalizers", "pretokenizers") for p in node.get(key) or ())
 
 
 def _no_word_cache(backend: Any) -> None:

@@ -1,4 +1,5 @@
-"""``POST /v1/completions``: a prompt (text, encoded in a worker thread, or token ids) and its
+"""``POST /v1/completions``: a prompt (text, encoded in a worker thread by the batch encoder, which
+releases the GIL, after a check of its length in characters; or token ids) and its
 ``response_format`` grammar -> SamplingParams -> the answer, whole or streamed."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from rtpcore.engine.text.prompts import Prompt
+from rtpcore.errors import InvalidRequestError
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.protocol import CompletionRequest
 from rtpcore.serving.requests import (
@@ -32,7 +34,10 @@ async def completions(body: CompletionRequest, request: Request, served: ServedD
     check_limits(served, body)
     check_text_needs(served, body)
     if isinstance(body.prompt, str):  # encoded as Engine.generate encodes text (the checkpoint's BOS rule)
-        prompt = (await asyncio.to_thread(served.text.encode, [body.prompt]))[0]
+        try:  # a text certain to be over max_model_len tokens is refused unencoded (TextSide.check_length)
+            prompt = (await asyncio.to_thread(served.text.encode, [body.prompt], field="prompt"))[0]
+        except InvalidRequestError as exc:
+            raise ApiError.invalid_request(exc) from None
     else:
         prompt = Prompt(None, tuple(body.prompt))
         if served.vocab_size is not None and max(prompt.token_ids) >= served.vocab_size:

@@ -35,7 +35,8 @@ def _encode(served: Served, body: TokenizeRequest) -> list[int]:
     assert body.messages is not None
     kwargs = body.chat_template_kwargs or {}
     prompt = render_messages(served, body.messages, add_generation_prompt=body.add_generation_prompt is not False,
-                             template_kwargs=dict(kwargs), reserved_in=kwargs)
+                             template_kwargs=dict(kwargs), reserved_in=kwargs,
+                             check_length=False)  # counted, not run: over max_model_len is counted too
     return list(prompt.token_ids)
 
 
