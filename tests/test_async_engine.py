@@ -32,6 +32,7 @@ TIMEOUT = 300.0  # a bound against hanging, never a speed requirement
 GEN = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(0, 128, (n,), generator=GEN).tolist() for n in (3, 17, 1, 2, 6, 9, 4, 12, 5, 8, 2, 14, 7, 3, 10, 1)]
 NEW = 12
+LONG = 200  # a request that runs for many steps
 
 
 def run(coro: Coroutine[Any, Any, T], timeout: float = TIMEOUT) -> T:
@@ -198,6 +199,54 @@ def test_a_consumer_that_stops_aborts_its_request(ckpt: Path) -> None:
             await until(lambda: idle(engine), "the dropped stream's blocks")
             finished = engine.stats().requests_finished_total
             assert finished == 3
+
+    run(main())
+
+
+def test_a_paused_request_is_not_scheduled_holds_no_blocks_and_resumes_where_it_stopped(
+    ckpt: Path, alone: list[list[int]],
+) -> None:
+    """set_paused(True): the request leaves the batch with its blocks at the next step, others run
+    past it (no output for it meanwhile), it counts as paused, not waiting; resumed, its tokens
+    are those it would have had alone."""
+
+    async def main() -> None:
+        with Engine.from_pretrained(ckpt, tokens_per_block=4) as e:
+            reference = e.generate([PROMPTS[1]], max_new_tokens=LONG, stop_token_ids=[])[0]
+        async with AsyncEngine.from_pretrained(ckpt, tokens_per_block=4, max_batch_size=2) as engine:
+            paused = engine.stream(PROMPTS[1], greedy(LONG))
+            first = await paused.__anext__()
+            assert engine.set_paused(paused.request_id, True) and paused.set_paused(True)
+            await until(lambda: engine.stats().running == 0, "the paused request to leave the batch")
+            s = engine.stats()
+            assert (s.paused, s.waiting, s.kv_blocks_free) == (1, 0, s.kv_blocks_total)
+            before = paused._queue.qsize()  # outputs of the steps before the pause took effect
+            # Two others run to their end, through both batch slots, past the paused one.
+            others = await asyncio.gather(*(collect(engine.stream(PROMPTS[i], greedy(NEW))) for i in (2, 3)))
+            assert [t for t, _ in others] == [alone[2], alone[3]]
+            assert paused._queue.qsize() == before, "the paused request was scheduled"
+            assert paused.set_paused(False)
+            tokens, last = await collect(paused)
+            assert list(first.token_ids) + tokens == reference and last.finish_reason == "length"
+            assert engine.stats().paused == 0 and not engine.set_paused(paused.request_id, True)
+            await until(lambda: idle(engine), "every block back")
+
+    run(main())
+
+
+def test_paused_requests_do_not_fill_the_waiting_queue(ckpt: Path) -> None:
+    """max_waiting counts the requests waiting to run: a paused one set aside is not among them."""
+
+    async def main() -> None:
+        async with AsyncEngine.from_pretrained(ckpt, tokens_per_block=4, max_batch_size=1, max_waiting=1) as engine:
+            held = engine.stream(PROMPTS[0], greedy(200))
+            await held.__anext__()
+            held.set_paused(True)
+            await until(lambda: engine.stats().running == 0, "the paused request to be set aside")
+            tokens, _ = await collect(engine.stream(PROMPTS[2], greedy(2)))  # not refused as a full queue
+            assert len(tokens) == 2
+            await held.aclose()
+            await until(lambda: idle(engine), "every block back")
 
     run(main())
 

@@ -186,7 +186,7 @@ def test_the_metrics_expose_the_overlap_counters() -> None:
     from rtpcore.serving.metrics import ServerMetrics
 
     text = ServerMetrics(lambda: {"kv_blocks_total": 1, "kv_blocks_free": 1, "kv_blocks_cached": 0, "running": 0,
-                                  "waiting": 0, "greedy_picked_steps_total": 5, "overlapped_steps_total": 4,
+                                  "waiting": 0, "paused": 0, "greedy_picked_steps_total": 5, "overlapped_steps_total": 4,
                                   "async_fallback_steps_total": 3, "async_discarded_tokens_total": 2}).render().decode()
     for line in ("rtpcore_greedy_picked_steps_total 5.0", "rtpcore_overlapped_steps_total 4.0",
                  "rtpcore_async_fallback_steps_total 3.0", "rtpcore_async_discarded_tokens_total 2.0"):

@@ -211,3 +211,37 @@ def test_twelve_requests_arriving_together_on_a_96_block_pool_all_run_then_the_n
     assert s.preemptions_total > 0  # ... until the pool fills, and the newest give way
     assert reqs[0] in s.running and all(r.status is RequestStatus.WAITING for r in s.waiting)
     assert sum(len(r.blocks) for r in s.running) <= 96
+
+
+def test_a_paused_request_is_set_aside_without_blocks_and_passed_over_keeping_its_place() -> None:
+    """A running request paused: the next plan sets it aside (its blocks released, waiting at the head,
+    not a preemption), the requests behind it are admitted past it, and once resumed it is admitted
+    again before later arrivals."""
+    s = Scheduler(KVManager(BlockAllocator(8), 4), max_batch_size=1, max_num_batched_tokens=64)
+    s.watermark = 0
+    a, b, c = request("a", 8), request("b", 4), request("c", 4)
+    s.waiting.append(a)
+    run(s)
+    assert s.running == [a] and len(a.blocks) == 2
+    s.waiting.extend([b, c])
+    a.paused = True
+    plan = run(s)  # the one batch slot goes to b, past a
+    assert [q.request for q in plan.seqs] == [b] and plan.preempted == () and s.preemptions_total == 0
+    assert a.blocks == [] and a.num_cached == 0 and list(s.waiting) == [a, c] and a.status is RequestStatus.WAITING
+    assert s.has_unpaused  # b runs, c waits
+    s.running.remove(b)  # b ends
+    b.status = RequestStatus.FINISHED
+    s.kv.release(b)
+    a.paused = False
+    assert [q.request for q in run(s).seqs] == [a]  # resumed: first in line again, recomputing all it holds
+    assert list(s.waiting) == [c] and a.num_cached == 9
+
+
+def test_with_only_paused_requests_nothing_is_planned_and_nothing_preempted() -> None:
+    s = Scheduler(KVManager(BlockAllocator(8), 4), max_batch_size=4, max_num_batched_tokens=64)
+    a = request("a", 5)
+    s.waiting.append(a)
+    run(s)
+    a.paused = True
+    plan = run(s)
+    assert plan.seqs == () and plan.preempted == () and not s.has_unpaused and s.kv.pool.num_free == 8

@@ -371,10 +371,12 @@ def test_health_is_503_from_the_moment_the_engine_loop_breaks(checkpoint: Path) 
 
 
 def test_the_command_line_defaults_are_the_servers() -> None:
-    """rtpcore serve's --header-timeout and --max-connections defaults (written in the CLI, which
-    does not import uvicorn for --help) are rtpcore.serving.server's."""
+    """rtpcore serve's --header-timeout, --max-connections, --stream-idle-timeout and
+    --stream-buffer-bytes defaults (written in the CLI, which does not import uvicorn for --help)
+    are rtpcore.serving's."""
     from rtpcore.cli import _serve
-    from rtpcore.serving import server
+    from rtpcore.serving import server, state
 
-    assert (_serve.DEFAULT_HEADER_TIMEOUT, _serve.DEFAULT_MAX_CONNECTIONS) == (
-        server.DEFAULT_HEADER_TIMEOUT, server.DEFAULT_MAX_CONNECTIONS)
+    assert (_serve.DEFAULT_HEADER_TIMEOUT, _serve.DEFAULT_MAX_CONNECTIONS, _serve.DEFAULT_STREAM_IDLE_TIMEOUT) == (
+        server.DEFAULT_HEADER_TIMEOUT, server.DEFAULT_MAX_CONNECTIONS, server.DEFAULT_STREAM_IDLE_TIMEOUT)
+    assert _serve.DEFAULT_STREAM_BUFFER_BYTES == state.DEFAULT_STREAM_BUFFER_BYTES

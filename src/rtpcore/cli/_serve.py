@@ -41,6 +41,8 @@ __all__ = ["API_KEY_ENV", "add_parser", "api_key"]
 API_KEY_ENV = "RTPCORE_API_KEY"
 DEFAULT_HEADER_TIMEOUT = 10.0  # rtpcore.serving.server's (not imported here: --help stays light)
 DEFAULT_MAX_CONNECTIONS = 2048
+DEFAULT_STREAM_IDLE_TIMEOUT = 300.0
+DEFAULT_STREAM_BUFFER_BYTES = 768 << 10  # rtpcore.serving.state's
 
 
 def _port(text: str) -> int:
@@ -139,6 +141,13 @@ def add_parser(subparsers: Any) -> None:
                    help="close a connection whose request headers have not all come S seconds after it "
                    "opened or after its previous answer; a request body that stops arriving for S seconds "
                    "is answered 408 (default: %(default)s)")
+    p.add_argument("--stream-buffer-bytes", type=parse_bytes, default=DEFAULT_STREAM_BUFFER_BYTES, metavar="BYTES",
+                   help="unsent bytes a streamed answer may hold (its client reads slower than the model "
+                   "writes) before its requests pause, holding no KV blocks, until the client reads again "
+                   "(default: %(default)s, 768KiB)")
+    p.add_argument("--stream-idle-timeout", type=_positive_seconds, default=DEFAULT_STREAM_IDLE_TIMEOUT, metavar="S",
+                   help="abort a connection whose client has read nothing of its answer for S seconds, and "
+                   "its requests with it, freeing their KV blocks (default: %(default)s)")
     p.add_argument("--max-connections", type=positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
                    help="with more than N connections open, every request but /health is answered 503 "
                    "(default: %(default)s)")
@@ -215,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
                             max_tools=args.max_tools, max_schema_bytes=args.max_schema_bytes),
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         header_timeout=args.header_timeout, max_connections=args.max_connections,
+                        stream_buffer_bytes=args.stream_buffer_bytes,
                         open_connections=lambda: server.open_connections if server is not None else 0, **limits)
     except BaseException:
         engine.close()
@@ -222,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     # log_config=None: uvicorn's loggers get no handlers of their own and propagate to the one
     # rtpcore.cli installed (one format on stderr); log_level sets theirs, access log included.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
-                            lifespan="on", http=protocol_class(args.header_timeout))
+                            lifespan="on", http=protocol_class(args.header_timeout, args.stream_idle_timeout))
     # uvicorn handles SIGTERM/SIGINT (drain, then stop) and afterwards re-raises the signal
     # to the handler it found: a no-op one here, so that a drained shutdown exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

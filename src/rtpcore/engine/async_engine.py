@@ -97,6 +97,11 @@ class RequestStream:
         """Abort the request unless it has finished."""
         self._abort()
 
+    def set_paused(self, paused: bool) -> bool:
+        """Pause the request (a consumer that cannot take more: it is not scheduled and gives
+        up its KV blocks) or resume it (:meth:`AsyncEngine.set_paused`)."""
+        return not self._done and self._engine.set_paused(self.request_id, paused)
+
     async def __aenter__(self) -> RequestStream:
         return self
 
@@ -270,6 +275,18 @@ class AsyncEngine:
         if children is not None:
             return any([self._abort_now(child) for child in children])
         return self._abort_now(request_id)
+
+    def set_paused(self, request_id: str, paused: bool) -> bool:
+        """Pause a request (every sequence of a :meth:`generate` request) or resume it. A paused
+        request is not scheduled from the next step on and holds no KV blocks nor batch slot;
+        resumed, it goes on where it stopped (recomputing what it held, from the prefix cache
+        when that is on). A consumer that reads slower than the engine writes -- a server's
+        stream whose client stopped reading -- pauses its request instead of buffering its
+        output without bound. False when no such request runs or waits. Callable from any
+        thread."""
+        children = self._groups.get(request_id)
+        ids = children if children is not None else [request_id]
+        return any([self._core.set_paused(i, paused) for i in ids])
 
     def abort_all(self) -> int:
         """End every request with finish_reason "abort" (a server's shutdown past its timeout);

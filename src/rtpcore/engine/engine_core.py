@@ -22,6 +22,11 @@ request to admit into a free slot, an abort, too few free blocks to grow every r
 one token -- is run synchronously after the pending one is committed, logged and counted
 (``async_fallback_steps_total``). The tokens are the synchronous engine's.
 
+A consumer that cannot take more output pauses its request (:meth:`~EngineCore.set_paused`: a
+server's stream whose client reads nothing): it is not scheduled, holds no blocks nor batch slot
+(the scheduler sets it aside), and resumes where it stopped -- its computed blocks found again
+in the prefix cache when that is on -- once its consumer resumes it.
+
 Steps are not reentrant: the caller serializes them (``Engine`` holds its step lock).
 Adding and aborting only take the core's short lock, so they never wait for a step.
 An abort of a request in the middle of a step takes effect when the step ends (its
@@ -52,7 +57,7 @@ from rtpcore.engine.core.block_pool import BlockAllocator, blocks_for
 from rtpcore.engine.core.kv_manager import KVManager
 from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
 from rtpcore.engine.core.prefix_cache import NoPrefixCache, PrefixCache
-from rtpcore.engine.core.request import FinishReason, Request, StepPlan
+from rtpcore.engine.core.request import FinishReason, Request, RequestStatus, StepPlan
 from rtpcore.engine.core.scheduler import Scheduler
 from rtpcore.engine.sample.params import SampledToken, SamplingParams
 from rtpcore.engine.sample.speculative import SpeculativeStats
@@ -166,6 +171,7 @@ class EngineCore:
         self._proposed = 0
         self._accepted = 0
         self._request_errors = 0
+        self._paused: set[Request] = set()
         self.async_scheduling = async_scheduling and greedy_forward is not None
         self._pending: InFlight | None = None  # the launched step not committed yet (async scheduling)
         self._overlapped = 0
@@ -253,9 +259,9 @@ class EngineCore:
                     f"request_id {request_id!r} is already in use by a running request",
                     field="request_id", value=request_id,
                 )
-            if max_waiting is not None and len(self.scheduler.waiting) >= max_waiting:
+            if max_waiting is not None and (waiting := self._num_waiting()) >= max_waiting:
                 raise QueueFullError(
-                    f"{len(self.scheduler.waiting)} requests already wait for admission "
+                    f"{waiting} requests already wait for admission "
                     f"(max_waiting={max_waiting}); retry later",
                     max_waiting=max_waiting,
                 )
@@ -277,6 +283,23 @@ class EngineCore:
             out = self._finish(r, FinishReason.ABORT)
         _deliver(r, out)
         return True
+
+    def set_paused(self, request_id: str, paused: bool) -> bool:
+        """Pause a request (it is not scheduled from the next step on, and gives up its blocks)
+        or resume it. False when no such request runs or waits. Callable from any thread."""
+        with self._cv:
+            r = self._requests.get(request_id)
+            if r is None:
+                return False
+            if paused != r.paused:
+                r.paused = paused
+                if paused:
+                    self._paused.add(r)
+                    self._set_aside_paused()
+                else:
+                    self._paused.discard(r)
+                    self._cv.notify_all()  # the loop may be asleep with only paused requests
+            return True
 
     def abort_all(self) -> int:
         """Abort every request; how many there were."""
@@ -419,7 +442,9 @@ class EngineCore:
             problem = "every request of the running step has finished"
         elif sched.running != requests:
             problem = "the running batch is not the running step's"
-        elif sched.waiting and len(sched.running) < sched.max_running:
+        elif any(r.paused for r in requests):
+            problem = "a running request was paused"
+        elif len(sched.running) < sched.max_running and any(not r.paused for r in sched.waiting):
             problem = "a waiting request may be admitted"
         elif sum(max(0, blocks_for(s.end + 1, sched.tpb) - len(s.request.blocks)) for _, s in live) > self.allocator.num_free:
             problem = "too few free blocks to grow every request by a token"
@@ -472,6 +497,7 @@ class EngineCore:
                     out = self._fail_alone(r, exc)
                 if out is not None:
                     outputs.append((r, out))
+            self._set_aside_paused()
             self._cv.notify_all()
         return outputs
 
@@ -543,7 +569,8 @@ class EngineCore:
         with self._cv:
             return EngineStats(
                 running=len(self.scheduler.running),
-                waiting=len(self.scheduler.waiting),
+                waiting=self._num_waiting(),
+                paused=len(self._paused),
                 kv_blocks_total=self.allocator.num_blocks,
                 kv_blocks_free=self.allocator.num_free,
                 generated_tokens_total=self._generated,
@@ -567,7 +594,18 @@ class EngineCore:
     # -- under the lock ----------------------------------------------------------------------
 
     def _has_work(self) -> bool:
-        return not self._closed and bool(self._requests)
+        return not self._closed and len(self._requests) > len(self._paused)
+
+    def _set_aside_paused(self) -> None:
+        """Take the paused requests that are in no step out of the batch, releasing their blocks
+        now (one in a step is set aside when the step is committed)."""
+        for r in self._paused:
+            if r.status is RequestStatus.RUNNING and r not in self._in_step_requests:
+                self.scheduler.set_aside(r)
+
+    def _num_waiting(self) -> int:
+        """Requests waiting for admission, the paused ones not counted."""
+        return len(self.scheduler.waiting) - sum(r.paused for r in self.scheduler.waiting)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -641,6 +679,7 @@ class EngineCore:
         r.finish_reason = reason
         self.scheduler.retire(r, cache=reason is not FinishReason.ERROR)
         self._requests.pop(r.request_id, None)
+        self._paused.discard(r)
         self._finished += 1
 
 

@@ -45,7 +45,7 @@ from rtpcore.serving.errors import ApiError, validation_body
 from rtpcore.serving.guard import Guard
 from rtpcore.serving.protocol import ErrorBody
 from rtpcore.serving.routers import chat, completions, health, models, prometheus, tokens, version
-from rtpcore.serving.state import RequestLimits, Served
+from rtpcore.serving.state import DEFAULT_STREAM_BUFFER_BYTES, RequestLimits, Served
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "begin_drain", "build_app", "cut_requests"]
 
@@ -70,6 +70,7 @@ def build_app(
     skip_tokenizer: bool = False,
     limits: RequestLimits | None = None,
     enable_prompt_tokens_details: bool = False,
+    stream_buffer_bytes: int = DEFAULT_STREAM_BUFFER_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``, with the engine's own text side
     (``engine.engine.text``: its tokenizer -- without one, token ids only, see ``Served`` -- and
@@ -85,13 +86,19 @@ def build_app(
     serve token ids only, without the checkpoint's tokenizer (``Served``). ``limits``: the caps on
     one request (``state.RequestLimits``; its defaults when None).
     ``enable_prompt_tokens_details``: usage reports ``prompt_tokens_details.cached_tokens`` (off,
-    it is left out: the count tells a client whether another sent the same prompt before)."""
+    it is left out: the count tells a client whether another sent the same prompt before).
+    ``stream_buffer_bytes``: the unsent bytes a streamed response may hold (its client reads
+    slower than the model writes) before its engine requests pause, holding no KV blocks, until
+    the client has taken half of them."""
+    if isinstance(stream_buffer_bytes, bool) or not isinstance(stream_buffer_bytes, int) or stream_buffer_bytes < 1:
+        raise ValueError(f"stream_buffer_bytes must be a positive int, got {stream_buffer_bytes!r}")
     served = Served(engine, model_name, api_key, max_request_bytes, tool_call_parser, skip_tokenizer=skip_tokenizer,
                     limits=limits)
     served.header_timeout = header_timeout
     served.max_connections = max_connections
     served.open_connections = open_connections
     served.prompt_tokens_details = enable_prompt_tokens_details
+    served.stream_buffer_bytes = stream_buffer_bytes
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

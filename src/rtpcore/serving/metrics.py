@@ -44,6 +44,8 @@ class ServerMetrics:
             "kv_blocks_cached": "KV-cache blocks per layer in the prefix cache, held or not",
             "requests_running": "requests in the running batch",
             "requests_waiting": "requests waiting to be admitted",
+            "requests_paused": "requests paused: their streams' clients read nothing, their unsent output is at "
+                               "--stream-buffer-bytes",
         }
         for name, doc in gauges.items():
             gauge = Gauge(f"rtpcore_{name}", doc, registry=self.registry)

@@ -9,6 +9,13 @@ what an operator needs from a server facing clients it does not control:
   ended) is closed without an answer. uvicorn alone holds such connections forever (it times
   out only idle keep-alive connections, after a response); a few hundred of them are a
   slowloris. A request whose headers have come is never cut by this rule, however long it runs.
+- **Clients that stop reading** are cut off: a connection whose writes have been held back
+  (the transport's buffer over its high-water mark: the client reads nothing) for
+  ``stream_idle_timeout`` seconds is aborted, its buffered bytes dropped; the request it was
+  answering sees the client gone, so a stream's engine requests are aborted and their KV blocks
+  freed. Until then a stream's requests are paused once its unsent bytes pass
+  ``--stream-buffer-bytes`` (``rtpcore.serving.streaming``): such a client costs a bounded
+  buffer and no compute.
 - **How many connections** are open is what the app's guard reads to refuse requests past
   ``--max-connections`` with a 503 (``/health`` always answered): :attr:`Server.open_connections`.
 - **Shutdown** (SIGTERM, SIGINT, or the engine broken): the app stops taking requests (503), the
@@ -36,23 +43,29 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["CUT_GRACE", "DEFAULT_HEADER_TIMEOUT", "DEFAULT_MAX_CONNECTIONS", "Server", "protocol_class"]
+__all__ = ["CUT_GRACE", "DEFAULT_HEADER_TIMEOUT", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_STREAM_IDLE_TIMEOUT", "Server",
+           "protocol_class"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEADER_TIMEOUT = 10.0  # --header-timeout
 DEFAULT_MAX_CONNECTIONS = 2048  # --max-connections
+DEFAULT_STREAM_IDLE_TIMEOUT = 300.0  # --stream-idle-timeout
 CUT_GRACE = 10.0  # after the cut, seconds the aborted requests get to write their last chunk
 
 
-def protocol_class(header_timeout: float) -> type[H11Protocol]:
+def protocol_class(header_timeout: float, stream_idle_timeout: float = DEFAULT_STREAM_IDLE_TIMEOUT) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose request headers have not come
-    ``header_timeout`` seconds after it opened or after its previous response."""
+    ``header_timeout`` seconds after it opened or after its previous response, and aborting one
+    whose client has read nothing of what was written for ``stream_idle_timeout`` seconds."""
     if not header_timeout > 0:
         raise ValueError(f"header_timeout must be > 0 seconds, got {header_timeout!r}")
+    if not stream_idle_timeout > 0:
+        raise ValueError(f"stream_idle_timeout must be > 0 seconds, got {stream_idle_timeout!r}")
 
     class HeaderTimeoutProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _write_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -64,7 +77,33 @@ def protocol_class(header_timeout: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm_header_timer()
+            self._disarm_write_timer()
             super().connection_lost(exc)
+
+        # asyncio.Protocol's flow control: the transport calls these as its write buffer passes
+        # its high-water mark and falls back under its low one.
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None and not self.transport.is_closing():
+                self._write_timer = self.loop.call_later(stream_idle_timeout, self._write_stalled)
+
+        def resume_writing(self) -> None:
+            self._disarm_write_timer()
+            super().resume_writing()
+
+        def _disarm_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _write_stalled(self) -> None:
+            self._write_timer = None
+            if self.transport.is_closing():
+                return
+            client = "{}:{}".format(*self.client) if self.client else "a client"
+            logger.warning("aborting the connection of %s: it has read nothing of its answer for %g s "
+                           "(--stream-idle-timeout); its requests are aborted", client, stream_idle_timeout)
+            self.transport.abort()  # close() would wait to flush what the client does not read
 
         def _arm_header_timer(self) -> None:
             self._disarm_header_timer()

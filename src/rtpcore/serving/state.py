@@ -22,9 +22,15 @@ from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.metrics import ServerMetrics
 
-__all__ = ["RequestLimits", "Served", "ServedDep", "served_state"]
+__all__ = ["DEFAULT_STREAM_BUFFER_BYTES", "RequestLimits", "Served", "ServedDep", "served_state"]
 
 logger = logging.getLogger(__name__)
+
+# Unsent bytes one streamed response holds before its requests pause (--stream-buffer-bytes). With
+# the connection's write buffer (asyncio's 64 KiB high-water mark) and the chunks of the step in
+# flight, a stream whose client reads nothing holds under 1 MiB (docs/design.md §17).
+DEFAULT_STREAM_BUFFER_BYTES = 768 << 10
+
 
 @attrs.frozen
 class RequestLimits:
@@ -88,6 +94,7 @@ class Served:
         self.tool_parser = tool_parser  # the ToolCallParser class of --tool-call-parser, or None
         # --enable-prompt-tokens-details: usage reports prompt_tokens_details.cached_tokens (docs/design.md §17)
         self.prompt_tokens_details = False
+        self.stream_buffer_bytes = DEFAULT_STREAM_BUFFER_BYTES  # unsent bytes of a stream before its requests pause
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
 

@@ -146,6 +146,8 @@ class _Response:
         self.tool_streams = [tools.stream() if tools is not None else None for _ in range(self.n)]
         self.choices = [_Choice(served, request_id, run_params, state)
                         for (request_id, run_params), state in zip(self.run.requests, self.run.states, strict=True)]
+        self.offsets = [0] * self.n  # per choice index: the text streamed so far (completions' text_offset)
+        self.paused = False  # the client reads slower than the engine writes (events)
 
     @property
     def _chunk_object(self) -> str:
@@ -163,6 +165,8 @@ class _Response:
                     choice.end_unsubmitted("abort")
                 else:
                     choice.submit(self.ids)
+                    if self.paused and choice.stream is not None:
+                        choice.stream.set_paused(True)
 
     def _indices(self, run: int) -> range:
         """The choice indices run ``run`` answers (every one for a shared greedy run)."""
@@ -229,28 +233,53 @@ class _Response:
             out["token_ids"] = list(choice.state.output(index).token_ids)
         return out
 
-    async def events(self, include_usage: bool, request: Request) -> AsyncIterator[str]:
+    def set_paused(self, paused: bool) -> None:
+        """Pause (or resume) every choice's engine request: not scheduled, holding no KV blocks."""
+        self.paused = paused
+        for choice in self.choices:
+            if choice.stream is not None:
+                choice.stream.set_paused(paused)
+
+    async def events(self, include_usage: bool, request: Request) -> AsyncIterator[bytes]:
         """Server-sent events: chunks of every choice as they come, each finish, usage if asked,
         [DONE]. The client leaving (noticed at once, not only at the next write) or closing
-        the generator aborts every choice's request."""
-        queue: asyncio.Queue[tuple[int, SequenceDelta | BaseException | None]] = asyncio.Queue()
+        the generator aborts every choice's request.
+
+        Each choice's chunks are written as its deltas come, into one queue this generator
+        sends from; a client that reads slower than the engine writes lets the queue grow, and
+        past ``stream_buffer_bytes`` unsent bytes every choice's engine request is paused (not
+        scheduled, its KV blocks released) until the client has taken half of them
+        (docs/serving.md "Bounded memory per client")."""
+        queue: asyncio.Queue[tuple[list[bytes], int, bool]] = asyncio.Queue()
+        cap = self.served.stream_buffer_bytes
+        backlog = 0  # bytes queued or being written, not yet sent
+
+        def put(chunks: list[bytes], end: bool) -> None:
+            nonlocal backlog
+            size = sum(len(c) for c in chunks)
+            backlog += size
+            queue.put_nowait((chunks, size, end))
+            if backlog > cap and not self.paused:
+                logger.info("response %s: %d bytes unsent (the client reads slower than the model writes): its "
+                            "requests pause (--stream-buffer-bytes %d)", self.id, backlog, cap)
+                self.set_paused(True)
 
         async def pump(r: int, choice: _Choice) -> None:
             try:
                 async for delta in choice.deltas():
-                    await queue.put((r, delta))
-                await queue.put((r, None))
-            except BaseException as exc:  # handed to the consumer, which reports it in the stream
-                await queue.put((r, exc))
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
+                    put(self._event_chunks(r, choice, delta, done=False), False)
+                put(self._event_chunks(r, choice, SequenceDelta(), done=True), True)
+            except asyncio.CancelledError:
+                raise  # the consumer is gone
+            except BaseException as exc:  # reported in the stream
+                put([_sse(self._failure(choice, exc).wrap())], True)
 
         async def start_others() -> None:
             try:
                 await self._start_others()
             except ApiError as exc:  # refused later (a full queue): those choices fail in the stream
-                for r in range(1, len(self.choices)):
-                    await queue.put((r, exc))
+                for _ in range(1, len(self.choices)):
+                    put([_sse(exc.body.wrap())], True)
                 return
             for r, choice in enumerate(self.choices[1:], start=1):
                 tasks.append(asyncio.ensure_future(pump(r, choice)))
@@ -258,7 +287,6 @@ class _Response:
         tasks = [asyncio.ensure_future(pump(0, self.choices[0]))]
         starter = asyncio.ensure_future(start_others())
         gone = asyncio.ensure_future(_disconnected(request))
-        offsets = [0] * self.n
         try:
             if self.chat:
                 for i in range(self.n):
@@ -270,39 +298,42 @@ class _Response:
                 if not getter.done():  # the client left
                     getter.cancel()
                     return
-                r, item = getter.result()
-                if item is None or isinstance(item, BaseException):
-                    pending -= 1
-                if isinstance(item, BaseException):
-                    yield _sse(self._failure(self.choices[r], item).wrap())
-                    continue
-                choice = self.choices[r]
-                done = item is None
-                delta = item or SequenceDelta()
-                for index in self._indices(r):
-                    stream = self.tool_streams[index]
-                    if stream is not None:
-                        for chunk in self._tool_chunks(index, stream, delta, done, choice.finish_reason):
-                            yield _sse(chunk)
-                        continue
-                    if delta.text or delta.tokens or (self.token_ids and delta.ids) or done:
-                        body = {"content": delta.text} if self.chat else delta.text
-                        chunk = self._chunk(index, body, choice.finish_reason if done else None,
-                                            list(delta.tokens), offsets[index])
-                        if self.token_ids:
-                            chunk["choices"][0]["token_ids"] = list(delta.ids)
-                        yield _sse(chunk)
-                    offsets[index] += len(delta.text)
+                chunks, size, end = getter.result()
+                pending -= end
+                for chunk in chunks:
+                    yield chunk  # back here once the chunk is written (or buffered below the transport's mark)
+                backlog -= size
+                if self.paused and backlog <= cap // 2:
+                    logger.info("response %s: the client reads again: its requests resume", self.id)
+                    self.set_paused(False)
             if include_usage:
                 yield _sse({"id": self.id, "object": self._chunk_object, "created": self.created,
                             "model": self.model, "choices": [], "usage": self.usage})
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
         finally:
             self.served.responses.discard(self)
             gone.cancel()
             starter.cancel()
             for task in tasks:
                 task.cancel()
+
+    def _event_chunks(self, r: int, choice: _Choice, delta: SequenceDelta, *, done: bool) -> list[bytes]:
+        """The events of one delta of run ``r`` (every index it answers), or of its end."""
+        chunks: list[bytes] = []
+        for index in self._indices(r):
+            stream = self.tool_streams[index]
+            if stream is not None:
+                chunks += [_sse(c) for c in self._tool_chunks(index, stream, delta, done, choice.finish_reason)]
+                continue
+            if delta.text or delta.tokens or (self.token_ids and delta.ids) or done:
+                body = {"content": delta.text} if self.chat else delta.text
+                chunk = self._chunk(index, body, choice.finish_reason if done else None,
+                                    list(delta.tokens), self.offsets[index])
+                if self.token_ids:
+                    chunk["choices"][0]["token_ids"] = list(delta.ids)
+                chunks.append(_sse(chunk))
+            self.offsets[index] += len(delta.text)
+        return chunks
 
     def _tool_chunks(self, index: int, stream: ToolStream, delta: SequenceDelta, done: bool,
                      finish: str | None) -> list[dict[str, Any]]:
@@ -423,5 +454,5 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()

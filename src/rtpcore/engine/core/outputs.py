@@ -61,7 +61,7 @@ class EngineStats:
     """A snapshot of an engine's load, for gauges and counters (``as_dict`` for a mapping)."""
 
     running: int  # requests in the running batch
-    waiting: int  # requests waiting to be admitted
+    waiting: int  # requests waiting to be admitted (paused ones not counted)
     kv_blocks_total: int  # KV blocks per layer
     kv_blocks_free: int  # blocks per layer no request holds
     generated_tokens_total: int  # tokens handed to requests since the engine started
@@ -81,6 +81,7 @@ class EngineStats:
     overlapped_steps_total: int = 0  # steps launched before the previous step's tokens were read (async scheduling)
     async_fallback_steps_total: int = 0  # with async scheduling on, steps run synchronously (a batch it does not cover)
     async_discarded_tokens_total: int = 0  # tokens computed for requests that had finished a step earlier, dropped
+    paused: int = 0  # requests paused by their consumer (a stream nobody reads): not scheduled, holding no blocks
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)

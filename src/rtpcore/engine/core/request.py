@@ -1,7 +1,9 @@
 """One request's state in the engine core, the part of a step it is given, and the step plan.
 
 A request moves through :class:`RequestStatus`: WAITING (queued, or preempted and queued again
-at the head) -> RUNNING (admitted: it holds KV blocks) -> FINISHED. It ends with a
+at the head) -> RUNNING (admitted: it holds KV blocks) -> FINISHED. A *paused* request (its
+consumer reads nothing: ``EngineCore.set_paused``) is set aside among the waiting, without
+blocks, and is not scheduled until it is resumed. It ends with a
 :class:`FinishReason`; the members are ``str`` (``FinishReason.STOP == "stop"``), so the values
 callers compare against and the JSON the server writes are the plain strings of docs/design.md §8.
 """
@@ -57,6 +59,7 @@ class Request:
     aborted: bool = False  # abort asked while the request was in a step
     num_sent: int = 0  # generated tokens already handed to on_output
     num_preemptions: int = 0
+    paused: bool = False  # not scheduled (a stream its client does not read): set aside, without blocks
     # Speculative decoding (rtpcore.engine.sample.speculative): the draft's cached positions; where
     # this request's tokens sat in the last target forward (flat row, first position); and
     # whether the draft may propose (the last step sampled for this request, so both models

@@ -31,6 +31,12 @@ request never writes a block it shares, since it computes only positions past th
 found cached. The engine refuses at build time a pool that could not hold one
 ``max_model_len`` sequence, so a request alone always fits.
 
+Paused requests (a stream whose client reads nothing, ``EngineCore.set_paused``) are not
+scheduled: a running one is set aside at the start of the next plan -- its blocks released (its
+computed full blocks stay in the prefix cache), back among the waiting -- and a waiting one is
+passed over by admission, keeping its place for when it is resumed. A paused request holds
+neither a batch slot nor a block, so streams nobody reads cannot starve the others.
+
 Batch slots: at most ``max_batch_size`` requests run, and no more than the budget can
 give a token each (``max_num_batched_tokens // (1 + num_speculative_tokens)``), so that
 every running decode is scheduled in every step.
@@ -85,6 +91,8 @@ class Scheduler:
         When running requests hold every block and none of them can be scheduled (prompt
         chunks, which never preempt, with no block left), the newest is preempted until one can:
         a request alone always fits the pool."""
+        for r in [r for r in self.running if r.paused]:
+            self.set_aside(r)
         preempted: list[Request] = []
         while True:
             plan = self._plan(preempted)
@@ -112,8 +120,12 @@ class Scheduler:
                 seqs.append(ScheduledSeq(r, r.num_cached, n, r.num_cached + n == len(r.tokens)))
                 budget -= n
         admitted: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:  # 3. waiting
-            r = self.waiting[0]
+        skipped = 0  # paused requests at the head of the queue, passed over
+        while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.max_running:  # 3. waiting
+            r = self.waiting[skipped]
+            if r.paused:
+                skipped += 1
+                continue
             if r in preempted:
                 break
             hit = self.kv.admit(r)
@@ -121,7 +133,10 @@ class Scheduler:
                 self.kv.release(r)  # it waits; what it found cached stays cached
                 break
             self.kv.count_hit(r, hit)
-            self.waiting.popleft()
+            if skipped:
+                del self.waiting[skipped]
+            else:
+                self.waiting.popleft()
             self.running.append(r)
             r.status = RequestStatus.RUNNING
             admitted.append(r)
@@ -172,13 +187,23 @@ class Scheduler:
     def preempt(self, r: Request) -> None:
         """Free a running request's blocks; it waits at the head of the queue to recompute
         everything it holds (prompt and generated tokens)."""
+        self.set_aside(r)
+        r.num_preemptions += 1
+        self.preemptions_total += 1
+
+    def set_aside(self, r: Request) -> None:
+        """Take a running request out of the batch: its blocks released, it waits at the head
+        of the queue (a paused request, or a preempted one, which :meth:`preempt` counts)."""
         self.running.remove(r)
         self.kv.release(r)
         r.status = RequestStatus.WAITING
         r.can_propose = False
-        r.num_preemptions += 1
-        self.preemptions_total += 1
         self.waiting.appendleft(r)
+
+    @property
+    def has_unpaused(self) -> bool:
+        """Whether any request that runs or waits is not paused (there is work to schedule)."""
+        return any(not r.paused for r in self.running) or any(not r.paused for r in self.waiting)
 
     def add(self, r: Request) -> None:
         """Queue a new request at the tail of the waiting queue."""
