@@ -225,7 +225,7 @@ def test_the_metrics_expose_graph_replays_and_eager_decodes() -> None:
     from rtpcore.serving.metrics import ServerMetrics
 
     text = ServerMetrics(lambda: {"kv_blocks_total": 1, "kv_blocks_free": 1, "kv_blocks_cached": 0, "running": 0,
-                                  "waiting": 0, "cuda_graph_replays_total": 7, "eager_decode_steps_total": 2}).render().decode()
+                                  "waiting": 0, "paused": 0, "cuda_graph_replays_total": 7, "eager_decode_steps_total": 2}).render().decode()
     assert "rtpcore_cuda_graph_replays_total 7.0" in text and "rtpcore_eager_decode_steps_total 2.0" in text
 
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 import rtpcore
+from rtpcore.serving.json_body import OFFLOAD_BYTES
 from test_llama import make_checkpoint
 from test_serve import Server, write_tokenizer
 
@@ -70,6 +71,42 @@ def test_a_client_mistake_is_a_400_naming_the_field_and_the_connection_goes_on(
         assert bad.json()["error"]["param"] == param, bad.json()
         good = client.post("/v1/completions", json=COMPLETION)  # the same connection
         assert good.status_code == 200, good.text
+
+
+PAD = "x" * (OFFLOAD_BYTES + 1000)  # makes a body large enough to be parsed in the worker process
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["on-the-loop", "in-the-worker-process"])
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"pad": "", "deep": nested(65)}}, "body"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"pad": ""},
+                              "messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"pad": ""},
+                              "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+])
+def test_a_large_body_is_held_to_the_same_rules_as_a_small_one(
+    server: Server, path: str, body: dict[str, Any], param: str, large: bool,
+) -> None:
+    """A body over OFFLOAD_BYTES is parsed in the worker process: the depth, surrogate and field
+    rules, and the length checks after them, answer exactly as for the same body small."""
+    body = json.loads(json.dumps(body))
+    body["chat_template_kwargs"]["pad"] = PAD if large else "x"
+    raw = json.dumps(body).encode()
+    assert (len(raw) >= OFFLOAD_BYTES) is large
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        bad = client.post(path, content=raw, headers={"Content-Type": "application/json"})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == param, bad.json()
+        good = client.post("/v1/completions", json=COMPLETION)  # the same connection
+        assert good.status_code == 200, good.text
+
+
+@pytest.mark.parametrize("size", [10, OFFLOAD_BYTES + 10])
+def test_a_body_that_is_not_json_is_a_400_at_any_size(server: Server, size: int) -> None:
+    raw = b'{"model": "tiny", "prompt": "' + b"y" * size  # never closed
+    answer = httpx.post(server.url + "/v1/completions", content=raw, headers={"Content-Type": "application/json"},
+                        timeout=120)
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error", answer.text
 
 
 def test_nesting_up_to_the_limit_is_served(server: Server) -> None:

@@ -104,6 +104,7 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         served.draining = True
+        served.body_parser.close()
         if on_shutdown is not None:
             result = on_shutdown()
             if asyncio.iscoroutine(result):

@@ -1,8 +1,9 @@
 """The request boundary's ASGI middleware (:class:`Guard`, pure ASGI: Starlette's
 ``BaseHTTPMiddleware`` would hide disconnects from the handlers): the request's ``X-Request-Id``
 (on every response, and in the server's log lines about it), the connection cap, the API key,
-the body limit (413), a body that stops arriving (408), JSON nested deeper than
-:data:`MAX_JSON_DEPTH` levels and lone surrogates (400)."""
+the body limit (413), a body that stops arriving (408), and the body parsed once for the handler
+(``request.state.json_body``: in a worker process when it is large, ``rtpcore.serving.json_body``),
+JSON nested deeper than :data:`MAX_JSON_DEPTH` levels and lone surrogates refused (400)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,13 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from rtpcore.serving.errors import REQUEST_ID
-from rtpcore.serving.protocol import (
-    ErrorBody,
-    lone_surrogate,
-)
+from rtpcore.serving.json_body import MAX_JSON_DEPTH, json_too_deep
+from rtpcore.serving.protocol import ErrorBody
 from rtpcore.serving.state import Served
 
 __all__ = ["MAX_JSON_DEPTH", "Guard", "json_too_deep", "request_id"]
@@ -27,10 +25,6 @@ __all__ = ["MAX_JSON_DEPTH", "Guard", "json_too_deep", "request_id"]
 #: Paths outside /v1/ that need the API key too (they run the tokenizer on the client's input).
 GUARDED = ("/tokenize", "/detokenize")
 
-#: The deepest nesting of arrays and objects a request body may have (docs/design.md §17).
-MAX_JSON_DEPTH = 64
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: one C loop per run of plain characters
-_INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
 
 logger = logging.getLogger(__name__)
 
@@ -110,18 +104,19 @@ class Guard:
             chunks.append(chunk)
             more = bool(message.get("more_body"))
         body = b"".join(chunks)
-        if scope["method"] == "POST" and json_too_deep(body):
-            await _send_error(send, 400, ErrorBody(
-                message=f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
-                type="invalid_request_error", param="body"))
-            return
-        if b"\\u" in body and scope["method"] == "POST":  # an escape: it may be a lone surrogate
-            where = _lone_surrogate_in(body)
-            if where is not None:
+        if scope["method"] == "POST" and body:  # parsed once, off the event loop when large
+            parsed = await served.body_parser.parse(body)
+            if parsed.too_deep:
                 await _send_error(send, 400, ErrorBody(
-                    message=f"{where}: holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), "
-                            "which is no text", type="invalid_request_error", param=where))
+                    message=f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+                    type="invalid_request_error", param="body"))
                 return
+            if parsed.surrogate is not None:
+                await _send_error(send, 400, ErrorBody(
+                    message=f"{parsed.surrogate}: holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF "
+                            "escape), which is no text", type="invalid_request_error", param=parsed.surrogate))
+                return
+            scope["state"]["json_body"] = parsed  # the handler's (rtpcore.serving.requests.json_body)
         replayed = False
 
         async def replay() -> Message:
@@ -140,29 +135,6 @@ def request_id(sent: str) -> str:
     if 0 < len(sent) <= 128 and all(33 <= ord(c) < 127 for c in sent):
         return sent
     return uuid.uuid4().hex
-
-
-def json_too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether ``body`` (JSON or not) nests ``[`` / ``{`` deeper than ``limit``. Linear and in
-    C: a body with fewer brackets than that cannot; else strings are cut out, then each pass
-    removes the innermost level, ``limit`` passes at most."""
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return False
-    rest = _STRING.sub(b"0", body)
-    for _ in range(limit):
-        rest, n = _INNERMOST.subn(b"0", rest)
-        if n == 0:
-            return False
-    return b"[" in rest or b"{" in rest
-
-
-def _lone_surrogate_in(body: bytes) -> str | None:
-    """Where a JSON body holds a lone surrogate (None also when it is not JSON: the app's own
-    parser answers that)."""
-    try:
-        return lone_surrogate(json.loads(body))
-    except (ValueError, RecursionError):
-        return None
 
 
 def _too_large(limit: int) -> ErrorBody:

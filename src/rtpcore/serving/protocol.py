@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.errors import InvalidRequestError
+from rtpcore.serving.json_body import lone_surrogate
 
 if TYPE_CHECKING:
     from rtpcore.engine.sample.grammar import Grammar
@@ -55,36 +56,6 @@ MAX_STOP_LENGTH = 1024  # characters of one stop string: each is searched in eve
 MAX_MESSAGES = 4096  # messages of one chat request
 ACCEPTED_WITHOUT_EFFECT = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the default of OpenAI for /v1/completions
-
-
-def lone_surrogate(value: Any) -> str | None:
-    """The path (``messages[0].content``) of the first string in a parsed JSON body that holds
-    a lone UTF-16 surrogate (a ``\\ud800`` escape with no partner: valid JSON, but no text a
-    tokenizer can take), or None. Keys are checked too. Iterative: any depth."""
-    stack: list[tuple[str, Any]] = [("", value)]
-    while stack:
-        path, item = stack.pop()
-        if isinstance(item, str):
-            if _has_surrogate(item):
-                return path or "body"
-        elif isinstance(item, dict):
-            for key, sub in reversed(list(item.items())):
-                name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # a surrogate as \\udXXX
-                where = f"{path}.{name}" if path else name
-                if isinstance(key, str) and _has_surrogate(key):
-                    return where
-                stack.append((where, sub))
-        elif isinstance(item, list):
-            stack.extend((f"{path}[{i}]", sub) for i, sub in reversed(list(enumerate(item))))
-    return None
-
-
-def _has_surrogate(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 class _Strict(BaseModel):

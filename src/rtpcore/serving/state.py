@@ -10,19 +10,25 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import attrs
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
 from rtpcore.engine.async_engine import AsyncEngine
 from rtpcore.engine.sample.grammar import GrammarCompiler
 from rtpcore.engine.text.prompts import TextSide
 from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.serving.errors import ApiError
+from rtpcore.serving.json_body import BodyParser
 from rtpcore.serving.metrics import ServerMetrics
 
-__all__ = ["DEFAULT_STREAM_BUFFER_BYTES", "RequestLimits", "Served", "ServedDep", "served_state"]
+__all__ = ["DEFAULT_STREAM_BUFFER_BYTES", "RequestLimits", "Served", "ServedDep", "body_openapi", "json_body",
+           "served_state"]
+
+_M = TypeVar("_M", bound=BaseModel)
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +101,7 @@ class Served:
         # --enable-prompt-tokens-details: usage reports prompt_tokens_details.cached_tokens (docs/design.md §17)
         self.prompt_tokens_details = False
         self.stream_buffer_bytes = DEFAULT_STREAM_BUFFER_BYTES  # unsent bytes of a stream before its requests pause
+        self.body_parser = BodyParser()  # request bodies, the large ones in a worker process (the guard's)
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
 
@@ -138,3 +145,32 @@ def served_state(request: Request) -> Served:
 
 #: A handler parameter annotated so receives the app's :class:`Served`.
 ServedDep = Annotated[Served, Depends(served_state)]
+
+
+def json_body(model: type[_M]) -> Any:
+    """A FastAPI dependency: the request body as ``model``, from the JSON the guard parsed (in a
+    worker process when large: ``rtpcore.serving.json_body``), so that the event loop never
+    parses a large body. A body that is not JSON, or not a valid ``model``, raises FastAPI's
+    ``RequestValidationError``, answered as a 400 naming the field, as a body parameter is."""
+
+    async def body(request: Request) -> _M:
+        parsed = request.scope.get("state", {}).get("json_body")
+        if parsed is None:  # not through the guard (or no body): parse here
+            parsed = await served_state(request).body_parser.parse(await request.body())
+        if parsed.invalid is not None:
+            message, pos = parsed.invalid
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": message}}])
+        try:
+            return model.model_validate(parsed.value)
+        except ValidationError as exc:
+            raise RequestValidationError(
+                [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
+
+    return Depends(body)
+
+
+def body_openapi(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` of a route whose body comes through :func:`json_body`: the body's schema."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "title": model.__name__, "type": "object", "description": (model.__doc__ or "").strip()}}}}}

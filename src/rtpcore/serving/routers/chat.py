@@ -5,7 +5,7 @@ rendered as ``Engine.chat`` renders it (in a worker thread, never on the event l
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 
@@ -19,7 +19,7 @@ from rtpcore.serving.requests import (
     render_chat,
     tool_plan,
 )
-from rtpcore.serving.state import ServedDep
+from rtpcore.serving.state import ServedDep, body_openapi, json_body
 from rtpcore.serving.streaming import respond
 
 __all__ = ["router"]
@@ -27,8 +27,8 @@ __all__ = ["router"]
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request, served: ServedDep) -> Any:
+@router.post("/v1/chat/completions", response_model=None, openapi_extra=body_openapi(ChatCompletionRequest))
+async def chat_completions(body: Annotated[ChatCompletionRequest, json_body(ChatCompletionRequest)], request: Request, served: ServedDep) -> Any:
     check_model(served, body.model)
     check_limits(served, body)
     check_text_needs(served, body)

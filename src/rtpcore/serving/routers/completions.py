@@ -5,7 +5,7 @@ releases the GIL, after a check of its length in characters; or token ids) and i
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 
@@ -20,7 +20,7 @@ from rtpcore.serving.requests import (
     check_text_needs,
     params_for,
 )
-from rtpcore.serving.state import ServedDep
+from rtpcore.serving.state import ServedDep, body_openapi, json_body
 from rtpcore.serving.streaming import respond
 
 __all__ = ["router"]
@@ -28,8 +28,8 @@ __all__ = ["router"]
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request, served: ServedDep) -> Any:
+@router.post("/v1/completions", response_model=None, openapi_extra=body_openapi(CompletionRequest))
+async def completions(body: Annotated[CompletionRequest, json_body(CompletionRequest)], request: Request, served: ServedDep) -> Any:
     check_model(served, body.model)
     check_limits(served, body)
     check_text_needs(served, body)

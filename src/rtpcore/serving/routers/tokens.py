@@ -5,22 +5,22 @@ in a worker thread."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter
 
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.protocol import DetokenizeRequest, TokenizeRequest
 from rtpcore.serving.requests import check_model, render_messages
-from rtpcore.serving.state import Served, ServedDep
+from rtpcore.serving.state import Served, ServedDep, body_openapi, json_body
 
 __all__ = ["router"]
 
 router = APIRouter()
 
 
-@router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, served: ServedDep) -> dict[str, Any]:
+@router.post("/tokenize", openapi_extra=body_openapi(TokenizeRequest))
+async def tokenize(body: Annotated[TokenizeRequest, json_body(TokenizeRequest)], served: ServedDep) -> dict[str, Any]:
     if body.model is not None:
         check_model(served, body.model)
     tokens = await asyncio.to_thread(_encode, served, body)
@@ -40,8 +40,8 @@ def _encode(served: Served, body: TokenizeRequest) -> list[int]:
     return list(prompt.token_ids)
 
 
-@router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, served: ServedDep) -> dict[str, Any]:
+@router.post("/detokenize", openapi_extra=body_openapi(DetokenizeRequest))
+async def detokenize(body: Annotated[DetokenizeRequest, json_body(DetokenizeRequest)], served: ServedDep) -> dict[str, Any]:
     if body.model is not None:
         check_model(served, body.model)
     tok = served.require_tokenizer("detokenize", "tokens")
