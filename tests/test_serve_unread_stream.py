@@ -42,7 +42,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[Server]:
-    srv = Server(checkpoint, "--stream-buffer-bytes", "16KiB", "--stream-idle-timeout", "4")
+    srv = Server(checkpoint, "--stream-buffer-bytes", "16KiB", "--stream-idle-timeout", "8")
     yield srv
     code, out = srv.stop()
     assert code == 0, out
