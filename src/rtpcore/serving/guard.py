@@ -116,7 +116,7 @@ class Guard:
                     message=f"{parsed.surrogate}: holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF "
                             "escape), which is no text", type="invalid_request_error", param=parsed.surrogate))
                 return
-            scope["state"]["json_body"] = parsed  # the handler's (rtpcore.serving.requests.json_body)
+            scope["state"]["json_body"] = parsed  # the handler's (rtpcore.serving.state.json_body)
         replayed = False
 
         async def replay() -> Message:
