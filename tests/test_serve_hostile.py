@@ -6,6 +6,7 @@ clients send today; vLLM's ``structured_outputs``; /v1/models/{id}, /tokenize, /
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,35 @@ def server(checkpoint: Path) -> Iterator[Server]:
     yield srv
     code, out = srv.stop()
     assert code == 0, out
+
+
+def children(pid: int) -> list[int]:
+    """The body parser workers of ``pid`` (from /proc: its children running json_body.py)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                argv = (entry / "cmdline").read_bytes()
+            except OSError:  # gone meanwhile
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"json_body.py" in argv:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_body_parser_worker_starts_with_the_server_at_a_lower_priority(server: Server) -> None:
+    # First in this module: no body has been sent to this server yet (bodies of OFFLOAD_BYTES or
+    # more are parsed in the worker; it must not start at the first of them, in the middle of serving).
+    workers = children(server.proc.pid)
+    assert len(workers) == 1, f"rtpcore serve has {len(workers)} worker processes, not its body parser's one"
+    ours = os.getpriority(os.PRIO_PROCESS, server.proc.pid)
+    assert os.getpriority(os.PRIO_PROCESS, workers[0]) == min(ours + 10, 19)
+    big = {**COMPLETION, "prompt": "hi " * (OFFLOAD_BYTES // 3)}
+    answer = httpx.post(server.url + "/v1/completions", json=big, timeout=120)
+    assert answer.status_code == 400 and "maximum context length" in answer.json()["error"]["message"], answer.text
+    assert children(server.proc.pid) == workers  # the same worker parsed it
 
 
 def nested(depth: int) -> Any:

@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
                             max_tools=args.max_tools, max_schema_bytes=args.max_schema_bytes),
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         header_timeout=args.header_timeout, max_connections=args.max_connections,
-                        stream_buffer_bytes=args.stream_buffer_bytes,
+                        stream_buffer_bytes=args.stream_buffer_bytes, own_process=True,
                         open_connections=lambda: server.open_connections if server is not None else 0, **limits)
     except BaseException:
         engine.close()

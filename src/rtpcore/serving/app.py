@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse
 from rtpcore.engine.async_engine import AsyncEngine
 from rtpcore.serving.errors import ApiError, validation_body
 from rtpcore.serving.guard import Guard
+from rtpcore.serving.heap import freeze_long_lived
 from rtpcore.serving.protocol import ErrorBody
 from rtpcore.serving.routers import chat, completions, health, models, prometheus, tokens, version
 from rtpcore.serving.state import DEFAULT_STREAM_BUFFER_BYTES, RequestLimits, Served
@@ -71,6 +72,7 @@ def build_app(
     limits: RequestLimits | None = None,
     enable_prompt_tokens_details: bool = False,
     stream_buffer_bytes: int = DEFAULT_STREAM_BUFFER_BYTES,
+    own_process: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``, with the engine's own text side
     (``engine.engine.text``: its tokenizer -- without one, token ids only, see ``Served`` -- and
@@ -89,7 +91,11 @@ def build_app(
     it is left out: the count tells a client whether another sent the same prompt before).
     ``stream_buffer_bytes``: the unsent bytes a streamed response may hold (its client reads
     slower than the model writes) before its engine requests pause, holding no KV blocks, until
-    the client has taken half of them."""
+    the client has taken half of them. ``own_process``: the app is the whole process (``rtpcore
+    serve``), and may tune it for serving: the body parser's worker process starts with the app,
+    and the objects alive once it has started, or once the grammar compiler is built, are frozen
+    out of the garbage collector's walks (``rtpcore.serving.heap``). Off, an app embedded in
+    another program leaves that program's collector alone."""
     if isinstance(stream_buffer_bytes, bool) or not isinstance(stream_buffer_bytes, int) or stream_buffer_bytes < 1:
         raise ValueError(f"stream_buffer_bytes must be a positive int, got {stream_buffer_bytes!r}")
     served = Served(engine, model_name, api_key, max_request_bytes, tool_call_parser, skip_tokenizer=skip_tokenizer,
@@ -99,9 +105,13 @@ def build_app(
     served.open_connections = open_connections
     served.prompt_tokens_details = enable_prompt_tokens_details
     served.stream_buffer_bytes = stream_buffer_bytes
+    served.freeze_heap = own_process
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if own_process:  # before the first connection: the worker's start and full collections stay short
+            await asyncio.to_thread(served.body_parser.start)
+            freeze_long_lived("the app's start")
         yield
         served.draining = True
         served.body_parser.close()

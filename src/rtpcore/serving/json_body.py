@@ -3,7 +3,7 @@
 ``json.loads`` of a large body is one C call that holds the GIL: a 28 MB body holds it for a
 quarter of a second or more, and a worker *thread* would hold the event loop as long. So a body
 of :data:`OFFLOAD_BYTES` or more is parsed in a worker *process*
-(:class:`BodyParser`; one, started at the first such body): the event loop only hands it the
+(:class:`BodyParser`; one, this file run as a script): the event loop only hands it the
 bytes and takes back the parsed object, which costs a copy, not a parse. The rules a body is
 held to before any handler sees it are checked there too: JSON nested deeper than
 :data:`MAX_JSON_DEPTH` levels, and lone UTF-16 surrogates in any string or key.
@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import json
-import multiprocessing
+import os
+import pickle
 import re
+import subprocess
+import sys
 import threading
-from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any
 
 __all__ = ["MAX_JSON_DEPTH", "OFFLOAD_BYTES", "BodyParser", "Parsed", "json_too_deep", "lone_surrogate", "parse"]
 
@@ -48,12 +52,6 @@ class Parsed:
         self.invalid = invalid
         self.ok = not too_deep and surrogate is None and invalid is None
 
-    def __reduce__(self) -> Any:  # travels back from the worker process
-        return (_rebuild, (self.value, self.too_deep, self.surrogate, self.invalid))
-
-
-def _rebuild(value: Any, too_deep: bool, surrogate: str | None, invalid: tuple[str, int] | None) -> Parsed:
-    return Parsed(value, too_deep=too_deep, surrogate=surrogate, invalid=invalid)
 
 
 def parse(body: bytes) -> Parsed:
@@ -115,43 +113,124 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
+def _background() -> None:
+    """The worker process's start: a lower CPU priority (nice +10), so that where cores are
+    few the server's event loop and engine, and the processes of other clients, run first when
+    they have work (measured by benchmarks/bench_hostile.py on 2 cores: a 28 MB parse at the
+    same priority left /health unanswered for up to 190 ms). The worker holds no lock the server
+    waits on, so its priority never holds the server back."""
+    with contextlib.suppress(OSError):  # not permitted, or no such call: the same priority then
+        os.nice(10)
+
+
+def _write_frame(stream: IO[bytes], data: bytes) -> None:
+    """One length-prefixed frame, whole (``stream`` may be unbuffered: each write may take part)."""
+    for part in (len(data).to_bytes(8, "little"), data):
+        view, sent = memoryview(part), 0
+        while sent < len(part):
+            sent += stream.write(view[sent:]) or 0
+    stream.flush()
+
+
+def _read_frame(stream: IO[bytes]) -> bytearray:
+    """One length-prefixed frame; EOFError when the stream ends before it does."""
+    head = _read_exactly(stream, bytearray(8))
+    return _read_exactly(stream, bytearray(int.from_bytes(head, "little")))
+
+
+def _read_exactly(stream: IO[bytes], buf: bytearray) -> bytearray:
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = stream.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            raise EOFError("the stream ended inside a frame")
+        got += n
+    return buf
+
+
+def _worker_main() -> None:
+    """The worker process: parse each body framed on stdin, answer each on stdout, until stdin
+    ends. It runs this file as a script (``python -I json_body.py``): the standard library
+    only, no rtpcore package, and nothing of the server's ``__main__``."""
+    _background()
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        try:
+            body = bytes(_read_frame(stdin))
+        except EOFError:
+            return
+        found = parse(body)
+        _write_frame(stdout, pickle.dumps((found.value, found.too_deep, found.surrogate, found.invalid),
+                                          protocol=pickle.HIGHEST_PROTOCOL))
+
+
 class BodyParser:
     """Parses request bodies: small ones at once, large ones (``offload_bytes`` or more) in one
-    worker process, started (spawned: a fresh interpreter that imports only this module) at the
-    first large body and stopped by :meth:`close` or at exit. A worker that dies is replaced at
-    the next large body."""
+    worker process, one body at a time, and stopped by :meth:`close` or at exit. The worker is
+    this file run as a script by a fresh interpreter (``python -I``; not ``multiprocessing``,
+    whose spawned children import the parent's ``__main__`` again: a launcher script without a
+    main guard would start a second server), at a lower CPU priority; started by :meth:`start`
+    or at the first large body. A worker that dies is replaced at the next large body; the body
+    it died on is parsed in this process."""
 
     def __init__(self, offload_bytes: int = OFFLOAD_BYTES):
         self.offload_bytes = offload_bytes
-        self._pool: ProcessPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()  # the worker's pipes, one body at a time
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rtpcore-body")  # waits on them
+        self._at_exit = False  # close() is registered to run at exit
 
     async def parse(self, body: bytes) -> Parsed:
         if len(body) < self.offload_bytes:
             return parse(body)
-        pool = self._worker()
+        return await asyncio.get_running_loop().run_in_executor(self._io, self._parse_in_worker, body)
+
+    def start(self) -> None:
+        """Start the worker process now (the app's start), not at the first large body: starting
+        a process from a server holding gigabytes is itself a pause of every thread."""
+        self._parse_in_worker(b"{}")
+
+    def worker_pid(self) -> int | None:
+        """The worker process's id, None when none runs."""
+        with self._lock:
+            return None if self._proc is None else self._proc.pid
+
+    def _parse_in_worker(self, body: bytes) -> Parsed:
+        with self._lock:
+            try:
+                if self._proc is None or self._proc.poll() is not None:
+                    self._proc = subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE,
+                                                  stdout=subprocess.PIPE, bufsize=0)
+                    if not self._at_exit:
+                        atexit.register(self.close)
+                        self._at_exit = True
+                assert self._proc.stdin is not None and self._proc.stdout is not None
+                _write_frame(self._proc.stdin, body)
+                value, too_deep, surrogate, invalid = pickle.loads(_read_frame(self._proc.stdout))
+            except (OSError, EOFError, ValueError, pickle.UnpicklingError):  # it died, or could not start
+                self._stop_locked()
+                return parse(body)
+        return Parsed(value, too_deep=too_deep, surrogate=surrogate, invalid=invalid)
+
+    def _stop_locked(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
         try:
-            return await asyncio.get_running_loop().run_in_executor(pool, parse, body)
-        except Exception:  # the worker died (BrokenProcessPool) or could not start: parse here, start anew next time
-            self._discard(pool)
-            return await asyncio.to_thread(parse, body)
-
-    def _worker(self) -> ProcessPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-                atexit.register(self._pool.shutdown, wait=False, cancel_futures=True)
-            return self._pool
-
-    def _discard(self, pool: ProcessPoolExecutor) -> None:
-        with self._lock:
-            if self._pool is pool:
-                self._pool = None
-        pool.shutdown(wait=False, cancel_futures=True)
+            proc.wait(timeout=5)  # stdin closed: it ends at once
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
     def close(self) -> None:
         """Stop the worker process, if one runs."""
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            self._stop_locked()
+
+
+if __name__ == "__main__":
+    _worker_main()

@@ -5,6 +5,7 @@ A router's handler takes it as a parameter annotated :data:`ServedDep` (FastAPI 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from rtpcore.engine.sample.grammar import GrammarCompiler
 from rtpcore.engine.text.prompts import TextSide
 from rtpcore.engine.text.tokenizer import Tokenizer
 from rtpcore.serving.errors import ApiError
+from rtpcore.serving.heap import long_lived
 from rtpcore.serving.json_body import BodyParser
 from rtpcore.serving.metrics import ServerMetrics
 
@@ -102,6 +104,7 @@ class Served:
         self.prompt_tokens_details = False
         self.stream_buffer_bytes = DEFAULT_STREAM_BUFFER_BYTES  # unsent bytes of a stream before its requests pause
         self.body_parser = BodyParser()  # request bodies, the large ones in a worker process (the guard's)
+        self.freeze_heap = False  # the process is the server's own: long-lived builds are frozen (heap)
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
 
@@ -133,7 +136,9 @@ class Served:
                                    param="response_format")
                 tokenizer = self.require_tokenizer("structured output", "response_format")
                 size = max(self.vocab_size or 0, tokenizer.vocab_size)
-                self._grammars = GrammarCompiler(tokenizer, vocab_size=size, stop_token_ids=stops)
+                # its imports (torch.compile's, ~200k objects) stay for the process's life
+                with long_lived("the grammar compiler") if self.freeze_heap else contextlib.nullcontext():
+                    self._grammars = GrammarCompiler(tokenizer, vocab_size=size, stop_token_ids=stops)
             return self._grammars
 
 
