@@ -14,9 +14,10 @@ into the permanent generation (``gc.freeze``, what Instagram's and vLLM's server
 start-up): full collections then walk only what was created since, the requests in flight.
 The server calls it once its app has started (with a collection first: no request is
 answered yet), and :func:`long_lived` around a one-off build that imports a library while
-requests run (the grammar compiler: no collection then, a full one would hold every thread). What is frozen is never collected as a cycle again: a
-request in flight at that moment whose objects later become cyclic garbage keeps them, once,
-a bounded cost for a call made once or twice per process.
+requests run (the grammar compiler: no collection then, a full one would hold every thread).
+What is frozen is never collected as a cycle again: a request in flight at that moment whose
+objects later become cyclic garbage keeps them, once, a bounded cost for a call made once or
+twice per process.
 """
 
 from __future__ import annotations

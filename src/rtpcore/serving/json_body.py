@@ -53,7 +53,6 @@ class Parsed:
         self.ok = not too_deep and surrogate is None and invalid is None
 
 
-
 def parse(body: bytes) -> Parsed:
     """``body`` parsed as JSON, after the depth rule and before the surrogate rule."""
     if json_too_deep(body):
