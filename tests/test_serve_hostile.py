@@ -131,6 +131,36 @@ def test_a_large_body_is_held_to_the_same_rules_as_a_small_one(
         assert good.status_code == 200, good.text
 
 
+def test_a_large_conversation_is_refused_as_the_server_itself_refuses_it(server: Server) -> None:
+    """A large chat body of the shape the body parser's worker judges (rtpcore.serving.json_body)
+    is refused there with the 400 the server's own path gives the same conversation (sent with a
+    template argument the template ignores, which the worker leaves to the server)."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "lorem ipsum " * 40_000}]
+    judged = {**CHAT, "messages": messages}
+    rendered_here = {**judged, "chat_template_kwargs": {"unused": True}}
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        answers = [client.post("/v1/chat/completions", json=body) for body in (judged, rendered_here)]
+        after = client.post("/v1/chat/completions", json=CHAT)  # the same connection
+    assert len(json.dumps(judged)) >= OFFLOAD_BYTES
+    for answer in answers:
+        assert answer.status_code == 400, answer.text
+    assert answers[0].json()["error"] == answers[1].json()["error"]
+    assert answers[0].json()["error"]["code"] == "context_length_exceeded"
+    assert answers[0].json()["error"]["param"] == "messages"
+    assert after.status_code == 200, after.text
+
+
+def test_a_large_body_whose_conversation_fits_is_served_as_a_small_one(server: Server) -> None:
+    small = json.dumps({**CHAT, "temperature": 0}).encode()
+    large = small[:-1] + b" " * OFFLOAD_BYTES + b"}"  # the same JSON, padded to be parsed by the worker
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        answers = [client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+                   for raw in (small, large)]
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+    assert [a.json()["choices"][0]["message"] for a in answers][0] == answers[1].json()["choices"][0]["message"]
+
+
 @pytest.mark.parametrize("size", [10, OFFLOAD_BYTES + 10])
 def test_a_body_that_is_not_json_is_a_400_at_any_size(server: Server, size: int) -> None:
     raw = b'{"model": "tiny", "prompt": "' + b"y" * size  # never closed

@@ -24,6 +24,7 @@ __all__ = ["MAX_JSON_DEPTH", "Guard", "json_too_deep", "request_id"]
 
 #: Paths outside /v1/ that need the API key too (they run the tokenizer on the client's input).
 GUARDED = ("/tokenize", "/detokenize")
+CHAT_PATH = "/v1/chat/completions"  # a large body here has its conversation judged by the body parser
 
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,10 @@ class Guard:
             more = bool(message.get("more_body"))
         body = b"".join(chunks)
         if scope["method"] == "POST" and body:  # parsed once, off the event loop when large
-            parsed = await served.body_parser.parse(body)
+            parsed = await served.body_parser.parse(body, chat=scope["path"] == CHAT_PATH)
+            if parsed.refusal is not None:  # a chat body's conversation, judged where it was parsed
+                await _send_error(send, 400, served.chat_refusal_body(parsed.refusal))
+                return
             if parsed.too_deep:
                 await _send_error(send, 400, ErrorBody(
                     message=f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",

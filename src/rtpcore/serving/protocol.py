@@ -23,6 +23,7 @@ the model's limits it is given; what it cannot honour raises an
 
 from __future__ import annotations
 
+import typing
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -40,6 +41,8 @@ __all__ = [
     "MAX_LOGPROBS",
     "MAX_MESSAGES",
     "MAX_STOP_LENGTH",
+    "MESSAGE_ROLES",
+    "TEMPLATE_AS_SENT",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -347,6 +350,14 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             out["content"] = "".join(str(p["text"]) for p in self.content)
         return out
+
+
+#: The roles a message may have.
+MESSAGE_ROLES: tuple[str, ...] = typing.get_args(ChatMessage.model_fields["role"].annotation)
+#: Message fields that reach the chat template as sent when they are strings (``content`` also
+#: as a list of text parts, joined): what :meth:`ChatMessage.for_template` does to them, and
+#: what the body parser's worker may render without the server (rtpcore.serving.json_body).
+TEMPLATE_AS_SENT: tuple[str, ...] = ("role", "content", "name")
 
 
 class ChatCompletionRequest(_Sampling):

@@ -26,6 +26,7 @@ from rtpcore.serving.errors import ApiError
 from rtpcore.serving.heap import long_lived
 from rtpcore.serving.json_body import BodyParser
 from rtpcore.serving.metrics import ServerMetrics
+from rtpcore.serving.protocol import MAX_MESSAGES, MESSAGE_ROLES, TEMPLATE_AS_SENT, ErrorBody
 
 __all__ = ["DEFAULT_STREAM_BUFFER_BYTES", "RequestLimits", "Served", "ServedDep", "body_openapi", "json_body",
            "served_state"]
@@ -103,10 +104,41 @@ class Served:
         # --enable-prompt-tokens-details: usage reports prompt_tokens_details.cached_tokens (docs/design.md §17)
         self.prompt_tokens_details = False
         self.stream_buffer_bytes = DEFAULT_STREAM_BUFFER_BYTES  # unsent bytes of a stream before its requests pause
-        self.body_parser = BodyParser()  # request bodies, the large ones in a worker process (the guard's)
+        # request bodies, the large ones in a worker process (the guard's), which judges a large
+        # chat body's conversation by chat_rules
+        self.body_parser = BodyParser(chat_rules=self.chat_rules)
         self.freeze_heap = False  # the process is the server's own: long-lived builds are frozen (heap)
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+
+    def chat_rules(self) -> dict[str, Any] | None:
+        """What the body parser's worker needs to refuse a large chat body's conversation as
+        ``requests.render_messages`` would (rtpcore.serving.json_body.chat_refusal): None when
+        no length bound holds (no template, no tokenizer, no max_model_len, a tokenizer with no
+        longest token). Called once, from the body parser's thread."""
+        tok = self.tokenizer
+        if not self.has_chat_template or tok is None or self.text.max_model_len is None:
+            return None
+        per_token = tok.max_chars_per_token
+        if per_token is None:
+            return None
+        template = self.text.chat_template()
+        return {
+            "model": self.model_name, "templates": dict(template.templates),
+            "special_tokens": dict(template.special_tokens), "max_chars": per_token * self.text.max_model_len,
+            "max_messages": MAX_MESSAGES, "roles": list(MESSAGE_ROLES), "keys": list(TEMPLATE_AS_SENT),
+        }
+
+    def chat_refusal_body(self, refusal: tuple[str, Any]) -> ErrorBody:
+        """The 400 of a chat body the body parser's worker refused (:meth:`chat_rules`): the
+        words ``requests.render_messages`` uses for the same conversation."""
+        kind, detail = refusal
+        if kind == "length":
+            problem = self.text.length_problem(int(detail), "messages", "rendered conversation")
+            if problem is not None:
+                return ErrorBody(message=str(problem), type="invalid_request_error", param=problem.field,
+                                 code=problem.code)
+        return ErrorBody(message=f"messages: {detail}", type="invalid_request_error", param="messages")
 
     def require_tokenizer(self, what: str, param: str) -> Tokenizer:
         """The tokenizer, or a 400 naming ``param`` on a server without one."""

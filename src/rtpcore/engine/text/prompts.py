@@ -302,16 +302,24 @@ class TextSide:
         (``code`` "context_length_exceeded"); nothing when no bound holds for the tokenizer, or
         without ``max_model_len``. Encoding megabytes of text costs seconds of CPU, and such a
         prompt would be refused once encoded."""
+        problem = self.length_problem(len(text), field, what)
+        if problem is not None:
+            raise problem
+
+    def length_problem(self, chars: int, field: str, what: str = "prompt") -> InvalidRequestError | None:
+        """The refusal :meth:`check_length` raises for a text of ``chars`` characters, or None
+        when such a text may fit (a caller that measured the text elsewhere: the body parser's
+        process, rtpcore.serving.json_body)."""
         tok = self.tokenizer
         limit = self.max_model_len
-        chars = tok.max_chars_per_token if tok is not None else None
-        if limit is None or chars is None or len(text) <= chars * limit:
-            return
-        at_least = -(-len(text) // chars)
-        raise InvalidRequestError(
+        per_token = tok.max_chars_per_token if tok is not None else None
+        if limit is None or per_token is None or chars <= per_token * limit:
+            return None
+        at_least = -(-chars // per_token)
+        return InvalidRequestError(
             f"This model's maximum context length is {limit} tokens (max_model_len), and the {what} of "
-            f"{len(text)} characters is at least {at_least} tokens (no token of this tokenizer stands for more "
-            f"than {chars} characters): shorten it", field=field, value=len(text), code="context_length_exceeded",
+            f"{chars} characters is at least {at_least} tokens (no token of this tokenizer stands for more "
+            f"than {per_token} characters): shorten it", field=field, value=chars, code="context_length_exceeded",
         )
 
 
