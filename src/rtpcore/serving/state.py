@@ -104,6 +104,8 @@ class Served:
         self.prompt_tokens_details = False
         self.stream_buffer_bytes = DEFAULT_STREAM_BUFFER_BYTES  # unsent bytes of a stream before its requests pause
         self.body_parser = BodyParser()  # request bodies, the large ones in a worker process (the guard's)
+        self.reasoning_parser: type[Any] | None = None  # the ReasoningParser class of --reasoning-parser
+        self.reasoning_field = "reasoning"  # the message/delta field the reasoning is in (--reasoning-field)
         self.freeze_heap = False  # the process is the server's own: long-lived builds are frozen (heap)
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
