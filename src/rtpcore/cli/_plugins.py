@@ -30,6 +30,7 @@ from rtpcore.plugins.allowlist import (
     external_model_packages_arg,
     plugins_arg,
 )
+from rtpcore.plugins.seams import SEAMS
 
 __all__ = ["add_parser"]
 
@@ -185,7 +186,7 @@ def report_rows(
                     "layouts": [],
                     "unimported": [],
                     "patches": [],
-                    "seams": {"models": [], "kv_layouts": [], "tool_parsers": []},
+                    "seams": {seam: [] for seam in ("models", "kv_layouts", "tool_parsers", *SEAMS)},
                     "declared_architectures": list(plugin.declared_architectures),
                     "error": None,
                 }
@@ -219,7 +220,9 @@ def _row(
         "unimported": list(outcome.unimported),
         "patches": [f"{owner}.{attr} {kind}" for owner, attr, kind in outcome.patches],
         # What it registered, per seam (docs/design.md §18).
-        "seams": {"models": list(outcome.models), "kv_layouts": list(outcome.layouts),
+        "seams": {**{seam: [] for seam in ("models", "kv_layouts", "tool_parsers", *SEAMS)},
+                  **{seam: list(names) for seam, names in outcome.seams},
+                  "models": list(outcome.models), "kv_layouts": list(outcome.layouts),
                   "tool_parsers": list(outcome.tool_parsers)},
         "declared_architectures": list(declared),
         "error": str(outcome.error) if outcome.error is not None else None,
@@ -236,7 +239,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             models += f" ({', '.join(row['architectures'])})"
         elif row["declared_architectures"]:
             models = f"declares {', '.join(row['declared_architectures'])}"
-        for seam in ("kv_layouts", "tool_parsers"):  # the other seams' registrations, after the models
+        for seam in ("kv_layouts", "tool_parsers", *SEAMS):  # the other seams' registrations, after the models
             if row["seams"][seam]:
                 models += f"; {seam}: {', '.join(row['seams'][seam])}"
         name = row["name"] + (" (built-in)" if row["builtin"] else "")

@@ -21,3 +21,11 @@ def rtpcore_register_models(registry: Any) -> None:
         model_type="llama",
         architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
     )
+
+
+@hookimpl
+def rtpcore_register_reasoning_parsers(registry: Any) -> None:
+    from rtpcore.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
+
+    registry.register_reasoning_parser(DeepSeekR1ReasoningParser)
+    registry.register_reasoning_parser(Qwen3ReasoningParser)

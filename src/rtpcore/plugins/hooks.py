@@ -37,5 +37,14 @@ def rtpcore_register_tool_parsers(registry: Any) -> None:
     they take effect only if the plugin's hooks all return without raising."""
 
 
+@hookspec
+def rtpcore_register_reasoning_parsers(registry: Any) -> None:
+    """Register the plugin's reasoning parsers (``rtpcore.reasoning.ReasoningParser``
+    subclasses) with ``registry.register_reasoning_parser(cls)``, selectable by their ``name``
+    with ``rtpcore serve --reasoning-parser NAME`` (docs/design.md §18). Recorded like
+    ``rtpcore_register_models``."""
+
+
 #: The name of every hook above: an implementation of another name is refused.
-HOOK_NAMES = ("rtpcore_register_models", "rtpcore_kv_cache_layouts", "rtpcore_register_tool_parsers")
+HOOK_NAMES = ("rtpcore_register_models", "rtpcore_kv_cache_layouts", "rtpcore_register_tool_parsers",
+              "rtpcore_register_reasoning_parsers")

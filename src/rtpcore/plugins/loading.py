@@ -37,6 +37,7 @@ from rtpcore.errors import (
 from rtpcore.plugins import hooks, patches, provenance
 from rtpcore.plugins import metadata as lookup
 from rtpcore.plugins.registration import Provider, builtin_version, first_line
+from rtpcore.plugins.seams import SEAMS
 from rtpcore.plugins.registry import ModelRegistry, import_model_class
 from rtpcore.plugins.resolution import Plan, PlanEntry
 
@@ -81,6 +82,9 @@ class LoadOutcome:
     layouts: tuple[str, ...] = ()
     tool_parsers: tuple[str, ...] = ()
     unimported: tuple[str, ...] = ()
+    #: What it registered on each seam, ``(seam, names)`` pairs in ``registry.seams_of`` order
+    #: (``models``, ``kv_layouts``, ``tool_parsers``, then docs/design.md §18's).
+    seams: tuple[tuple[str, tuple[str, ...]], ...] = ()
     #: The changes to rtpcore ``--allow-plugin-patches`` accepted: (module or class, attribute, what).
     patches: tuple[tuple[str, str, str], ...] = ()
 
@@ -217,6 +221,7 @@ def _loaded_outcome(
         layouts=tuple(layouts),
         tool_parsers=tuple(registry.tool_parsers_of(plugin)),
         unimported=unimported,
+        seams=tuple((seam, tuple(names)) for seam, names in registry.seams_of(plugin).items()),
     )
 
 
@@ -343,6 +348,8 @@ def _install(
         for result in _call(pm, "rtpcore_kv_cache_layouts", others, provider):
             view.add_layouts(result)
         _call(pm, "rtpcore_register_tool_parsers", others, provider, registry=view)
+        for seam in SEAMS.values():
+            _call(pm, seam.hook, others, provider, registry=view)
         if import_models:
             view.models[:] = [
                 r if r.cls is not None else evolve(r, cls=import_model_class(r)) for r in view.models

@@ -92,6 +92,7 @@ class RecordingView:
         self.models: list[ModelRecord] = []
         self.layouts: list[Any] = []
         self.tool_parsers: list[type[Any]] = []
+        self.seams: dict[str, list[type[Any]]] = {}  # seam name -> classes (rtpcore.plugins.seams.SEAMS)
 
     def _invalid(self, message: str) -> PluginLoadError:
         return PluginLoadError(
@@ -210,6 +211,33 @@ class RecordingView:
         if any(p.name == cls.name for p in self.tool_parsers):
             raise self._invalid(f"tool-call parser {cls.name!r} registered twice")
         self.tool_parsers.append(cls)
+
+    def register_reasoning_parser(self, cls: type[Any]) -> None:
+        """Record a reasoning parser class (``rtpcore.reasoning.ReasoningParser`` subclass)."""
+        self._register_on("reasoning_parsers", cls)
+
+    def _register_on(self, seam_name: str, cls: object) -> None:
+        """Record ``cls`` on the seam named ``seam_name``: invalid (a class the seam refuses, a
+        name registered twice by this plugin) or incompatible (its ``api_version``) at once."""
+        from rtpcore.errors import PluginIncompatibleError
+        from rtpcore.plugins.seams import SEAMS, seam_class_problems, version_problem
+
+        seam = SEAMS[seam_name]
+        label = getattr(cls, "__qualname__", repr(cls))
+        problems = seam_class_problems(seam, cls)
+        if problems:
+            raise self._invalid(f"{seam.what} {label}: " + "; ".join(problems))
+        assert isinstance(cls, type)
+        problem = version_problem(seam_name, getattr(cls, "api_version", None))
+        if problem is not None:
+            raise PluginIncompatibleError(
+                f"{self.provider}: {seam.what} {cls.name!r} ({cls.__module__}.{cls.__qualname__}) cannot run here: "
+                f"{problem}", state="incompatible", **self.provider.error_fields(),
+            )
+        recorded = self.seams.setdefault(seam_name, [])
+        if any(other.name == cls.name for other in recorded):
+            raise self._invalid(f"{seam.what} {cls.name!r} registered twice")
+        recorded.append(cls)
 
     def add_layouts(self, policies: object) -> None:
         """Record what the plugin's ``rtpcore_kv_cache_layouts`` hook returned."""

@@ -44,6 +44,8 @@ class ModelRegistry:
         self._classes: dict[str, type[ModelPlugin]] = {}
         self._layouts: dict[str, tuple[Any, Provider]] = {}
         self._tool_parsers: dict[str, tuple[type[Any], Provider]] = {}
+        # seam name -> registered name -> (class, provider) (rtpcore.plugins.seams.SEAMS)
+        self._seams: dict[str, dict[str, tuple[type[Any], Provider]]] = {}
         self._lock = threading.RLock()
 
     # -- registration -------------------------------------------------------------------
@@ -81,6 +83,9 @@ class ModelRegistry:
                         f"tool-call parser {cls.name!r}", cls.name, parsers[cls.name][1], view.provider
                     )
                 parsers[cls.name] = (cls, view.provider)
+            seams = {name: dict(found) for name, found in self._seams.items()}
+            for seam_name, classes in view.seams.items():
+                _plan_seam(seam_name, classes, seams.setdefault(seam_name, {}), view.provider)
             for model_type, record in models.items():
                 previous = self._models.get(model_type)
                 if previous is None or previous.target != record.target:
@@ -89,6 +94,7 @@ class ModelRegistry:
                     self._classes[model_type] = record.cls
             self._models, self._arch, self._layouts = models, arch, layouts
             self._tool_parsers = parsers
+            self._seams = seams
 
     def _plan_model(
         self, record: ModelRecord, models: dict[str, ModelRecord], arch: dict[str, str]
@@ -278,6 +284,39 @@ class ModelRegistry:
         with self._lock:
             return sorted(n for n, (_, p) in self._tool_parsers.items() if p.plugin == plugin)
 
+    # -- seams (docs/design.md §18) ---------------------------------------------------------
+
+    def seam_class(self, seam: str, name: str) -> type[Any] | None:
+        """The class registered as ``name`` on ``seam`` (``"reasoning_parsers"``, ...); None:
+        no such registration."""
+        with self._lock:
+            found = self._seams.get(seam, {}).get(name)
+            return None if found is None else found[0]
+
+    def seam_provider(self, seam: str, name: str) -> Provider | None:
+        """Who registered ``name`` on ``seam``."""
+        with self._lock:
+            found = self._seams.get(seam, {}).get(name)
+            return None if found is None else found[1]
+
+    def seam_names(self, seam: str) -> list[str]:
+        """The names registered on ``seam``, sorted (rtpcore's own included)."""
+        with self._lock:
+            return sorted(self._seams.get(seam, {}))
+
+    def seams_of(self, plugin: str) -> dict[str, list[str]]:
+        """What the plugin named ``plugin`` registered, per seam: ``models``, ``kv_layouts``,
+        ``tool_parsers`` and every seam of ``rtpcore.plugins.seams.SEAMS`` (each sorted; empty
+        when none)."""
+        from rtpcore.plugins.seams import SEAMS
+
+        models, _, layouts = self.by_provider(plugin)
+        out = {"models": models, "kv_layouts": layouts, "tool_parsers": self.tool_parsers_of(plugin)}
+        with self._lock:
+            for name in SEAMS:
+                out[name] = sorted(n for n, (_, p) in self._seams.get(name, {}).items() if p.plugin == plugin)
+        return out
+
     def by_provider(self, plugin: str) -> tuple[list[str], list[str], list[str]]:
         """(model types, architectures, layout names) registered by the plugin named ``plugin``."""
         with self._lock:
@@ -288,6 +327,36 @@ class ModelRegistry:
             sorted(a for r in records for a in r.architectures),
             layouts,
         )
+
+
+def _plan_seam(seam_name: str, classes: list[type[Any]], taken: dict[str, tuple[type[Any], Provider]],
+               provider: Provider) -> None:
+    """Add ``provider``'s ``classes`` to ``taken`` (the seam's registrations so far), or raise:
+    a name another plugin registered, or a built-in's not listed in the class's ``replaces``, is
+    a conflict; ``replaces`` naming what is not a built-in registration is invalid. A class
+    that replaces a built-in answers to the built-in's name too."""
+    from rtpcore.plugins.seams import SEAMS
+
+    what = SEAMS[seam_name].what
+    for cls in classes:
+        for name in cls.replaces:
+            other = taken.get(name)
+            if other is None or not other[1].builtin:
+                raise PluginLoadError(
+                    f"{provider}: {what} {cls.name!r} replaces {name!r}, which is not one of rtpcore's built-in "
+                    f"{what}s ({', '.join(sorted(n for n, (_, p) in taken.items() if p.builtin)) or 'none'})",
+                    state="invalid", **provider.error_fields(),
+                )
+        other = taken.get(cls.name)
+        if other is not None and not (other[1].builtin and cls.name in cls.replaces):
+            hint = (f"; to take over the built-in one, set replaces = ({cls.name!r},) on "
+                    f"{cls.__module__}.{cls.__qualname__}" if other[1].builtin else "; allow only one of them")
+            raise PluginConflictError(
+                f"{what} {cls.name!r} is registered by both {other[1]} and {provider}{hint}",
+                providers=(str(other[1]), str(provider)), state="conflict", **provider.error_fields(),
+            )
+        for name in (*cls.replaces, cls.name):  # a replaced built-in's name now selects the plugin's class
+            taken[name] = (cls, provider)
 
 
 def _conflict(

@@ -41,6 +41,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from rtpcore.engine.async_engine import AsyncEngine
+from rtpcore.reasoning import ReasoningParser
 from rtpcore.serving.errors import ApiError, validation_body
 from rtpcore.serving.guard import Guard
 from rtpcore.serving.heap import freeze_long_lived
@@ -48,7 +49,10 @@ from rtpcore.serving.protocol import ErrorBody
 from rtpcore.serving.routers import chat, completions, health, models, prometheus, tokens, version
 from rtpcore.serving.state import DEFAULT_STREAM_BUFFER_BYTES, RequestLimits, Served
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "begin_drain", "build_app", "cut_requests"]
+#: The field names a reasoning can be returned in (``--reasoning-field``).
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "REASONING_FIELDS", "ApiError", "begin_drain", "build_app", "cut_requests"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,8 @@ def build_app(
     enable_prompt_tokens_details: bool = False,
     stream_buffer_bytes: int = DEFAULT_STREAM_BUFFER_BYTES,
     own_process: bool = False,
+    reasoning_parser: type[Any] | None = None,
+    reasoning_field: str = "reasoning",
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` as ``model_name``, with the engine's own text side
     (``engine.engine.text``: its tokenizer -- without one, token ids only, see ``Served`` -- and
@@ -95,7 +101,15 @@ def build_app(
     serve``), and may tune it for serving: the body parser's worker process starts with the app,
     and the objects alive once it has started, or once the grammar compiler is built, are frozen
     out of the garbage collector's walks (``rtpcore.serving.heap``). Off, an app embedded in
-    another program leaves that program's collector alone."""
+    another program leaves that program's collector alone. ``reasoning_parser``: the
+    ``rtpcore.reasoning.ReasoningParser`` class that splits each chat answer's reasoning from
+    its content, returned in the message's (a stream's deltas') ``reasoning_field``:
+    ``"reasoning"`` or vLLM's older ``"reasoning_content"``."""
+    if reasoning_field not in REASONING_FIELDS:
+        raise ValueError(f"reasoning_field must be one of {', '.join(REASONING_FIELDS)}, got {reasoning_field!r}")
+    if reasoning_parser is not None and not (isinstance(reasoning_parser, type)
+                                             and issubclass(reasoning_parser, ReasoningParser)):
+        raise ValueError(f"reasoning_parser must be a ReasoningParser subclass, got {reasoning_parser!r}")
     if isinstance(stream_buffer_bytes, bool) or not isinstance(stream_buffer_bytes, int) or stream_buffer_bytes < 1:
         raise ValueError(f"stream_buffer_bytes must be a positive int, got {stream_buffer_bytes!r}")
     served = Served(engine, model_name, api_key, max_request_bytes, tool_call_parser, skip_tokenizer=skip_tokenizer,
@@ -106,6 +120,8 @@ def build_app(
     served.prompt_tokens_details = enable_prompt_tokens_details
     served.stream_buffer_bytes = stream_buffer_bytes
     served.freeze_heap = own_process
+    served.reasoning_parser = reasoning_parser
+    served.reasoning_field = reasoning_field
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

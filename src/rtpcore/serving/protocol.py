@@ -328,6 +328,16 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    # An earlier answer's reasoning (docs/design.md §17, "Reasoning"): vLLM's current name and
+    # its older one; the chat template receives it as reasoning_content.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _one_reasoning(self) -> ChatMessage:
+        if self.reasoning is not None and self.reasoning_content is not None and self.reasoning != self.reasoning_content:
+            raise ValueError("reasoning and reasoning_content are two names of one field: send one")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -349,6 +359,9 @@ class ChatMessage(BaseModel):
         out = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             out["content"] = "".join(str(p["text"]) for p in self.content)
+        reasoning = out.pop("reasoning", None)
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         return out
 
 

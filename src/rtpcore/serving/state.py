@@ -107,6 +107,8 @@ class Served:
         # request bodies, the large ones in a worker process (the guard's), which judges a large
         # chat body's conversation by chat_rules
         self.body_parser = BodyParser(chat_rules=self.chat_rules)
+        self.reasoning_parser: type[Any] | None = None  # the ReasoningParser class of --reasoning-parser
+        self.reasoning_field = "reasoning"  # the message/delta field the reasoning is in (--reasoning-field)
         self.freeze_heap = False  # the process is the server's own: long-lived builds are frozen (heap)
         self._grammars: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()

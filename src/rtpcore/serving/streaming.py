@@ -144,6 +144,10 @@ class _Response:
         self.ids = list(prompt.token_ids)
         # Per choice index: how its text becomes content and tool calls.
         self.tool_streams = [tools.stream() if tools is not None else None for _ in range(self.n)]
+        # Per choice index: the reasoning parser of --reasoning-parser (chat answers only; not where a
+        # grammar constrains the whole answer from its first token: it is all answer then).
+        parser = served.reasoning_parser if chat and params.grammar is None else None
+        self.reasoning = [parser() if parser is not None else None for _ in range(self.n)]
         self.choices = [_Choice(served, request_id, run_params, state)
                         for (request_id, run_params), state in zip(self.run.requests, self.run.states, strict=True)]
         self.offsets = [0] * self.n  # per choice index: the text streamed so far (completions' text_offset)
@@ -214,11 +218,16 @@ class _Response:
         tokens = [t for d in deltas for t in d.tokens]
         out: dict[str, Any] = {"index": index, "finish_reason": choice.finish_reason,
                                "logprobs": self._logprobs(tokens, 0)}
+        message: dict[str, Any] = {"role": "assistant"}
+        thinker = self.reasoning[index]
+        if thinker is not None:
+            reasoning, text = thinker.extract(text)
+            message[self.served.reasoning_field] = reasoning
         stream = self.tool_streams[index]
         if stream is not None:
             content, _ = stream.feed(text)
             rest, _ = stream.finish()
-            message: dict[str, Any] = {"role": "assistant", "content": (content + rest) or None}
+            message["content"] = (content + rest) or None
             if stream.calls:
                 message["tool_calls"] = stream.call_objects()
                 out["finish_reason"] = tool_finish(choice.finish_reason)
@@ -226,7 +235,8 @@ class _Response:
                 message["content"] = content + rest
             out["message"] = message
         elif self.chat:
-            out["message"] = {"role": "assistant", "content": text}
+            message["content"] = text
+            out["message"] = message
         else:
             out["text"] = text
         if self.token_ids:
@@ -321,28 +331,38 @@ class _Response:
         """The events of one delta of run ``r`` (every index it answers), or of its end."""
         chunks: list[bytes] = []
         for index in self._indices(r):
+            text, tokens = delta.text, list(delta.tokens)
+            thinker = self.reasoning[index]
+            if thinker is not None:  # the reasoning first, in its own chunk, with the delta's logprobs
+                reasoning, text = thinker.feed(text)
+                if done:
+                    more, rest = thinker.finish()
+                    reasoning, text = reasoning + more, text + rest
+                if reasoning:
+                    chunks.append(_sse(self._chunk(index, {self.served.reasoning_field: reasoning}, None, tokens)))
+                    tokens = []
             stream = self.tool_streams[index]
             if stream is not None:
-                chunks += [_sse(c) for c in self._tool_chunks(index, stream, delta, done, choice.finish_reason)]
+                chunks += [_sse(c) for c in self._tool_chunks(index, stream, text, tokens, done, choice.finish_reason)]
                 continue
-            if delta.text or delta.tokens or (self.token_ids and delta.ids) or done:
-                body = {"content": delta.text} if self.chat else delta.text
-                chunk = self._chunk(index, body, choice.finish_reason if done else None,
-                                    list(delta.tokens), self.offsets[index])
+            if text or tokens or (self.token_ids and delta.ids) or done:
+                body = {"content": text} if self.chat else text
+                chunk = self._chunk(index, body, choice.finish_reason if done else None, tokens, self.offsets[index])
                 if self.token_ids:
                     chunk["choices"][0]["token_ids"] = list(delta.ids)
                 chunks.append(_sse(chunk))
-            self.offsets[index] += len(delta.text)
+            self.offsets[index] += len(text)
         return chunks
 
-    def _tool_chunks(self, index: int, stream: ToolStream, delta: SequenceDelta, done: bool,
-                     finish: str | None) -> list[dict[str, Any]]:
-        """The chunks of one delta of a choice with tools: content that cannot be a call yet,
-        then tool-call pieces; at the end, what was held back and the finish."""
-        content, calls = stream.feed(delta.text)
+    def _tool_chunks(self, index: int, stream: ToolStream, text: str, tokens: list[tuple[SampledToken, str]],
+                     done: bool, finish: str | None) -> list[dict[str, Any]]:
+        """The chunks of one delta of a choice with tools (``text``: the delta's answer text,
+        ``tokens`` its logprobs' tokens): content that cannot be a call yet, then tool-call
+        pieces; at the end, what was held back and the finish."""
+        content, calls = stream.feed(text)
         chunks = []
-        if content or delta.tokens:
-            chunks.append(self._chunk(index, {"content": content}, None, list(delta.tokens)))
+        if content or tokens:
+            chunks.append(self._chunk(index, {"content": content}, None, tokens))
         if calls:
             chunks.append(self._chunk(index, {"tool_calls": calls}, None, []))
         if done:
