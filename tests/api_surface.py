@@ -42,6 +42,7 @@ PUBLIC_MODULES = (
     "rtpcore.kv",
     "rtpcore.checkpoint",
     "rtpcore.testing",
+    "rtpcore.reasoning",
     "rtpcore_native",
 )
 

@@ -16,7 +16,12 @@ from hypothesis import strategies as st
 from rtpcore.engine.text.chat_template import ChatTemplate
 from rtpcore.errors import ChatTemplateError
 from rtpcore.serving.json_body import BodyParser, chat_refusal
-from rtpcore.serving.protocol import MAX_MESSAGES, MESSAGE_ROLES, TEMPLATE_AS_SENT, ChatCompletionRequest
+from rtpcore.serving.protocol import (
+    MAX_MESSAGES,
+    MESSAGE_ROLES,
+    TEMPLATE_AS_SENT,
+    ChatCompletionRequest,
+)
 
 # ChatML, with a name written when a message has one, and a refusal of a system message that is
 # not the first: a template that reads more than role and content, and one that can refuse.

@@ -106,6 +106,14 @@ def add_parser(subparsers: Any) -> None:
                    help="how the model writes tool calls, for tool_choice 'auto': hermes, llama3_json, or a "
                    "parser a loaded plugin registers (rtpcore_register_tool_parsers) (default: none; "
                    "tool_choice 'auto' is then answered 400)")
+    p.add_argument("--reasoning-parser", metavar="NAME", default=None,
+                   help="how the model marks its reasoning: deepseek_r1, qwen3, or a parser a loaded plugin "
+                   "registers (rtpcore_register_reasoning_parsers); chat answers then carry it apart from the "
+                   "content, in message.reasoning (streamed: delta.reasoning) (default: none; the reasoning "
+                   "stays in the content)")
+    p.add_argument("--reasoning-field", choices=("reasoning", "reasoning_content"), default="reasoning",
+                   help="the field the reasoning is returned in: vLLM's current name, or its older one "
+                   "(default: %(default)s)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="serve without loading the checkpoint's tokenizer, as for a checkpoint that has none: "
                    "prompts are token ids on /v1/completions, answers carry token_ids and no text; chat, text "
@@ -215,6 +223,17 @@ def run(args: argparse.Namespace) -> int:
                 f"{', '.join(tool_parser_names(registry))} (a plugin adds more with rtpcore_register_tool_parsers)"
             )
         limits["tool_call_parser"] = parser
+    if args.reasoning_parser is not None:
+        registry = engine.engine.plugin_registry
+        thinker = registry.seam_class("reasoning_parsers", args.reasoning_parser)
+        if thinker is None:
+            engine.close()
+            args._parser.error(
+                f"--reasoning-parser {args.reasoning_parser!r} is not a known parser; known: "
+                f"{', '.join(registry.seam_names('reasoning_parsers'))} (a plugin adds more with "
+                "rtpcore_register_reasoning_parsers)"
+            )
+        limits["reasoning_parser"] = thinker
     server: Server | None = None
     try:  # the engine's tokenizer and chat template load here: a broken one ends the start
         app = build_app(engine, model_name=name, api_key=key, on_shutdown=engine.aclose,
@@ -225,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         header_timeout=args.header_timeout, max_connections=args.max_connections,
                         stream_buffer_bytes=args.stream_buffer_bytes, own_process=True,
+                        reasoning_field=args.reasoning_field,
                         open_connections=lambda: server.open_connections if server is not None else 0, **limits)
     except BaseException:
         engine.close()

@@ -10,3 +10,7 @@ layouts, one ``registration`` transaction per plugin (``config_fields`` gives
 plugins checked readers of config.json fields). It hands the next stages a
 ``ModelRegistry``: model type -> plugin class, layout name -> policy.
 """
+
+from rtpcore.plugins.seams import SEAM_API_VERSIONS
+
+__all__ = ["SEAM_API_VERSIONS"]

@@ -37,9 +37,9 @@ from rtpcore.errors import (
 from rtpcore.plugins import hooks, patches, provenance
 from rtpcore.plugins import metadata as lookup
 from rtpcore.plugins.registration import Provider, builtin_version, first_line
-from rtpcore.plugins.seams import SEAMS
 from rtpcore.plugins.registry import ModelRegistry, import_model_class
 from rtpcore.plugins.resolution import Plan, PlanEntry
+from rtpcore.plugins.seams import SEAMS
 
 __all__ = [
     "BUILTIN_PLUGIN",

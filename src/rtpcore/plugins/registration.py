@@ -228,15 +228,16 @@ class RecordingView:
         if problems:
             raise self._invalid(f"{seam.what} {label}: " + "; ".join(problems))
         assert isinstance(cls, type)
+        name = str(getattr(cls, "name", ""))  # checked by seam_class_problems
         problem = version_problem(seam_name, getattr(cls, "api_version", None))
         if problem is not None:
             raise PluginIncompatibleError(
-                f"{self.provider}: {seam.what} {cls.name!r} ({cls.__module__}.{cls.__qualname__}) cannot run here: "
+                f"{self.provider}: {seam.what} {name!r} ({cls.__module__}.{cls.__qualname__}) cannot run here: "
                 f"{problem}", state="incompatible", **self.provider.error_fields(),
             )
         recorded = self.seams.setdefault(seam_name, [])
-        if any(other.name == cls.name for other in recorded):
-            raise self._invalid(f"{seam.what} {cls.name!r} registered twice")
+        if any(getattr(other, "name", None) == name for other in recorded):
+            raise self._invalid(f"{seam.what} {name!r} registered twice")
         recorded.append(cls)
 
     def add_layouts(self, policies: object) -> None:

@@ -2,7 +2,8 @@
 
 The hooks are cheap: models are registered lazily by ``"module:Class"`` (the
 model code is imported only when a checkpoint needs it), the layout module
-imports only ``rtpcore_native`` and the tool-call parser only ``rtpcore``, never torch.
+imports only ``rtpcore_native`` and the tool-call and reasoning parsers only ``rtpcore``, never
+torch.
 """
 
 from __future__ import annotations
@@ -38,3 +39,10 @@ def rtpcore_register_tool_parsers(registry: Any) -> None:
     from atom_plugin.tool_calls import DeepseekV3ToolParser
 
     registry.register_tool_parser(DeepseekV3ToolParser)
+
+
+@hookimpl
+def rtpcore_register_reasoning_parsers(registry: Any) -> None:
+    from atom_plugin.reasoning import AtomDeepseekR1Parser
+
+    registry.register_reasoning_parser(AtomDeepseekR1Parser)
