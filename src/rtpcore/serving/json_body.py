@@ -294,6 +294,7 @@ class BodyParser:
         with self._lock:
             try:
                 if self._proc is None or self._proc.poll() is not None:
+                    self._stop_locked()  # a worker that died: its pipes closed, it reaped
                     if self._rules is None and self._chat_rules is not None:
                         self._rules = pickle.dumps(self._chat_rules(), protocol=pickle.HIGHEST_PROTOCOL)
                     self._proc = subprocess.Popen([sys.executable, "-I", __file__], stdin=subprocess.PIPE,
