@@ -27,6 +27,7 @@ are what ``extract`` returns for the joined text (a ``None`` reasoning counting 
 parser that implements only ``extract`` works as is: the default ``feed`` keeps the pieces and
 the default ``finish`` extracts once, so its stream shows everything at the end. The built-in
 parsers stream as the text comes, holding back only what may be the start of a marker.
+:data:`REASONING_FIELDS` names the fields the server can return the reasoning in.
 
 Built in (vLLM's parsers of the same names; where they differ, said below):
 
@@ -47,7 +48,13 @@ from __future__ import annotations
 import abc
 from typing import ClassVar
 
-__all__ = ["DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "ReasoningParser", "ThinkTagsReasoningParser"]
+__all__ = [
+    "REASONING_FIELDS", "DeepSeekR1ReasoningParser", "Qwen3ReasoningParser", "ReasoningParser", "ThinkTagsReasoningParser",
+]
+
+#: The fields an answer's reasoning can be returned in (``rtpcore serve --reasoning-field``):
+#: vLLM's current name, and its older one.
+REASONING_FIELDS = ("reasoning", "reasoning_content")
 
 
 class ReasoningParser(abc.ABC):

@@ -35,6 +35,7 @@ from rtpcore.cli._args import (
     parse_bytes,
     positive_int,
 )
+from rtpcore.reasoning import REASONING_FIELDS
 
 __all__ = ["API_KEY_ENV", "add_parser", "api_key"]
 
@@ -111,7 +112,7 @@ def add_parser(subparsers: Any) -> None:
                    "registers (rtpcore_register_reasoning_parsers); chat answers then carry it apart from the "
                    "content, in message.reasoning (streamed: delta.reasoning) (default: none; the reasoning "
                    "stays in the content)")
-    p.add_argument("--reasoning-field", choices=("reasoning", "reasoning_content"), default="reasoning",
+    p.add_argument("--reasoning-field", choices=REASONING_FIELDS, default="reasoning",
                    help="the field the reasoning is returned in: vLLM's current name, or its older one "
                    "(default: %(default)s)")
     p.add_argument("--skip-tokenizer-init", action="store_true",

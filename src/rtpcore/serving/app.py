@@ -41,16 +41,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from rtpcore.engine.async_engine import AsyncEngine
-from rtpcore.reasoning import ReasoningParser
+from rtpcore.reasoning import REASONING_FIELDS, ReasoningParser
 from rtpcore.serving.errors import ApiError, validation_body
 from rtpcore.serving.guard import Guard
 from rtpcore.serving.heap import freeze_long_lived
 from rtpcore.serving.protocol import ErrorBody
 from rtpcore.serving.routers import chat, completions, health, models, prometheus, tokens, version
 from rtpcore.serving.state import DEFAULT_STREAM_BUFFER_BYTES, RequestLimits, Served
-
-#: The field names a reasoning can be returned in (``--reasoning-field``).
-REASONING_FIELDS = ("reasoning", "reasoning_content")
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "REASONING_FIELDS", "ApiError", "begin_drain", "build_app", "cut_requests"]
 

@@ -129,7 +129,7 @@ def _has_surrogate(text: str) -> bool:
     return False
 
 
-def chat_refusal(value: Any, rules: dict[str, Any], templates: dict[int, Any] | None = None) -> tuple[str, Any] | None:
+def chat_refusal(value: Any, rules: dict[str, Any]) -> tuple[str, Any] | None:
     """Whether the chat-completions body ``value`` (parsed) is certain to be refused for its
     conversation, judged as the server would judge it: ``("length", characters)`` when the
     conversation rendered by the chat template is longer than ``rules["max_chars"]`` (the
@@ -138,7 +138,7 @@ def chat_refusal(value: Any, rules: dict[str, Any], templates: dict[int, Any] | 
     the shape judged here exactly: its ``model`` the served one, no tools, template arguments or
     continued final message, and messages whose fields are only ``rules["keys"]``, each a
     string, a content a string or a list of text parts (joined, as the server joins them).
-    ``templates`` caches the compiled template across calls (the worker's)."""
+    The template's source is compiled once per process (``ChatTemplate``'s own cache)."""
     if not isinstance(value, dict) or value.get("model") != rules["model"]:
         return None
     if any(value.get(k) is not None for k in ("tools", "chat_template_kwargs", "reasoning_effort")):
@@ -173,13 +173,9 @@ def chat_refusal(value: Any, rules: dict[str, Any], templates: dict[int, Any] | 
         from rtpcore.errors import ChatTemplateError
     except ImportError:  # not where the server is: the server judges the body
         return None
-    cache = templates if templates is not None else {}
-    key = id(rules)
-    if key not in cache:
-        cache.clear()
-        cache[key] = ChatTemplate(rules["templates"], special_tokens=rules["special_tokens"])
+    template = ChatTemplate(rules["templates"], special_tokens=rules["special_tokens"])
     try:
-        text = cache[key].render(chat, add_generation_prompt=True if generation is None else generation)
+        text = template.render(chat, add_generation_prompt=True if generation is None else generation)
     except ChatTemplateError as exc:
         return ("template", str(exc))
     return ("length", len(text)) if len(text) > rules["max_chars"] else None
@@ -225,14 +221,14 @@ def _read_exactly(stream: IO[bytes], buf: bytearray) -> bytearray:
 def _worker_main() -> None:
     """The worker process: parse each body framed on stdin, answer each on stdout, until stdin
     ends. It runs this file as a script (``python -I json_body.py``): the standard library
-    only, no rtpcore package, and nothing of the server's ``__main__``."""
+    only, nothing of the server's ``__main__``, and of rtpcore the chat template's renderer
+    alone, at the first chat body (:func:`chat_refusal`)."""
     _background()
     here = os.path.dirname(os.path.abspath(__file__))
     if sys.path and os.path.abspath(sys.path[0] or ".") == here:  # the serving package's files are no modules here
         del sys.path[0]
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     rules: dict[str, Any] | None = None
-    templates: dict[int, Any] = {}
     while True:
         try:
             frame = _read_frame(stdin)
@@ -246,7 +242,7 @@ def _worker_main() -> None:
         refusal = None
         if tag == _CHAT and found.ok and rules is not None:
             try:
-                refusal = chat_refusal(found.value, rules, templates)
+                refusal = chat_refusal(found.value, rules)
             except Exception:  # the server renders the body itself, and answers whatever this was
                 refusal = None
         answer = (None if refusal else found.value, found.too_deep, found.surrogate, found.invalid, refusal)
