@@ -43,6 +43,7 @@ PUBLIC_MODULES = (
     "rtpcore.checkpoint",
     "rtpcore.testing",
     "rtpcore.reasoning",
+    "rtpcore.attention",
     "rtpcore_native",
 )
 

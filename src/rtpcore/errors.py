@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "AllowlistError",
+    "AttentionBackendError",
     "ChatTemplateError",
     "CheckpointError",
     "CollectiveError",
@@ -210,6 +211,18 @@ class MissingTensorsError(CheckpointError):
     def __init__(self, message: str, *, missing: Sequence[str] = (), path: object = None):
         super().__init__(message, path=path)
         self.missing = tuple(missing)
+
+
+class AttentionBackendError(RtpcoreError, ValueError):
+    """No attention backend can serve a layer, or the one asked for is unknown or cannot
+    (``rtpcore.attention``). ``.backend`` names the backend (None: the automatic choice),
+    ``.layer`` the layer's index, ``.reason`` the backend's own answer."""
+
+    def __init__(self, message: str, *, backend: str | None = None, layer: int | None = None, reason: str = ""):
+        super().__init__(message)
+        self.backend = backend
+        self.layer = layer
+        self.reason = reason
 
 
 class KVCacheSpecError(RtpcoreError, ValueError):

@@ -138,6 +138,10 @@ class EngineOptions:
     native_decode: bool = option(True, "CPU decode steps in rtpcore_native where the model allows", CliFlag(
         "run CPU decode steps with torch's modules, bit-identical to transformers in float32 (default: rtpcore's "
         "native decode step where the model allows it, within float32 rounding)", negative=True))
+    attention_backend: str | None = option(None, "the attention backend of every layer; None: chosen per layer",
+        CliFlag("the attention backend every layer runs (rtpcore plugins list shows the registered ones: torch, "
+                "native_cpu and the plugins'); an error names a layer it cannot serve (default: per layer, the "
+                "platform's default, else the highest-priority backend that supports the layer)", metavar="NAME"))
     async_scheduling: bool | None = option(None, "outputs one step behind; None: on with CUDA graphs", CliFlag(
         "read each step's tokens before planning the next (default: with CUDA graphs, plan and launch the next "
         "step while the current one runs, outputs one step behind)", negative=True))
@@ -253,6 +257,8 @@ class EngineConfig(EngineOptions):
             )
         if o.native_decode not in (True, False):
             raise RtpcoreError(f"native_decode must be True or False, got {o.native_decode!r}")
+        if o.attention_backend is not None and (not isinstance(o.attention_backend, str) or not o.attention_backend):
+            raise RtpcoreError(f"attention_backend must be None or a backend's name, got {o.attention_backend!r}")
         _tristate("async_scheduling", o.async_scheduling)
         if o.async_scheduling and o.tensor_parallel_size > 1:
             raise RtpcoreError(

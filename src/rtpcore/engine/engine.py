@@ -575,7 +575,7 @@ class Engine:
         self._check_open()
         return self._core.stats()
 
-    def _graph_counters(self) -> dict[str, int]:
+    def _graph_counters(self) -> dict[str, Any]:
         """Rank 0's CUDA-graph replays and eager decodes (looked up each time: holding the shard
         would keep its KV pools alive after close)."""
         group = self._group

@@ -114,7 +114,7 @@ class EngineCore:
         draft_max_positions: int | None = None,
         is_broken: Callable[[], bool] = lambda: False,
         prefix_cache_namespace: bytes | None = None,
-        counters: Callable[[], dict[str, int]] = dict,
+        counters: Callable[[], dict[str, Any]] = dict,
         greedy_forward: Callable[[ForwardBatch], torch.Tensor] | None = None,
         async_scheduling: bool = False,
     ):

@@ -77,6 +77,9 @@ class LayerKVCache:
     ):
         self.spec = spec
         self.workspace = workspace  # reused gather buffers (see GatherWorkspace), or None: fresh tensors
+        # Who attends over this pool (rtpcore.attention.AttentionBackend, set by allocate_kv_caches;
+        # None: the reference, rtpcore.attention.TorchAttentionBackend).
+        self.attention_backend: Any = None
         self.num_blocks = num_blocks
         self.tokens_per_block = spec.tokens_per_block
         k_shape, v_shape = kv_shapes(spec)
@@ -123,6 +126,7 @@ class PackedLayerKVCache:
             codec = make_codec(spec)
         self.spec = spec
         self.workspace = workspace
+        self.attention_backend: Any = None  # as LayerKVCache's
         self.codec = codec
         self.num_blocks = num_blocks
         self.tokens_per_block = spec.tokens_per_block
@@ -160,8 +164,12 @@ def allocate_kv_caches(
     compute_dtype: torch.dtype = torch.float32,
     layouts: Any = None,
     workspace: GatherWorkspace | None = None,
+    attention_backends: Sequence[Any] | None = None,
 ) -> list[LayerKVCache | PackedLayerKVCache]:
     """One pool per spec: :class:`PackedLayerKVCache` for fp8 specs, else :class:`LayerKVCache`.
+
+    ``attention_backends``: one ``rtpcore.attention.AttentionBackend`` per spec, attached to its
+    pool (``pool.attention_backend``; the engine's per-layer choice), or None: the reference.
 
     ``layouts`` (the ModelRegistry) supplies the policy of a plugin-defined fp8
     layout, whose codec may be the policy's own (``policy.make_codec``). ``workspace``: the
@@ -182,6 +190,11 @@ def allocate_kv_caches(
         caches.append(PackedLayerKVCache(
             s, num_blocks, device=device, compute_dtype=compute_dtype, codec=codec, workspace=workspace
         ))
+    if attention_backends is not None:
+        if len(attention_backends) != len(caches):
+            raise ValueError(f"{len(attention_backends)} attention backends for {len(caches)} KV cache specs")
+        for cache, backend in zip(caches, attention_backends, strict=True):
+            cache.attention_backend = backend
     return caches
 
 

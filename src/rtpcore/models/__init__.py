@@ -29,3 +29,11 @@ def rtpcore_register_reasoning_parsers(registry: Any) -> None:
 
     registry.register_reasoning_parser(DeepSeekR1ReasoningParser)
     registry.register_reasoning_parser(Qwen3ReasoningParser)
+
+
+@hookimpl
+def rtpcore_register_attention_backends(registry: Any) -> None:
+    from rtpcore.attention import NativeCpuAttentionBackend, TorchAttentionBackend
+
+    registry.register_attention_backend(TorchAttentionBackend)
+    registry.register_attention_backend(NativeCpuAttentionBackend)

@@ -18,7 +18,10 @@ whose linear layers it can read: bf16 weights kept plain, or the float32 copies 
 ``Linear``'s ``"packed+fp32"`` kernel keeps on CPUs without bf16 dot products (there it
 beats oneDNN's emulated bf16 products by far). Activations stay float32 inside the step (a
 bf16 model's step is the more precise for it: within bf16 rounding of transformers'); the
-logits come back in the model's dtype. Every other step runs the torch modules. ``LlamaModel.decode_kernel`` says which one decode
+logits come back in the model's dtype. It is the decode step of the ``native_cpu`` attention
+backend (``rtpcore.attention``): over an engine's pools it runs only where every layer's
+backend is ``native_cpu`` (or a subclass); ``--attention-backend torch`` turns it off like
+``--no-native-decode``. Every other step runs the torch modules. ``LlamaModel.decode_kernel`` says which one decode
 steps use, and why not the native one when it is off (:func:`native_problem`).
 
 Numerics (docs/design.md §6): float32 throughout, summed in another order than torch's
@@ -109,6 +112,7 @@ def _linear_problem(name: str, layer: Any) -> str | None:
 
 def native_problem(model: Any, kv_caches: Sequence[Any]) -> str | None:
     """Why ``model`` (a ``LlamaModel``) cannot decode natively over ``kv_caches``, or None."""
+    from rtpcore.attention import NativeCpuAttentionBackend
     from rtpcore.kv.pools import LayerKVCache
 
     if kernels() is None:
@@ -134,6 +138,10 @@ def native_problem(model: Any, kv_caches: Sequence[Any]) -> str | None:
         if type(cache) is not LayerKVCache or cache.spec.kind != "mha" or cache.k.dtype not in _POOL_DTYPES:
             kind = getattr(cache.spec, "dtype", "?")
             return f"layer {i}'s KV pool is {type(cache).__name__} ({kind}); native decode reads fp32 and bf16 pools"
+        backend = getattr(cache, "attention_backend", None)  # None: pools no engine allocated
+        if backend is not None and not isinstance(backend, NativeCpuAttentionBackend):
+            return (f"layer {i}'s attention backend is {backend.name!r}; the native decode step is the "
+                    "native_cpu backend's")
         shape = (cfg.num_key_value_heads, cfg.head_dim)
         for part in (cache.k, cache.v):
             if tuple(part.shape[1:]) != shape or not part.is_contiguous() or part.device.type != "cpu":

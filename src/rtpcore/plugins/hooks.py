@@ -45,6 +45,14 @@ def rtpcore_register_reasoning_parsers(registry: Any) -> None:
     ``rtpcore_register_models``."""
 
 
+@hookspec
+def rtpcore_register_attention_backends(registry: Any) -> None:
+    """Register the plugin's attention backends (``rtpcore.attention.AttentionBackend``
+    subclasses) with ``registry.register_attention_backend(cls)``, selectable by their ``name``
+    with ``--attention-backend NAME`` and chosen by ``priority`` otherwise (docs/design.md §18).
+    Recorded like ``rtpcore_register_models``."""
+
+
 #: The name of every hook above: an implementation of another name is refused.
 HOOK_NAMES = ("rtpcore_register_models", "rtpcore_kv_cache_layouts", "rtpcore_register_tool_parsers",
-              "rtpcore_register_reasoning_parsers")
+              "rtpcore_register_reasoning_parsers", "rtpcore_register_attention_backends")

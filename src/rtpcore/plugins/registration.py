@@ -216,6 +216,10 @@ class RecordingView:
         """Record a reasoning parser class (``rtpcore.reasoning.ReasoningParser`` subclass)."""
         self._register_on("reasoning_parsers", cls)
 
+    def register_attention_backend(self, cls: type[Any]) -> None:
+        """Record an attention backend class (``rtpcore.attention.AttentionBackend`` subclass)."""
+        self._register_on("attention_backends", cls)
+
     def _register_on(self, seam_name: str, cls: object) -> None:
         """Record ``cls`` on the seam named ``seam_name``: invalid (a class the seam refuses, a
         name registered twice by this plugin) or incompatible (its ``api_version``) at once."""

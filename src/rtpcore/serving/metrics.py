@@ -34,7 +34,7 @@ class ServerMetrics:
     ``vllm:prefix_cache_hits_total``. Feed them through :meth:`tokens`, :meth:`first_token`,
     :meth:`between_tokens`, :meth:`prompt` and :meth:`finished`."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]], model_name: str = "model"):
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str = "model"):
         self.registry = CollectorRegistry()
         self._stats = stats
         self.model_name = model_name
@@ -156,19 +156,24 @@ class _EngineCounters(Collector):
     proposed and accepted draft tokens (0 without a draft), preemptions, requests ended by
     their own fault, and the prefix cache's queried and hit tokens."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]]):
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
         self._stats = stats
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         values = self._stats()
         for name, (key, doc) in _ENGINE_COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=values.get(key, 0))
+        calls = CounterMetricFamily("rtpcore_attention_calls", "attention calls (one per layer per forward) by "
+                                    "attention backend (rtpcore.attention)", labels=["backend"])
+        for backend, n in sorted(values.get("attention_calls", {}).items()):
+            calls.add_metric([backend], n)
+        yield calls
 
 
 class _VllmEngineCounters(Collector):
     """The prefix cache's counters under vLLM's names, labelled ``model_name``."""
 
-    def __init__(self, stats: Callable[[], dict[str, int]], model_name: str):
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str):
         self._stats, self._model = stats, model_name
 
     def collect(self) -> Iterator[CounterMetricFamily]:

@@ -46,3 +46,10 @@ def rtpcore_register_reasoning_parsers(registry: Any) -> None:
     from atom_plugin.reasoning import AtomDeepseekR1Parser
 
     registry.register_reasoning_parser(AtomDeepseekR1Parser)
+
+
+@hookimpl
+def rtpcore_register_attention_backends(registry: Any) -> None:
+    from atom_plugin.attention import AtomMLABackend
+
+    registry.register_attention_backend(AtomMLABackend)

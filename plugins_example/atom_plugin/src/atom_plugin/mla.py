@@ -4,12 +4,10 @@ The cache holds, per token, the normalised latent ``c_kv`` (``kv_lora_rank``
 values, the spec's k part) and the roped shared key ``k_pe``
 (``qk_rope_head_dim`` values, the spec's v part). Nothing per head is cached.
 
-* Prefill (any sequence with more than one new token) uses the expanded form:
-  ``kv_b_proj`` turns every cached latent into per-head keys and values.
-* Decode (one new token per sequence) stays in the latent space: ``W_UK`` is
-  absorbed into the query and ``W_UV`` into the output, so the step reads
-  ``kv_lora_rank + rope`` values per cached token instead of
-  ``H * (nope + rope + v)``.
+The attention itself is the layer's attention backend's (``rtpcore.layers.paged_mla``): the
+engine picks this plugin's ``atom_mla`` (:mod:`atom_plugin.attention`: the expanded form for
+prefill, the absorbed latent form for decode) unless told otherwise. The layer hands it
+``kv_b_proj``'s key and value halves per head.
 
 Shapes: T new tokens, B sequences, L cached positions, H heads, r = kv_lora_rank,
 R = rope dims, dn = qk_nope_head_dim, dv = v_head_dim.
@@ -30,12 +28,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from atom_plugin.config import DeepseekConfig
 from atom_plugin.layers import RMSNorm, Weights, apply_rope, linear_factory
-from rtpcore.layers import Linear, causal_mask, paged_mla_decode, row_parallel
+from rtpcore.layers import Linear, paged_mla, row_parallel
 
 __all__ = ["MLAttention", "StepTensors"]
 
@@ -45,12 +42,7 @@ class StepTensors(NamedTuple):
 
     cos: torch.Tensor  # (T, 1, R/2)
     sin: torch.Tensor  # (T, 1, R/2)
-    max_len: int  # L: the longest context after this step
-    num_decodes: int  # Bd: the leading sequences with one new token each (the decodes)
-    decode_len: int  # Ld: the longest context of those
-    decode_mask: torch.Tensor | None  # (Bd, 1, Ld) True past each decode's context; None when nothing is masked
-    # every sequence decodes and reads the latent cache in place (rtpcore.layers.paged_mla_decode)
-    paged: bool = False
+    masks: dict[Any, Any]  # what the attention backend's calls of one forward share (rtpcore.layers.paged_mla)
 
 
 class MLAttention(nn.Module):
@@ -128,78 +120,7 @@ class MLAttention(nn.Module):
         pe = apply_rope(torch.cat((q_pe, k_pe[:, None, :]), 1), step.cos, step.sin, cfg.rope_interleave)
         q_pe, k_pe = pe[:, :h], pe[:, h]  # (T, H, R), (T, R): one rotation for queries and key
         cache.write(batch.slots, c_kv, k_pe)
-        if step.paged:
-            return self.o_proj(self._decode_paged(q_nope, q_pe, cache, batch))  # (T, D)
-        # Forward contract 2: nothing padded. The decodes attend together over their longest
-        # context; every longer span (a prompt chunk) alone over its own.
-        d = step.num_decodes
-        out = x.new_empty(t, h * cfg.v_head_dim)  # (T, H*dv)
-        if d:
-            ckv, kpe = cache.read(batch.block_tables[:d], step.decode_len)  # (Bd, Ld, r), (Bd, Ld, R)
-            out[:d] = self._decode(q_nope[:d], q_pe[:d], ckv, kpe, step.decode_mask)  # (Bd, H*dv)
-        for span in batch.spans(d):
-            ckv, kpe = cache.read(batch.block_tables[span.b : span.b + 1], span.context_len)  # (1, L, r), (1, L, R)
-            rows = slice(span.start, span.end)
-            out[rows] = self._prefill(q_nope[rows], q_pe[rows], ckv.to(x.dtype), kpe.to(x.dtype))  # (n, H*dv)
+        out = paged_mla(
+            q_nope, q_pe, cache, batch, w_uk=self.w_uk, w_uv_t=self.w_uv_t, scale=self.scale, masks=step.masks
+        )  # (T, H*dv)
         return self.o_proj(out)  # (T, D), all-reduced when sharded
-
-    def _decode(
-        self,
-        q_nope: torch.Tensor,  # (B, H, dn)
-        q_pe: torch.Tensor,  # (B, H, R)
-        ckv: torch.Tensor,  # (B, L, r)
-        kpe: torch.Tensor,  # (B, L, R)
-        masked: torch.Tensor | None,  # (B, 1, L) True past each sequence's context, or None
-    ) -> torch.Tensor:
-        b, h = q_nope.shape[:2]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # (B, H, r): W_UK absorbed
-        # The attention core runs in float32 whatever the model dtype: more exact, and in
-        # bf16 faster too (oneDNN would build new bf16 kernels for every new length L).
-        ckv, kpe = ckv.float(), kpe.float()  # (B, L, r), (B, L, R); no copies in float32
-        scores = torch.baddbmm(  # (B, H, L): scale * (q_lat . c_kv + q_pe . k_pe), no concatenation
-            torch.bmm(q_pe.float(), kpe.transpose(1, 2)),
-            q_lat.float(),
-            ckv.transpose(1, 2),
-            beta=self.scale,
-            alpha=self.scale,
-        )
-        if masked is not None:
-            scores = scores.masked_fill(masked, float("-inf"))
-        probs = scores.softmax(dim=-1)  # (B, H, L) float32
-        o_lat = torch.bmm(probs, ckv).to(q_nope.dtype)  # (B, H, r)
-        o = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t)  # (H, B, dv): W_UV absorbed
-        return o.transpose(0, 1).reshape(b, h * self.cfg.v_head_dim)  # (B, H*dv)
-
-    def _decode_paged(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: Any, batch: Any) -> torch.Tensor:
-        """:meth:`_decode` with the attention core reading the paged latent cache in place."""
-        b, h = q_nope.shape[:2]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # (B, H, r): W_UK absorbed
-        o_lat = paged_mla_decode(
-            q_lat, q_pe, cache.k, cache.v, batch.block_tables, batch.context_lens,
-            tokens_per_block=batch.tokens_per_block, scale=self.scale,
-        ).to(q_nope.dtype)  # (B, H, r)
-        o = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t)  # (H, B, dv): W_UV absorbed
-        return o.transpose(0, 1).reshape(b, h * self.cfg.v_head_dim)  # (B, H*dv)
-
-    def _prefill(
-        self,
-        q_nope: torch.Tensor,  # (n, H, dn) one sequence's new tokens
-        q_pe: torch.Tensor,  # (n, H, R)
-        ckv: torch.Tensor,  # (1, L, r) its whole context, the new tokens last
-        kpe: torch.Tensor,  # (1, L, R)
-    ) -> torch.Tensor:
-        cfg = self.cfg
-        n, seq = q_nope.shape[0], ckv.shape[1]
-        h, dv = cfg.num_attention_heads, cfg.v_head_dim
-        k_nope = torch.einsum("blr,hdr->blhd", ckv, self.w_uk)  # (1, L, H, dn): kv_b_proj's key half
-        v = torch.einsum("blr,hrv->blhv", ckv, self.w_uv_t)  # (1, L, H, dv): its value half
-        k = torch.cat((k_nope, kpe[:, :, None, :].expand(1, seq, h, -1)), dim=-1)  # (1, L, H, dq)
-        q = torch.cat((q_nope, q_pe), dim=-1)[None]  # (1, n, H, dq)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # (1, H, n, dq)
-            k.transpose(1, 2),  # (1, H, L, dq)
-            v.transpose(1, 2),  # (1, H, L, dv)
-            attn_mask=causal_mask(n, seq, None, q.device),  # (n, L): the queries are the last n positions
-            scale=self.scale,
-        )  # (1, H, n, dv)
-        return out[0].transpose(0, 1).reshape(n, h * dv)  # (n, H*dv)

@@ -34,7 +34,7 @@ from atom_plugin.layers import (
     rope_inv_freq,
 )
 from atom_plugin.mla import MLAttention, StepTensors
-from rtpcore.layers import GatherColumns, decode_backend
+from rtpcore.layers import GatherColumns
 
 __all__ = ["DecoderLayer", "DeepseekModel"]
 
@@ -116,17 +116,7 @@ class DeepseekModel(nn.Module):
         return self.lm_head(self.norm(last)).float()  # (B, V), gathered in rank order when split
 
     def step_tensors(self, batch: Any, kv_caches: Sequence[Any] = ()) -> StepTensors:
-        """RoPE tables and the decodes' mask of one step, shared by every layer. A decode step
-        over unquantized caches on a GPU reads them in place (rtpcore.layers.paged_attention): no mask."""
-        max_len = batch.max_context_len
-        cos, sin = self.rope(batch.positions, max_len)  # (T, 1, R/2) each
-        paged = batch.is_decode and bool(kv_caches) and decode_backend(kv_caches[0], batch.positions) == "triton"
-        d = batch.num_decodes
-        if paged:  # no host integers needed: a decode step stays free of synchronisations (CUDA graphs)
-            return StepTensors(cos, sin, max_len, d, max_len, None, True)
-        decode_len = max(batch.context_lens_on_host()[:d], default=0)
-        mask = None
-        if d > 1 and not paged:  # one sequence fills its whole context: nothing to mask
-            pos = torch.arange(decode_len, device=batch.positions.device)  # (Ld,)
-            mask = (pos[None, :] >= batch.context_lens[:d, None])[:, None, :]  # (Bd, 1, Ld)
-        return StepTensors(cos, sin, max_len, d, decode_len, mask, paged)
+        """The RoPE tables of one step, shared by every layer, and the dict where the layers'
+        attention backend keeps what they share (its decode mask)."""
+        cos, sin = self.rope(batch.positions, batch.max_context_len)  # (T, 1, R/2) each
+        return StepTensors(cos, sin, {})

@@ -4,6 +4,8 @@ snapshot. Plain values, below the text layer that turns them into text."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from rtpcore.engine.sample.params import SampledToken
@@ -82,8 +84,11 @@ class EngineStats:
     async_fallback_steps_total: int = 0  # with async scheduling on, steps run synchronously (a batch it does not cover)
     async_discarded_tokens_total: int = 0  # tokens computed for requests that had finished a step earlier, dropped
     paused: int = 0  # requests paused by their consumer (a stream nobody reads): not scheduled, holding no blocks
+    # Attention calls by backend name (rtpcore.attention): one per layer per forward of the target and the
+    # draft, warm-up excluded; rank 0's.
+    attention_calls: dict[str, int] = attrs.field(factory=dict)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
 

@@ -56,6 +56,7 @@ class LoadedModel:
     kv_cache_specs: list[Any]
     model: Any
     bytes_read: int
+    attention_backends: list[Any]  # one rtpcore.attention.AttentionBackend per layer (its KV pool's)
 
 
 class EngineShard:
@@ -104,6 +105,10 @@ class EngineShard:
         self.draft_graphs: Any = None  # the same for the draft's decode steps
         self.graphs_off: str | None = None  # why decode steps run eagerly on a GPU (None: graphs, or the CPU)
         self.eager_decodes = 0  # target decode steps no graph served
+        # Attention calls per backend name: each forward calls every layer's backend once.
+        self.attention_calls: dict[str, int] = {}
+        self._target_calls = _per_name(target.attention_backends)
+        self._draft_calls = _per_name(self.draft.attention_backends) if self.draft is not None else {}
 
     def allocate(self, num_blocks: int) -> None:
         """Preallocate ``num_blocks`` KV blocks per layer (rank 0 decides the number), for
@@ -117,10 +122,14 @@ class EngineShard:
         # With graphs, one more block than the engine hands out: the padding rows' scratch block.
         pool_blocks = num_blocks + 1 if graphs else num_blocks
         # Each model's layers share their gather buffers; the draft's forward never overlaps the target's.
-        self.kv_caches = allocate_kv_caches(self.kv_cache_specs, pool_blocks, workspace=GatherWorkspace(), **options)
+        self.kv_caches = allocate_kv_caches(
+            self.kv_cache_specs, pool_blocks, workspace=GatherWorkspace(),
+            attention_backends=self.target.attention_backends, **options,
+        )
         if self.draft is not None:
             self.draft_kv_caches = allocate_kv_caches(
-                self.draft.kv_cache_specs, pool_blocks, workspace=GatherWorkspace(), **options
+                self.draft.kv_cache_specs, pool_blocks, workspace=GatherWorkspace(),
+                attention_backends=self.draft.attention_backends, **options,
             )
         if graphs:
             from rtpcore.engine.worker.graphs import in_place_problem
@@ -190,6 +199,7 @@ class EngineShard:
         step); the logits, or their greedy picks."""
         from rtpcore.engine.sample.sampler import greedy_pick
 
+        _tally(self.attention_calls, self._target_calls)
         if self.graphs is not None and self.graphs.supports(batch):
             out = self.graphs.run_greedy(batch) if greedy else self.graphs.run(batch)
         else:
@@ -223,10 +233,11 @@ class EngineShard:
                     if self.ctx.rank == 0:
                         _check_logits(logits, batch, what, loaded.hf_config.get("vocab_size"))
 
-    def graph_counters(self) -> dict[str, int]:
+    def graph_counters(self) -> dict[str, Any]:
         """This rank's target decode steps replayed from a CUDA graph, and those run eagerly."""
         replays = self.graphs.replays if self.graphs is not None else 0
-        return {"cuda_graph_replays_total": replays, "eager_decode_steps_total": self.eager_decodes}
+        return {"cuda_graph_replays_total": replays, "eager_decode_steps_total": self.eager_decodes,
+                "attention_calls": dict(self.attention_calls)}
 
     def draft_forward(self, batch: Any) -> torch.Tensor | None:
         """The draft model's forward over its own KV pools (rank 0 gets the logits)."""
@@ -237,6 +248,7 @@ class EngineShard:
         else:
             with torch.inference_mode():
                 logits = self.draft.model(batch, self.draft_kv_caches)
+        _tally(self.attention_calls, self._draft_calls)
         return logits if self.ctx.rank == 0 else None
 
     def profile_memory(self, num_tokens: int) -> tuple[int, int, int]:
@@ -252,7 +264,8 @@ class EngineShard:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         options = {"device": device, "compute_dtype": self.config.torch_dtype, "layouts": self.registry}
-        caches = allocate_kv_caches(self.kv_cache_specs, blocks, **options)
+        caches = allocate_kv_caches(self.kv_cache_specs, blocks, attention_backends=self.target.attention_backends,
+                                    **options)
         pools = torch.cuda.memory_allocated(device) - base
         n = torch.arange(num_tokens, device=device)
         batch = ForwardBatch(
@@ -348,6 +361,7 @@ def _load(
         registry=registry,
         model_type=model_type,
     )
+    backends = attention_backends(config, registry, specs, ctx.device)  # before the weights too
     weights = load_checkpoint(
         checkpoint,
         request.patterns,
@@ -372,7 +386,35 @@ def _load(
     del weights
     if isinstance(model, torch.nn.Module):
         model.eval()
-    return LoadedModel(model_type, plugin, hf_config, model_config, local_config, specs, model, bytes_read)
+    return LoadedModel(model_type, plugin, hf_config, model_config, local_config, specs, model, bytes_read, backends)
+
+
+def attention_backends(config: Any, registry: Any, specs: list[Any], device: Any) -> list[Any]:
+    """Each layer's attention backend (``rtpcore.attention.choose_attention_backends``): the
+    engine's ``attention_backend``, else the automatic choice among the registered backends
+    (``native_cpu`` left out when ``native_decode`` is off)."""
+    from rtpcore.attention import choose_attention_backends
+
+    names = registry.seam_names("attention_backends")
+    classes = {n: registry.seam_class("attention_backends", n) for n in names}
+    return choose_attention_backends(
+        specs, classes, device=device, dtype=config.torch_dtype,
+        requested=getattr(config, "attention_backend", None),
+        excluded=() if getattr(config, "native_decode", True) else ("native_cpu",),
+    )
+
+
+def _per_name(backends: list[Any]) -> dict[str, int]:
+    """How many layers each backend serves, by name."""
+    out: dict[str, int] = {}
+    for backend in backends:
+        out[backend.name] = out.get(backend.name, 0) + 1
+    return out
+
+
+def _tally(calls: dict[str, int], per_forward: dict[str, int]) -> None:
+    for name, n in per_forward.items():
+        calls[name] = calls.get(name, 0) + n
 
 
 #: The warm-up's prompt length: a prefill of this many tokens, then one decode step.
