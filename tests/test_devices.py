@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rtpcore import Engine, errors
-from rtpcore.engine.worker.devices import check_device_form, resolve_device
+from rtpcore.engine.worker.devices import check_device_form, resolve_device, resolve_platform
 from rtpcore.errors import DeviceError, RtpcoreError
 from rtpcore.parallel.leader import WorkerGroup
 
@@ -42,17 +42,31 @@ def test_well_formed_devices_resolve_to_their_canonical_form(device: Any, want: 
 
 
 @pytest.mark.parametrize("device", [
-    "gpu", "cuda:x", "cuda:-1", "cuda:01", "cuda:", "CUDA", " cpu", "cpu:0", "mps", "", 3, None, torch.device("meta"),
+    "cuda:x", "cuda:-1", "cuda:01", "cuda:", " cpu", "cpu:0", "auto:1", "my-dev", "", 3, None, torch.device("meta"),
 ])  # fmt: skip
 def test_a_value_of_none_of_the_forms_is_malformed(device: Any) -> None:
-    """Anything but "auto", "cpu", "cuda", "cuda:N" (or such a torch.device) raises DeviceError(malformed=True)
-    whose message names the value and lists the forms; availability is never asked."""
-    for check in (check_device_form, resolve_device):
+    """Anything but "auto", "cpu", "cuda", "cuda:N", a platform's NAME or NAME:N (or such a
+    torch.device) raises DeviceError(malformed=True) whose message names the value and lists the
+    forms; availability is never asked."""
+    for check in (check_device_form, resolve_device, resolve_platform):
         with pytest.raises(DeviceError) as excinfo:
             check(device)
         err = excinfo.value
         assert (err.device, err.malformed, err.available) == (device, True, ())
-        assert repr(device) in str(err) and "'auto', 'cpu', 'cuda', 'cuda:N'" in str(err)
+        assert repr(device) in str(err) and "'auto', 'cpu', 'cuda', 'cuda:N', 'NAME', 'NAME:N'" in str(err)
+
+
+@pytest.mark.parametrize("device", ["gpu", "CUDA", "mps", "npu:1"])
+def test_a_name_no_platform_answers_to_is_unknown_listing_the_known_ones(device: str) -> None:
+    """A well-formed name (a plugin platform's form) that no loaded platform has: DeviceError
+    (malformed=False) naming it and listing the known platforms (docs/design.md §18)."""
+    assert check_device_form(device) == device
+    for check in (resolve_device, resolve_platform):
+        with pytest.raises(DeviceError) as excinfo:
+            check(device)
+        err = excinfo.value
+        assert (err.device, err.malformed, err.available) == (device, False, ("cpu", "cuda"))
+        assert f"device {device!r} is not a platform here; known: cpu, cuda" in str(err)
 
 
 def test_check_device_form_leaves_well_formed_values_as_given() -> None:
@@ -102,7 +116,7 @@ def test_the_form_check_and_the_cli_arguments_import_no_torch() -> None:
         "from rtpcore.engine.worker.devices import check_device_form\n"
         "check_device_form('cuda:3')\n"
         "from rtpcore.cli import main\n"
-        "for argv in (['generate', '--help'], ['serve', '--help'], ['generate', '--demo', 'llama', '--device', 'gpu']):\n"
+        "for argv in (['generate', '--help'], ['serve', '--help'], ['generate', '--demo', 'llama', '--device', 'gpu:x']):\n"
         "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
         "print('TORCH', 'torch' in sys.modules)\n"
     )
@@ -145,7 +159,7 @@ def test_async_engine_takes_the_device(ckpt: Path) -> None:
         engine.close()
 
 
-@pytest.mark.parametrize(("device", "malformed"), [(MISSING, False), ("gpu", True)])
+@pytest.mark.parametrize(("device", "malformed"), [(MISSING, False), ("gpu", False), ("gpu:x", True)])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_an_unusable_device_fails_before_anything_loads_or_starts(
     tmp_path: Path, device: str, malformed: bool, tp: int
@@ -178,10 +192,15 @@ def _rtpcore(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("command", [["generate", "--prompt-ids", "1"], ["serve"]])
 def test_cli_malformed_device_is_a_usage_error(tmp_path: Path, command: list[str]) -> None:
-    """`--device gpu` exits 2 naming the value, before anything loads."""
-    out = _rtpcore(tmp_path, *command, "--demo", "llama", "--device", "gpu")
+    """`--device gpu:x` exits 2 naming the value, before anything loads; `--device gpu` (a platform's
+    form, no platform here) exits 1 listing the known platforms, before a demo is built."""
+    out = _rtpcore(tmp_path, *command, "--demo", "llama", "--device", "gpu:x")
     assert out.returncode == 2, out.stderr
-    assert "argument --device: device 'gpu' is not one of" in out.stderr
+    assert "argument --device: device 'gpu:x' is not one of" in out.stderr
+    out = _rtpcore(tmp_path, *command, "--demo", "llama", "--device", "gpu")
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip() == ("rtpcore: error: device 'gpu' is not a platform here; known: cpu, cuda (a plugin "
+                                  "adds one with rtpcore_register_platforms; load it with --plugins)")
     assert not (tmp_path / "xdg").exists()  # no demo was built
 
 

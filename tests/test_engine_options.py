@@ -36,7 +36,7 @@ def test_every_option_is_a_keyword_with_its_declared_default(func: object) -> No
 def test_every_option_is_a_field_of_the_resolved_config() -> None:
     resolved = {f.name for f in attrs.fields(EngineConfig)}
     assert {f.name for f in OPTIONS} <= resolved
-    assert resolved - {f.name for f in OPTIONS} == {"checkpoint", "plan"}
+    assert resolved - {f.name for f in OPTIONS} == {"checkpoint", "plan", "platform"}  # platform: device resolved
 
 
 def test_an_unknown_option_is_a_type_error_naming_it_and_the_closest_before_anything_loads(tmp_path) -> None:

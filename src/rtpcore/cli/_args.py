@@ -12,7 +12,7 @@ import attrs
 
 from rtpcore.checkpoint.hub import hub_id
 from rtpcore.engine.config import CliFlag, EngineOptions
-from rtpcore.engine.worker.devices import check_device_form, resolve_device
+from rtpcore.engine.worker.devices import check_device_form, resolve_platform
 from rtpcore.errors import DeviceError
 from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
@@ -148,7 +148,11 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
     if args.num_speculative_tokens and args.draft_model is None:
         parser.error("--num-speculative-tokens needs --draft-model (a draft checkpoint or 'mtp')")
     allow = Allowlist.from_args(args)
-    device = resolve_device(args.device)  # the engine checks it against tensor_parallel_size too
+    # The engine checks it against tensor_parallel_size too; a plugin platform needs the plan's plugins.
+    from rtpcore.plugins.loading import load_plugins
+
+    resolve_platform(args.device, load_plugins(allow.resolve()))  # a device nothing here can run fails now
+    device = args.device
     plugins = [str(r) for r in allow.plugins]
     if args.demo is not None:
         from rtpcore.testing import demo_checkpoint

@@ -154,6 +154,7 @@ def report_rows(
                     value=entry.value,
                     requested=True,
                     declared=hint.declared_architectures if hint else (),
+                    registry=report.registry,
                 )
             )
         else:
@@ -188,6 +189,7 @@ def report_rows(
                     "patches": [],
                     "seams": {seam: [] for seam in ("models", "kv_layouts", "tool_parsers", *SEAMS)},
                     "declared_architectures": list(plugin.declared_architectures),
+                    "platforms": {},
                     "error": None,
                 }
             )
@@ -204,7 +206,9 @@ def _row(
     requested: bool = False,
     builtin: bool = False,
     declared: tuple[str, ...] = (),
+    registry: Any = None,
 ) -> dict[str, Any]:
+    seams = dict(outcome.seams)
     return {
         "name": name,
         "distribution": distribution,
@@ -225,8 +229,24 @@ def _row(
                   "models": list(outcome.models), "kv_layouts": list(outcome.layouts),
                   "tool_parsers": list(outcome.tool_parsers)},
         "declared_architectures": list(declared),
+        # Each of its platforms' availability (rtpcore.platforms.availability); the built-in ones are
+        # not asked here (cuda's answer would import torch).
+        "platforms": {} if builtin or registry is None else _platforms(registry, seams.get("platforms", ())),
         "error": str(outcome.error) if outcome.error is not None else None,
     }
+
+
+def _platforms(registry: Any, names: Any) -> dict[str, str]:
+    """``"available"`` or ``"unavailable: WHY"`` per platform name (an exception quoted, never swallowed)."""
+    from rtpcore.platforms import availability
+
+    out = {}
+    for name in names:
+        cls = registry.seam_class("platforms", name)
+        if cls is not None:
+            available, why = availability(cls)
+            out[name] = "available" if available else f"unavailable: {why}"
+    return out
 
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
@@ -251,6 +271,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
         for i, row in enumerate(rows)
     }
     patched = {id(table[i + 1]): row.get("patches") or [] for i, row in enumerate(rows)}
+    platforms = {id(table[i + 1]): row.get("platforms") or {} for i, row in enumerate(rows)}
     for line in table:
         print(
             "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=False))
@@ -266,6 +287,8 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             )
         if patched.get(id(line)):
             print(f"    patches accepted by --allow-plugin-patches: {', '.join(patched[id(line)])}")
+        for name, state in platforms.get(id(line), {}).items():
+            print(f"    platform {name}: {state}")
 
 
 def _check(args: argparse.Namespace) -> int:

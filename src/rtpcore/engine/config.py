@@ -117,7 +117,9 @@ class EngineOptions:
     num_speculative_tokens: int = option(0, "tokens the draft proposes per step (0: 4 with a draft)", CliFlag(
         "tokens the draft proposes per step (default 0: 4 with --draft-model)", kind="positive_int", metavar="K"))
     device: Any = option("auto", "where weights, KV pools and sampling live", CliFlag(
-        "auto (default: the first CUDA/ROCm GPU torch sees, else cpu), cpu, cuda or cuda:N", kind="device",
+        "auto (default: the available platform of highest priority: the first CUDA/ROCm GPU torch sees, else "
+        "cpu, unless a loaded plugin's platform ranks higher), cpu, cuda, cuda:N, or a plugin platform's NAME "
+        "or NAME:N", kind="device",
         metavar="DEVICE"))
     cuda_graphs: bool | None = option(None, "decode steps replayed from CUDA graphs; None: on for one GPU rank", CliFlag(
         "run every decode step eagerly on a GPU (default: replay CUDA graphs, one engine rank)", negative=True))
@@ -188,7 +190,8 @@ class EngineConfig(EngineOptions):
     plan: Plan
     dtype: str  # resolved: "float32", "bfloat16" or "float16"
     kv_cache_dtype: str  # resolved: "fp32", "fp16", "bf16" or "fp8_e4m3"
-    device: str = "cpu"  # resolved (rtpcore.engine.worker.devices): "cpu" or "cuda:N", rank 0's device when sharded
+    device: str = "cpu"  # resolved (rtpcore.engine.worker.devices): "cpu", "cuda:N" or "TYPE:N", rank 0's when sharded
+    platform: str = "cpu"  # the platform's name (rtpcore.platforms): "cpu", "cuda" or a plugin's
     draft_model: str | None = None  # a local folder or "mtp"
     max_num_batched_tokens: int = DEFAULT_BATCHED_TOKENS["cpu"]
 
@@ -211,7 +214,7 @@ class EngineConfig(EngineOptions):
         EngineOptions.check_names(options, "EngineConfig.create")
         o = EngineOptions(**options)
 
-        from rtpcore.engine.worker.devices import resolve_device
+        from rtpcore.engine.worker.devices import check_device_form, resolve_platform
         from rtpcore.kv.specs import resolve_kv_cache_dtype
         from rtpcore.parallel.context import env_world_size
         from rtpcore.plugins.allowlist import Allowlist
@@ -232,10 +235,15 @@ class EngineConfig(EngineOptions):
         # Under env:// rendezvous (torchrun) the ranks may sit on other machines: this process
         # checks only its own device; every rank checks its own when the group forms.
         local_ranks = 1 if o.tensor_parallel_size > 1 and env_world_size() is not None else o.tensor_parallel_size
-        resolved_device = resolve_device(o.device, tensor_parallel_size=local_ranks)
+        check_device_form(o.device)  # a malformed device fails before any plugin loads
+        plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages,
+                                  allow_plugin_patches=o.allow_plugin_patches).resolve()
+        platform_name, resolved_device = resolve_platform(o.device, _platforms(plan), tensor_parallel_size=local_ranks)
+        platform = _platforms(plan).seam_class("platforms", platform_name)
         _tristate("cuda_graphs", o.cuda_graphs)
-        if o.cuda_graphs and resolved_device == "cpu":
-            raise RtpcoreError("cuda_graphs=True needs a CUDA/ROCm device; the engine runs on the CPU")
+        if o.cuda_graphs and not platform.supports_graphs:
+            raise RtpcoreError(f"cuda_graphs=True needs a platform that replays CUDA graphs; the engine runs on "
+                               f"{platform_name!r} ({resolved_device})")
         device_type = "cpu" if resolved_device == "cpu" else "cuda"
         max_num_batched_tokens = o.max_num_batched_tokens
         if max_num_batched_tokens is None:
@@ -273,14 +281,16 @@ class EngineConfig(EngineOptions):
             or not 0.0 < o.gpu_memory_utilization <= 1.0
         ):
             raise RtpcoreError(f"gpu_memory_utilization must be in (0, 1], got {o.gpu_memory_utilization!r}")
-        plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages,
-                                  allow_plugin_patches=o.allow_plugin_patches).resolve()
         # A Hub id (org/name[@revision]) becomes its snapshot folder, holding the shards the ranks read.
         path, draft = resolve_checkpoints(path, draft, plan=plan, model_type=o.model_type)
         dtype = _resolve_dtype(o.dtype, resolved_device, path)
+        if dtype not in platform.supported_dtypes:
+            raise RtpcoreError(f"dtype {dtype!r} is not one platform {platform_name!r} runs: "
+                               f"{', '.join(platform.supported_dtypes)}")
         kv = resolve_kv_cache_dtype(o.kv_cache_dtype, dtype)
         resolved = {
-            "dtype": dtype, "kv_cache_dtype": kv, "device": resolved_device, "draft_model": draft,
+            "dtype": dtype, "kv_cache_dtype": kv, "device": resolved_device, "platform": platform_name,
+            "draft_model": draft,
             "num_speculative_tokens": k, "max_num_batched_tokens": max_num_batched_tokens,
             "gpu_memory_utilization": float(o.gpu_memory_utilization),
         }
@@ -293,6 +303,13 @@ class EngineConfig(EngineOptions):
 
         dtype: torch.dtype = getattr(torch, self.dtype)
         return dtype
+
+
+def _platforms(plan: Plan) -> Any:
+    """The registry of the plan's plugins (loaded once per plan), where the platforms are."""
+    from rtpcore.plugins.loading import load_plugins
+
+    return load_plugins(plan)
 
 
 DEFAULT_SPECULATIVE_TOKENS = 4  # proposals per step when a draft is given without a count

@@ -37,3 +37,11 @@ def rtpcore_register_attention_backends(registry: Any) -> None:
 
     registry.register_attention_backend(TorchAttentionBackend)
     registry.register_attention_backend(NativeCpuAttentionBackend)
+
+
+@hookimpl
+def rtpcore_register_platforms(registry: Any) -> None:
+    from rtpcore.platforms import CpuPlatform, CudaPlatform
+
+    registry.register_platform(CpuPlatform)
+    registry.register_platform(CudaPlatform)

@@ -220,6 +220,10 @@ class RecordingView:
         """Record an attention backend class (``rtpcore.attention.AttentionBackend`` subclass)."""
         self._register_on("attention_backends", cls)
 
+    def register_platform(self, cls: type[Any]) -> None:
+        """Record a platform class (``rtpcore.platforms.Platform`` subclass)."""
+        self._register_on("platforms", cls)
+
     def _register_on(self, seam_name: str, cls: object) -> None:
         """Record ``cls`` on the seam named ``seam_name``: invalid (a class the seam refuses, a
         name registered twice by this plugin) or incompatible (its ``api_version``) at once."""

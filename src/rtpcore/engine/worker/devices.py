@@ -1,4 +1,5 @@
-"""Where an engine runs: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (docs/design.md §9).
+"""Where an engine runs: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (docs/design.md §9) or a
+plugin platform's ``NAME`` / ``NAME:N`` (§18, :mod:`rtpcore.platforms`; :func:`resolve_platform`).
 
 Two checks, one rule:
 
@@ -23,11 +24,12 @@ from typing import Any
 
 from rtpcore.errors import DeviceError
 
-__all__ = ["DEVICE_FORMS", "check_device_form", "resolve_device"]
+__all__ = ["DEVICE_FORMS", "check_device_form", "resolve_device", "resolve_platform"]
 
 #: The forms a device may take, as the error messages list them.
-DEVICE_FORMS = ("auto", "cpu", "cuda", "cuda:N")
+DEVICE_FORMS = ("auto", "cpu", "cuda", "cuda:N", "NAME", "NAME:N")
 _CUDA_RE = re.compile(r"cuda(?::(0|[1-9][0-9]*))?")
+_PLATFORM_RE = re.compile(r"([A-Za-z][A-Za-z0-9_]*)(?::(0|[1-9][0-9]*))?")  # a plugin platform's
 
 
 def check_device_form(device: Any) -> str:
@@ -37,9 +39,12 @@ def check_device_form(device: Any) -> str:
     text = _as_text(device)
     if text is not None and (text in ("auto", "cpu") or _CUDA_RE.fullmatch(text)):
         return text
+    named = _PLATFORM_RE.fullmatch(text) if text is not None else None
+    if text is not None and named is not None and named[1] not in ("auto", "cpu", "cuda"):
+        return text
     raise DeviceError(
         f"device {device!r} is not one of {', '.join(map(repr, DEVICE_FORMS))} "
-        "(N: a GPU index 0, 1, ...; ROCm GPUs are 'cuda' devices too)",
+        "(N: a device index 0, 1, ...; ROCm GPUs are 'cuda' devices too; NAME: a plugin's platform)",
         device=device,
         malformed=True,
     )
@@ -57,6 +62,8 @@ def resolve_device(device: Any, *, tensor_parallel_size: int = 1) -> str:
     cannot see here.
     """
     text = check_device_form(device)
+    if text not in ("auto", "cpu") and not _CUDA_RE.fullmatch(text):  # a plugin platform's form
+        return resolve_platform(text, None, tensor_parallel_size=tensor_parallel_size)[1]  # raises: no such here
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise DeviceError(
             f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}", device=device
@@ -103,6 +110,74 @@ def resolve_device(device: Any, *, tensor_parallel_size: int = 1) -> str:
             available=available,
         )
     return f"cuda:{index}"
+
+
+def resolve_platform(device: Any, registry: Any = None, *, tensor_parallel_size: int = 1) -> tuple[str, str]:
+    """``(platform name, canonical device)`` for ``device`` among the platforms ``registry``
+    holds (the loaded plugins' and the built-in ``cpu`` and ``cuda``; None: the built-ins).
+
+    ``"auto"`` takes the available platform of highest priority; ``"cpu"``, ``"cuda"`` and
+    ``"cuda:N"`` the built-ins (:func:`resolve_device`'s rules), unless a plugin platform
+    ``replaces`` them; another ``NAME`` or ``NAME:N`` the plugin platform of that name, on
+    ``torch.device(device_type, N)`` (``"cpu"`` for a CPU-type platform). A platform whose
+    ``is_available()`` raises is a DeviceError quoting the exception, whether named or met by
+    ``auto`` (never passed over in silence); an unknown name lists the known platforms."""
+    from rtpcore.platforms import CpuPlatform, CudaPlatform, availability
+
+    text = check_device_form(device)
+    if registry is None:
+        classes: dict[str, Any] = {"cpu": CpuPlatform, "cuda": CudaPlatform}
+    else:
+        classes = {n: registry.seam_class("platforms", n) for n in registry.seam_names("platforms")}
+    name, _, index = text.partition(":")
+    if name == "auto":
+        for candidate in sorted(classes, key=lambda n: (-classes[n].priority, n)):
+            available, why = availability(classes[candidate])
+            if available:
+                name = candidate
+                break
+            if why is not None and "raised" in why:
+                raise DeviceError(
+                    f"device 'auto': platform {candidate!r} ({_where(registry, candidate, classes)}) {why}; "
+                    f"select another with --device (known: {', '.join(sorted(classes))})",
+                    device=device, available=tuple(sorted(classes)),
+                )
+        else:  # the built-in cpu is always available; a plugin replacing it may not be
+            raise DeviceError(f"device 'auto': no platform is available (known: {', '.join(sorted(classes))})",
+                              device=device, available=tuple(sorted(classes)))
+        if classes[name] in (CpuPlatform, CudaPlatform):
+            return name, resolve_device("cpu" if name == "cpu" else "cuda", tensor_parallel_size=tensor_parallel_size)
+    cls = classes.get(name)
+    if cls is None:
+        raise DeviceError(
+            f"device {text!r} is not a platform here; known: {', '.join(sorted(classes))} (a plugin adds one with "
+            "rtpcore_register_platforms; load it with --plugins)",
+            device=device, available=tuple(sorted(classes)),
+        )
+    if cls in (CpuPlatform, CudaPlatform):  # rtpcore's own, with their rules
+        return cls.name, resolve_device(text, tensor_parallel_size=tensor_parallel_size)
+    available, why = availability(cls)
+    if not available:
+        raise DeviceError(f"device {text!r}: platform {name!r} ({_where(registry, name, classes)}) is not available: "
+                          f"{why}", device=device, available=tuple(sorted(classes)))
+    device_type = cls.device_type
+    if device_type in ("cpu", "cuda"):
+        target = device_type if device_type == "cpu" or not index else f"cuda:{index}"
+        return name, resolve_device(target, tensor_parallel_size=tensor_parallel_size)
+    if tensor_parallel_size > 1:
+        raise DeviceError(
+            f"device {text!r}: tensor_parallel_size={tensor_parallel_size} on platform {name!r} (device type "
+            f"{device_type!r}) is not supported: rtpcore's worker groups run on cpu (gloo) or cuda (nccl) ranks",
+            device=device,
+        )
+    return name, f"{device_type}:{index or 0}"
+
+
+def _where(registry: Any, name: str, classes: dict[str, Any]) -> str:
+    """Who provides the platform ``name``, for messages."""
+    provider = registry.seam_provider("platforms", name) if registry is not None else None
+    cls = classes[name]
+    return str(provider) if provider is not None else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _as_text(device: Any) -> str | None:

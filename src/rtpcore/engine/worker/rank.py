@@ -391,15 +391,18 @@ def _load(
 
 def attention_backends(config: Any, registry: Any, specs: list[Any], device: Any) -> list[Any]:
     """Each layer's attention backend (``rtpcore.attention.choose_attention_backends``): the
-    engine's ``attention_backend``, else the automatic choice among the registered backends
-    (``native_cpu`` left out when ``native_decode`` is off)."""
+    engine's ``attention_backend``, else the platform's ``default_attention_backend`` where it
+    serves the layer, else the automatic choice among the registered backends (``native_cpu``
+    left out when ``native_decode`` is off)."""
     from rtpcore.attention import choose_attention_backends
 
     names = registry.seam_names("attention_backends")
     classes = {n: registry.seam_class("attention_backends", n) for n in names}
+    platform = registry.seam_class("platforms", getattr(config, "platform", "cpu"))
     return choose_attention_backends(
         specs, classes, device=device, dtype=config.torch_dtype,
         requested=getattr(config, "attention_backend", None),
+        preferred=getattr(platform, "default_attention_backend", None),
         excluded=() if getattr(config, "native_decode", True) else ("native_cpu",),
     )
 
