@@ -21,7 +21,7 @@ import ast
 import sys
 from pathlib import Path
 
-STAGES = ["errors", "config_fields", "plugins", "reasoning", "checkpoint", "kv", "parallel", "attention", "platforms", "models", "engine", "serving",
+STAGES = ["errors", "config_fields", "plugins", "reasoning", "checkpoint", "quantization", "kv", "parallel", "attention", "platforms", "models", "engine", "serving",
           "testing", "cli"]
 ENGINE_PARTS = ["sample", "core", "step", "worker", "text"]  # then engine/'s own top modules
 TOP = {"rtpcore", "rtpcore.__main__", "rtpcore.batch", "rtpcore.layers", "rtpcore.sharding"}

@@ -45,6 +45,7 @@ PUBLIC_MODULES = (
     "rtpcore.reasoning",
     "rtpcore.attention",
     "rtpcore.platforms",
+    "rtpcore.quantization",
     "rtpcore_native",
 )
 

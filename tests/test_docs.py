@@ -23,7 +23,7 @@ DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p
 README_MAX_LINES = 250
 
 # Dotted names that are entry-point groups, not modules.
-ENTRY_POINT_GROUPS = {"rtpcore.plugins", "rtpcore.architectures"}
+ENTRY_POINT_GROUPS = {"rtpcore.plugins", "rtpcore.architectures", "rtpcore.quantization_methods"}
 
 MODULE_PATH = re.compile(r"(?<![\w./~-])(rtpcore(?:_native)?(?:\.[A-Za-z_]\w*)+)")
 FILE_PATH = re.compile(r"(?<![\w./~-])((?:src|docs|benchmarks|tests|plugins_example)/[\w./-]*[\w/])")

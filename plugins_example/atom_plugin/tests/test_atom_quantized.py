@@ -96,3 +96,52 @@ def test_expert_weight_without_its_scale_is_a_checkpoint_error_naming_it(tmp_pat
         Engine.from_pretrained(q_dir, plugins=("atom-plugin",))
     assert f"{name + '_scale_inv'!r} is missing" in str(excinfo.value)
     assert f"tensor {name!r} is stored as float8_e4m3fn" in str(excinfo.value)
+
+
+def pow2_quantize(t: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 blocks whose scales are powers of two (DeepSeek-V3.1's ``scale_fmt: ue8m0``)."""
+    (rows, cols), (bo, bi) = t.shape, block
+    grid = torch.zeros(-(-rows // bo), -(-cols // bi))
+    for r in range(grid.shape[0]):
+        for c in range(grid.shape[1]):
+            amax = t[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi].abs().amax().clamp(min=1e-12)
+            grid[r, c] = 2.0 ** torch.ceil(torch.log2(amax / 448.0))
+    full = grid.repeat_interleave(bo, dim=0).repeat_interleave(bi, dim=1)[:rows, :cols]
+    return (t.float() / full).to(torch.float8_e4m3fn), grid
+
+
+def test_ue8m0_scales_load_through_atom_fp8_and_other_scales_are_refused(tmp_path: Path) -> None:
+    """atom-plugin's quantization method (atom_fp8, replacing rtpcore's fp8 while loaded) reads
+    V3.1's power-of-two scales to the same tokens as their float32 dequantization, and names a
+    scale that is not a power of two."""
+    from atom_plugin.quantization import AtomFp8Method
+    from rtpcore import Allowlist, load_plugins
+
+    registry = load_plugins(Allowlist.from_cli(plugins=["atom-plugin"]).resolve())
+    assert registry.seam_class("quantization_methods", "fp8") is AtomFp8Method
+    make_checkpoint(tmp_path / "src", "v3")
+    q_dir, f_dir = write_pair(tmp_path / "src", tmp_path, (16, 16))
+    tensors = load_file(tmp_path / "src" / "model.safetensors")
+    q_out, f_out = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
+            q, s = pow2_quantize(t, (16, 16))
+            q_out[name], q_out[name + "_scale_inv"] = q, s
+            f_out[name] = reference_dequantize(q, s, (16, 16))
+        else:
+            q_out[name] = f_out[name] = t
+    save_file(q_out, q_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(f_out, f_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((q_dir / "config.json").read_text())
+    config["quantization_config"]["scale_fmt"] = "ue8m0"
+    (q_dir / "config.json").write_text(json.dumps(config))
+    tokens = []
+    for path in (q_dir, f_dir):
+        with Engine.from_pretrained(path, plugins=("atom-plugin",)) as engine:
+            tokens.append(engine.generate(PROMPTS, max_new_tokens=N_NEW, stop_token_ids=[]))
+    assert tokens[0] == tokens[1]
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    q_out[name] = q_out[name] * 1.5
+    save_file(q_out, q_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"scale tensor {name!r} holds a value that is not a power of two"):
+        Engine.from_pretrained(q_dir, plugins=("atom-plugin",))

@@ -42,7 +42,6 @@ from rtpcore.checkpoint.index import (
     build_index,
 )
 from rtpcore.checkpoint.patterns import PatternTable, WeightSelection
-from rtpcore.checkpoint.quantized import Fp8BlockQuantization
 from rtpcore.checkpoint.request import WeightRequest, files_wanted
 from rtpcore.errors import CheckpointError
 
@@ -294,7 +293,7 @@ def load_checkpoint(
     slices: Mapping[str, tuple[int, int, int]] | None = None,
     lazy: bool = False,
     dtypes: Mapping[str, Any] | None = None,
-    quantization: Fp8BlockQuantization | None = None,
+    quantization: Any = None,
 ) -> LoadedWeights:
     """Load the tensors matching ``patterns`` from the checkpoint at ``path``.
 
@@ -305,9 +304,12 @@ def load_checkpoint(
     ``(dim, start, stop)``: only that part of the tensor is read (tensor parallel).
     ``dtypes`` maps a pattern to the dtype its tensors get instead of ``dtype``
     (e.g. a MoE router kept in float32 in a bfloat16 model).
-    ``quantization`` (``Fp8BlockQuantization.from_hf(hf_config)``): fp8 tensors
-    with ``_scale_inv`` companions are read with their scales and returned
-    dequantized in their dtype (see ``checkpoint_quant``); scales are not returned.
+    ``quantization``: the checkpoint's quantization method (``rtpcore.quantization``: the engine
+    passes the one ``config.json`` declares or ``--quantization`` names), or an
+    ``Fp8BlockQuantization.from_hf(hf_config)``: its ``select`` names the extra tensors read
+    with the weights (fp8: each quantized tensor's ``_scale_inv`` companion) and its
+    ``process_weights_after_loading`` turns them into what the model receives (fp8: the
+    dequantized tensors in their dtype, see ``checkpoint_quant``; scales are not returned).
 
     Tensors own their memory: whole tensors are read with plain positioned reads
     (headers are validated first), slices through ``safe_open``'s ``get_slice``;
@@ -326,8 +328,8 @@ def load_checkpoint(
     index = build_index(path)
     selection, scaled = request.select(index.weight_map, slices)
     if scaled is not None:
-        slices = {**(slices or {}), **scaled.scale_slices()}
-        dtypes = {**(dtypes or {}), **scaled.scale_dtypes()}
+        slices = {**(slices or {}), **scaled.extra_slices()}
+        dtypes = {**(dtypes or {}), **scaled.extra_dtypes()}
     plan, headers = _plan(index, selection)
     if scaled is not None:
         scaled.check({info.name: info for _, infos in plan.values() for info in infos})
@@ -348,7 +350,7 @@ def load_checkpoint(
         weights.update(tensors)
         tensor_bytes += nbytes
         if scaled is not None:  # as soon as both halves are in: fp8 copies do not pile up
-            scaled.dequantize(weights, lambda name: dtype_lookup.get(name) or torch_dtype)
+            scaled.process_weights_after_loading(weights, lambda name: dtype_lookup.get(name) or torch_dtype)
     weights.stats = LoadStats(
         shards_total=len(index.files),
         files_opened=tuple(f.name for f in plan),

@@ -189,6 +189,13 @@ class ScaledTensors:
         """Scales are read in float32, whatever the engine dtype."""
         return dict.fromkeys(self.scales.values(), "float32")
 
+    # The names of the load protocol of a quantization method (rtpcore.quantization.QuantizedTensors).
+    def extra_slices(self) -> dict[str, Slice]:
+        return self.scale_slices()
+
+    def extra_dtypes(self) -> dict[str, str]:
+        return self.scale_dtypes()
+
     def check(self, infos: Mapping[str, TensorInfo]) -> None:
         """Validate dtypes and shapes from the headers of the tensors to be read."""
         problems: list[str] = []
@@ -227,6 +234,12 @@ class ScaledTensors:
             raise CheckpointError(
                 f"fp8 block-quantized checkpoint: {'; '.join(problems[:_SHOWN])}{more}"
             )
+
+    def process_weights_after_loading(
+        self, weights: dict[str, torch.Tensor], dtype_of: Callable[[str], torch.dtype | None]
+    ) -> None:
+        """:meth:`dequantize`, under the name of the quantization methods' load protocol."""
+        self.dequantize(weights, dtype_of)
 
     def dequantize(
         self, weights: dict[str, torch.Tensor], dtype_of: Callable[[str], torch.dtype | None]

@@ -25,7 +25,7 @@ from attrs import field, frozen
 
 from rtpcore.checkpoint.index import CheckpointIndex
 from rtpcore.checkpoint.patterns import WeightSelection
-from rtpcore.checkpoint.quantized import Fp8BlockQuantization, ScaledTensors
+from rtpcore.checkpoint.quantized import Fp8BlockQuantization
 from rtpcore.errors import MissingTensorsError
 from rtpcore.plugins.model_plugin import call_optional
 
@@ -42,28 +42,34 @@ class WeightRequest:
     # A string stays one (WeightSelection refuses it, naming the rule); other iterables become tuples.
     patterns: Sequence[str] = field(converter=lambda p: p if isinstance(p, str) else tuple(p))
     ranges: Mapping[str, Iterable[int]] | None = None
-    quantization: Fp8BlockQuantization | None = None
+    # A quantization method (rtpcore.quantization.QuantizationMethod) or an Fp8BlockQuantization:
+    # what its select() adds to the load.
+    quantization: Any = None
 
     @classmethod
-    def for_model(cls, plugin: Any, model_config: Any, hf_config: Mapping[str, Any]) -> WeightRequest:
+    def for_model(cls, plugin: Any, model_config: Any, hf_config: Mapping[str, Any], quantization: Any = None,
+                  ) -> WeightRequest:
         """What the model ``plugin`` builds from ``model_config`` reads from a checkpoint with
         this ``config.json``: the plugin's ``weight_patterns`` and ``placeholder_ranges``, and
-        the fp8 block quantization config.json declares (a bad one is a CheckpointError)."""
+        what ``quantization`` (the engine's quantization method) reads besides; None: the fp8
+        block quantization config.json declares, if any (a bad one is a CheckpointError)."""
         return cls(
             plugin.weight_patterns(model_config),
             call_optional(plugin, "placeholder_ranges", model_config),
-            Fp8BlockQuantization.from_hf(hf_config),
+            Fp8BlockQuantization.from_hf(hf_config) if quantization is None else quantization,
         )
 
     def select(
         self, names: Collection[str], slices: Mapping[str, tuple[int, int, int]] | None = None
-    ) -> tuple[WeightSelection, ScaledTensors | None]:
+    ) -> tuple[WeightSelection, Any]:
         """The exact selection in a checkpoint holding ``names`` -- the quantized weights'
         scales included -- and the scaled tensors (None without quantization)."""
         selection = WeightSelection.from_patterns(self.patterns, self.ranges)
         if self.quantization is None:
             return selection, None
         scaled = self.quantization.select(selection, names, slices)
+        if scaled is None:  # a method that reads nothing besides the weights
+            return selection, None
         return scaled.selection, scaled
 
 

@@ -43,19 +43,27 @@ def resolve_checkpoints(
         return os.fspath(path), draft_model
     registry = load_plugins(plan)  # once per process: the ranks' EngineShard finds it loaded
 
+    def method(hf: dict[str, Any]) -> Any:
+        """The quantization method config.json names, as the ranks resolve it (None: the loader's
+        own reading of config.json)."""
+        q = hf.get("quantization_config")
+        name = q.get("quant_method") if isinstance(q, dict) else None
+        cls = registry.seam_class("quantization_methods", name) if isinstance(name, str) else None
+        return None if cls is None else cls.from_config(q)
+
     def target(hf: dict[str, Any]) -> list[WeightRequest]:
         kind = model_type or registry.infer_model_type(hf)
         plugin = registry.get(kind)
         model_config = plugin.config_from_hf(hf)
-        requests = [WeightRequest.for_model(plugin, model_config, hf)]
+        requests = [WeightRequest.for_model(plugin, model_config, hf, quantization=method(hf))]
         if draft_model == "mtp":
             mtp = mtp_plugin(plugin, kind, model_config, os.fspath(path))
-            requests.append(WeightRequest.for_model(mtp, mtp.config_from_hf(hf), hf))
+            requests.append(WeightRequest.for_model(mtp, mtp.config_from_hf(hf), hf, quantization=method(hf)))
         return requests
 
     def draft(hf: dict[str, Any]) -> list[WeightRequest]:
         plugin = registry.get(registry.infer_model_type(hf))
-        return [WeightRequest.for_model(plugin, plugin.config_from_hf(hf), hf)]
+        return [WeightRequest.for_model(plugin, plugin.config_from_hf(hf), hf, quantization=method(hf))]
 
     local = resolve_checkpoint(path, weights=target)
     if draft_model is None or draft_model == "mtp":

@@ -134,9 +134,11 @@ class EngineOptions:
     gpu_memory_utilization: float = option(0.9, "share of a GPU's memory the engine fills", CliFlag(
         "share of a GPU's memory the engine fills, weights and KV cache (default: %(default)s)", kind="fraction",
         metavar="F"))
-    quantization: str | None = option(None, "weight-only quantization of every Linear at load", CliFlag(
-        "weight-only quantization of every linear layer at load, on the CPU: int8 (one scale per output channel; "
-        "the checkpoint stays float) (default: none)", choices=QUANTIZATIONS))
+    quantization: str | None = option(None, "the quantization method of the model's linear layers", CliFlag(
+        "the quantization method of the model's linear layers (rtpcore plugins list shows the registered ones): "
+        "int8 (weight-only, quantized at load, on the CPU; one scale per output channel, the checkpoint stays "
+        "float), fp8, or a plugin's (default: the one config.json's quantization_config.quant_method names, "
+        "else none)", metavar="NAME"))
     native_decode: bool = option(True, "CPU decode steps in rtpcore_native where the model allows", CliFlag(
         "run CPU decode steps with torch's modules, bit-identical to transformers in float32 (default: rtpcore's "
         "native decode step where the model allows it, within float32 rounding)", negative=True))
@@ -256,13 +258,17 @@ class EngineConfig(EngineOptions):
             )
         if o.max_model_len is not None:
             _positive_int("max_model_len", o.max_model_len)
-        if o.quantization is not None and o.quantization not in QUANTIZATIONS:  # (what Linear builds)
-            raise RtpcoreError(f"quantization must be None or one of {', '.join(QUANTIZATIONS)}, got {o.quantization!r}")
-        if o.quantization is not None and resolved_device != "cpu":
-            raise RtpcoreError(
-                f"quantization={o.quantization!r} runs on the CPU only for now (rtpcore's and torch's int8-weight CPU kernels); "
-                f"this engine runs on {resolved_device}"
-            )
+        if o.quantization is not None:  # a registered method (rtpcore.quantization) that runs on this device
+            registry = _platforms(plan)
+            method = registry.seam_class("quantization_methods", o.quantization) if isinstance(o.quantization, str) else None
+            if method is None:
+                raise RtpcoreError(
+                    f"quantization must be None or one of {', '.join(registry.seam_names('quantization_methods'))}, "
+                    f"got {o.quantization!r} (a plugin adds more with rtpcore_register_quantization_methods)"
+                )
+            problem = method.device_problem(resolved_device.partition(":")[0])
+            if problem is not None:
+                raise RtpcoreError(f"quantization={o.quantization!r}: {problem}")
         if o.native_decode not in (True, False):
             raise RtpcoreError(f"native_decode must be True or False, got {o.native_decode!r}")
         if o.attention_backend is not None and (not isinstance(o.attention_backend, str) or not o.attention_backend):

@@ -45,3 +45,11 @@ def rtpcore_register_platforms(registry: Any) -> None:
 
     registry.register_platform(CpuPlatform)
     registry.register_platform(CudaPlatform)
+
+
+@hookimpl
+def rtpcore_register_quantization_methods(registry: Any) -> None:
+    from rtpcore.quantization import Fp8Method, Int8Method
+
+    registry.register_quantization_method(Fp8Method)
+    registry.register_quantization_method(Int8Method)

@@ -35,7 +35,9 @@ The kernels, and what each promises (``layer.kernel`` says which one runs):
   only where the host allows it (:func:`linear_kernels`; the Engine's
   ``fp32_batched_linear`` option). Same tolerance as ``"packed"``.
 
-* ``"int8"`` -- **weight-only int8** (the engine's ``quantization="int8"``, on the CPU):
+* ``"int8"`` -- **weight-only int8** (the engine's ``quantization="int8"``, on the CPU: the
+  ``int8`` quantization method, ``rtpcore.quantization.Int8Method``; any method whose
+  ``create_weights`` builds the layer computes it, and ``kernel`` is then its name):
   built inside :func:`weight_quantization`, the layer stores its weight as int8 with one
   scale per output channel (``amax / 127`` of that row, rounded to nearest) and multiplies
   with rtpcore_native's int8 kernel for float32 inputs (the weight widened to float32 in
@@ -73,8 +75,9 @@ logger = logging.getLogger(__name__)
 _BATCHED_FP32: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
     "rtpcore_linear_batched_fp32", default=None
 )
-QUANTIZATIONS = ("int8",)  # weight-only schemes Linear can build (weight_quantization)
-_QUANTIZATION: contextvars.ContextVar[str | None] = contextvars.ContextVar("rtpcore_linear_quantization", default=None)
+QUANTIZATIONS = ("int8",)  # rtpcore's own weight-only schemes Linear builds (weight_quantization)
+# The quantization method (rtpcore.quantization) of the model being built in this thread.
+_QUANTIZATION: contextvars.ContextVar[Any] = contextvars.ContextVar("rtpcore_linear_quantization", default=None)
 
 # cpuinfo flags of native reduced-precision dot products, and the oneDNN ISA names
 # (ONEDNN_MAX_CPU_ISA) below which oneDNN does not use them.
@@ -110,8 +113,18 @@ class Linear(nn.Module):
                 f"got {tuple(bias.shape)}"
             )
         self.out_features, self.in_features = weight.shape
-        if _QUANTIZATION.get() == "int8":
-            self._init_int8(weight, bias)
+        self._method: Any = None
+        self._native: Any = None
+        self._native_weights: Any = None
+        method = _QUANTIZATION.get()
+        if method is not None and method.create_weights(self, weight, bias):
+            # The method's form (rtpcore.quantization): it computes the layer too.
+            self._method = method
+            self.packed = False
+            self.kernel = method.kernel or method.name
+            for name in ("weight", "bias", "weight_fp32", "bias_fp32"):
+                if name not in self._buffers and not hasattr(self, name):
+                    self.register_buffer(name, None, persistent=False)
             return
         self.packed = weight.device.type == "cpu" and packed_linear_supported(weight.dtype)
         batched_fp32 = False
@@ -130,56 +143,38 @@ class Linear(nn.Module):
         self.register_buffer("weight_fp32", fp32_weight, persistent=False)
         self.register_buffer("bias_fp32", fp32_bias, persistent=False)
 
-    def _init_int8(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """Per-output-channel symmetric int8 of ``weight`` (see the module docstring)."""
-        if weight.device.type != "cpu" or not callable(getattr(torch, "_weight_int8pack_mm", None)):
-            raise ValueError(
-                f"int8 weight-only quantization runs on the CPU with torch's int8-weight kernel; "
-                f"this weight is on {weight.device} (torch {torch.__version__})"
-            )
-        w = weight.float()
-        scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127.0  # (out,)
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
-        self.packed = False
-        self.kernel = "int8"
-        self.register_buffer("weight", q, persistent=False)
-        self.register_buffer("scales", scale.to(weight.dtype), persistent=False)  # in the input's dtype
-        self.register_buffer("bias", bias, persistent=False)
-        self.register_buffer("weight_fp32", None, persistent=False)
-        self.register_buffer("bias_fp32", None, persistent=False)
-        # The native kernel's operands (float32 activations): scales and bias in float32.
-        self.register_buffer("scales_f32", scale.contiguous(), persistent=False)
-        self.register_buffer("bias_f32", None if bias is None else bias.float().contiguous(), persistent=False)
+    def refresh_native_weights(self) -> None:
+        """Point the native int8 kernel at this layer's int8 operands (``weight``, ``scales_f32``,
+        ``bias_f32``), after they were built or moved; None without the kernel or off the CPU."""
         self._native = native_kernels()
-        self._native_weights = self._native_view()
-
-    def _native_view(self) -> Any:
-        """The native kernel's pointers to this layer's int8 operands (None without the kernel)."""
+        self._native_weights = None
         if self._native is None or self.weight.device.type != "cpu":
-            return None
-        return self._native.LinearWeights(
+            return
+        self._native_weights = self._native.LinearWeights(
             self.weight.data_ptr(), "int8", self.scales_f32.data_ptr(),
             0 if self.bias_f32 is None else self.bias_f32.data_ptr(), self.out_features, self.in_features,
         )
 
+    @property
+    def native_weights(self) -> Any:
+        """The native kernel's view of this layer's int8 operands (:meth:`refresh_native_weights`)."""
+        return self._native_weights
+
+    def native_linear(self, native: Any, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (n, out) float32 = the native int8 product of ``rows`` (n, in) float32."""
+        self._native.set_num_threads(torch.get_num_threads())
+        self._native.linear(native, rows.data_ptr(), rows.shape[0], out.data_ptr())
+
     def _apply(self, fn: Any, recurse: bool = True) -> Any:  # .to(), .float(), ...: tensors may move
         out = super()._apply(fn, recurse)
-        if self.kernel == "int8":
-            self._native_weights = self._native_view()
+        if self._native_weights is not None:
+            self.refresh_native_weights()
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        if self.kernel == "int8":
-            rows = x.reshape(-1, self.in_features).contiguous()
-            if self._native_weights is not None and rows.dtype == torch.float32 and rows.shape[0] > 0:
-                y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-                self._native.set_num_threads(torch.get_num_threads())
-                self._native.linear(self._native_weights, rows.data_ptr(), rows.shape[0], y.data_ptr())
-                return y.reshape(*x.shape[:-1], self.out_features)
-            y = torch._weight_int8pack_mm(rows, self.weight, self.scales)
-            if self.bias is not None:
-                y = y + self.bias
-            return y.reshape(*x.shape[:-1], self.out_features)
+        if self._method is not None:
+            out: torch.Tensor = self._method.apply(self, x)
+            return out
         if self.weight_fp32 is not None and x.numel() > self.in_features:  # several rows
             return F.linear(x.float(), self.weight_fp32, self.bias_fp32).to(x.dtype)
         if self.packed:
@@ -214,12 +209,18 @@ def linear_kernels(*, batched_fp32: bool | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def weight_quantization(scheme: str | None) -> Iterator[None]:
-    """Within the block, :class:`Linear` layers built in this thread quantize their weight
-    (``"int8"``: per output channel, see the module docstring); None keeps them float."""
-    if scheme is not None and scheme not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {scheme!r}")
-    token = _QUANTIZATION.set(scheme)
+def weight_quantization(method: Any) -> Iterator[None]:
+    """Within the block, :class:`Linear` layers built in this thread take their weights in the
+    form of ``method`` (an ``rtpcore.quantization.QuantizationMethod`` whose ``create_weights``
+    builds them, or ``"int8"``: rtpcore's :class:`~rtpcore.quantization.Int8Method`, per output
+    channel, see the module docstring); None keeps them float."""
+    if isinstance(method, str):
+        if method not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {method!r}")
+        from rtpcore.quantization import Int8Method
+
+        method = Int8Method()
+    token = _QUANTIZATION.set(method)
     try:
         yield
     finally:

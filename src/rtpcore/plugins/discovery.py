@@ -11,10 +11,16 @@ from collections.abc import Iterable
 
 from attrs import frozen
 
-from rtpcore.plugins.metadata import ARCHITECTURE_GROUP, PLUGIN_GROUP, canonical_name, scan
+from rtpcore.plugins.metadata import (
+    ARCHITECTURE_GROUP,
+    PLUGIN_GROUP,
+    QUANTIZATION_GROUP,
+    canonical_name,
+    scan,
+)
 from rtpcore.plugins.spelling import allow_plugin
 
-__all__ = ["ARCHITECTURE_GROUP", "InstalledPlugin", "architecture_hints", "installed_plugins"]
+__all__ = ["ARCHITECTURE_GROUP", "InstalledPlugin", "architecture_hints", "installed_plugins", "quantization_hints"]
 
 
 @frozen
@@ -32,6 +38,7 @@ class InstalledPlugin:
     version: str
     metadata_path: str
     declared_architectures: tuple[str, ...] = ()
+    declared_quantization_methods: tuple[str, ...] = ()  # its rtpcore.quantization_methods hints
     shadowed: bool = False
     sole_entry_point: bool = True
 
@@ -51,6 +58,7 @@ def installed_plugins(path: Iterable[str] | None = None) -> list[InstalledPlugin
     for dist in dists:
         plugins = dist.group(PLUGIN_GROUP)
         hints = dist.group(ARCHITECTURE_GROUP)
+        methods = dist.group(QUANTIZATION_GROUP)
         for ep_name, value in plugins:
             found.append(
                 InstalledPlugin(
@@ -60,6 +68,7 @@ def installed_plugins(path: Iterable[str] | None = None) -> list[InstalledPlugin
                     version=dist.version,
                     metadata_path=dist.path,
                     declared_architectures=tuple(sorted(a for a, v in hints if v == ep_name)),
+                    declared_quantization_methods=tuple(sorted(m for m, v in methods if v == ep_name)),
                     shadowed=counts[canonical_name(dist.name)] > 1,
                     sole_entry_point=len(plugins) == 1,
                 )
@@ -83,3 +92,14 @@ def architecture_hints(
                     f"plugin {plugin.name!r} of {plugin.distribution} {plugin.version} ({allow_plugin(plugin.flag)})"
                 )
     return {arch: hints[arch] for arch in wanted if arch in hints}
+
+
+def quantization_hints(method: str, path: Iterable[str] | None = None) -> list[str]:
+    """One line per installed plugin that declares the quantization method ``method`` (entry
+    point group ``rtpcore.quantization_methods``), naming it, its distribution and version, and
+    how to allow it."""
+    return [
+        f"plugin {plugin.name!r} of {plugin.distribution} {plugin.version} ({allow_plugin(plugin.flag)})"
+        for plugin in installed_plugins(path)
+        if method in plugin.declared_quantization_methods
+    ]

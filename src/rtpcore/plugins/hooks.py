@@ -61,7 +61,15 @@ def rtpcore_register_platforms(registry: Any) -> None:
     ``rtpcore_register_models``."""
 
 
+@hookspec
+def rtpcore_register_quantization_methods(registry: Any) -> None:
+    """Register the plugin's quantization methods (``rtpcore.quantization.QuantizationMethod``
+    subclasses) with ``registry.register_quantization_method(cls)``, chosen by config.json's
+    ``quantization_config.quant_method`` or ``--quantization NAME`` (docs/design.md §18).
+    Recorded like ``rtpcore_register_models``."""
+
+
 #: The name of every hook above: an implementation of another name is refused.
 HOOK_NAMES = ("rtpcore_register_models", "rtpcore_kv_cache_layouts", "rtpcore_register_tool_parsers",
               "rtpcore_register_reasoning_parsers", "rtpcore_register_attention_backends",
-              "rtpcore_register_platforms")
+              "rtpcore_register_platforms", "rtpcore_register_quantization_methods")

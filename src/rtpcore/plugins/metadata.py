@@ -26,6 +26,7 @@ from attrs import frozen
 __all__ = [
     "ARCHITECTURE_GROUP",
     "PLUGIN_GROUP",
+    "QUANTIZATION_GROUP",
     "InstalledDistribution",
     "at",
     "canonical_name",
@@ -40,6 +41,9 @@ log = logging.getLogger(__name__)
 PLUGIN_GROUP = "rtpcore.plugins"
 #: Entry-point group of hints: name = HF architecture, value = a plugin entry-point name.
 ARCHITECTURE_GROUP = "rtpcore.architectures"
+# method name = plugin entry point: which plugin registers a quantization method (a hint, like
+# the architectures').
+QUANTIZATION_GROUP = "rtpcore.quantization_methods"
 
 _SEPARATORS = re.compile(r"[-_.]+")
 

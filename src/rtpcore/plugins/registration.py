@@ -224,6 +224,10 @@ class RecordingView:
         """Record a platform class (``rtpcore.platforms.Platform`` subclass)."""
         self._register_on("platforms", cls)
 
+    def register_quantization_method(self, cls: type[Any]) -> None:
+        """Record a quantization method class (``rtpcore.quantization.QuantizationMethod`` subclass)."""
+        self._register_on("quantization_methods", cls)
+
     def _register_on(self, seam_name: str, cls: object) -> None:
         """Record ``cls`` on the seam named ``seam_name``: invalid (a class the seam refuses, a
         name registered twice by this plugin) or incompatible (its ``api_version``) at once."""

@@ -34,8 +34,7 @@ __all__ = ["SEAMS", "SEAM_API_VERSIONS", "Seam", "seam_class_problems", "version
 #: Each seam's API version, ``"MAJOR.MINOR"``: a class written for another major, or for a newer
 #: minor than this, is refused (state ``incompatible``). ``models`` follows the forward
 #: contract (``FORWARD_CONTRACT``). A seam is listed here once the engine calls what is
-#: registered on it: docs/design.md §18's quantization methods and logits processors are not
-#: seams yet, and a plugin implementing their hooks is refused
+#: registered on it: docs/design.md §18's logits processors are not a seam yet, and a plugin implementing their hooks is refused
 #: as implementing an unknown hook (never registered and silently unused).
 SEAM_API_VERSIONS: dict[str, str] = {
     "models": f"{FORWARD_CONTRACT}.0",
@@ -44,6 +43,7 @@ SEAM_API_VERSIONS: dict[str, str] = {
     "reasoning_parsers": "1.0",
     "attention_backends": "1.0",
     "platforms": "1.0",
+    "quantization_methods": "1.0",
 }
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -74,6 +74,8 @@ SEAMS: dict[str, Seam] = {
     for s in (
         Seam("attention_backends", "attention backend", "rtpcore_register_attention_backends",
              "register_attention_backend", "rtpcore.attention:AttentionBackend"),
+        Seam("quantization_methods", "quantization method", "rtpcore_register_quantization_methods",
+             "register_quantization_method", "rtpcore.quantization:QuantizationMethod"),
         Seam("platforms", "platform", "rtpcore_register_platforms", "register_platform",
              "rtpcore.platforms:Platform"),
         Seam("reasoning_parsers", "reasoning parser", "rtpcore_register_reasoning_parsers",

@@ -53,3 +53,10 @@ def rtpcore_register_attention_backends(registry: Any) -> None:
     from atom_plugin.attention import AtomMLABackend
 
     registry.register_attention_backend(AtomMLABackend)
+
+
+@hookimpl
+def rtpcore_register_quantization_methods(registry: Any) -> None:
+    from atom_plugin.quantization import AtomFp8Method
+
+    registry.register_quantization_method(AtomFp8Method)

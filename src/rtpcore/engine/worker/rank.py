@@ -349,7 +349,9 @@ def _load(
         raise RtpcoreError(problem)
     # What the loader reads (fp8 block-quantized weights dequantized at load, for every model);
     # rtpcore.checkpoint.resolve.resolve_checkpoints fetches a Hub checkpoint's shards by the same request.
-    request = WeightRequest.for_model(plugin, model_config, hf_config)
+    # The quantization method (rtpcore.quantization): --quantization's, else config.json's quant_method.
+    method = _quantization_method(config, registry, hf_config)
+    request = WeightRequest.for_model(plugin, model_config, hf_config, quantization=method)
     local_config, slices = _shard(plugin, model_type, model_config, ctx)
     # Before the weights: a bad layout fails fast.
     specs = kv_cache_specs(
@@ -378,15 +380,23 @@ def _load(
         options["parallel"] = ctx
     if target is not None:
         options["target"] = target
-    quantization = getattr(config, "quantization", None)
     with linear_kernels(batched_fp32=_fp32_batched_linear(config, weights, ctx.device)), \
-            weight_quantization(quantization), native_decode(getattr(config, "native_decode", True)), \
+            weight_quantization(method), native_decode(getattr(config, "native_decode", True)), \
             plugin_code(registry, model_type, plugin, "build_model", checkpoint):
         model = plugin.build_model(local_config, weights, **options)
     del weights
     if isinstance(model, torch.nn.Module):
         model.eval()
     return LoadedModel(model_type, plugin, hf_config, model_config, local_config, specs, model, bytes_read, backends)
+
+
+def _quantization_method(config: Any, registry: Any, hf_config: dict[str, Any]) -> Any:
+    """The model's quantization method among the registered ones (None: float weights)."""
+    from rtpcore.quantization import quantization_method
+
+    names = registry.seam_names("quantization_methods")
+    classes = {n: registry.seam_class("quantization_methods", n) for n in names}
+    return quantization_method(hf_config, classes, requested=getattr(config, "quantization", None))
 
 
 def attention_backends(config: Any, registry: Any, specs: list[Any], device: Any) -> list[Any]:
