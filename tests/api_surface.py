@@ -44,6 +44,7 @@ PUBLIC_MODULES = (
     "rtpcore.testing",
     "rtpcore.reasoning",
     "rtpcore.attention",
+    "rtpcore.logits",
     "rtpcore_native",
 )
 

@@ -208,7 +208,7 @@ def pip_install_into_venv(tmp_path: Path, *pip_args: str) -> tuple[str, dict[str
 PUBLIC_MODULES = frozenset({
     "rtpcore", "rtpcore.errors", "rtpcore.config_fields", "rtpcore.layers", "rtpcore.batch", "rtpcore.sharding",
     "rtpcore.kv", "rtpcore.checkpoint", "rtpcore.testing", "rtpcore.reasoning", "rtpcore.attention",
-    "rtpcore_native",
+    "rtpcore.logits", "rtpcore_native",
 })
 
 

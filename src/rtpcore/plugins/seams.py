@@ -34,15 +34,16 @@ __all__ = ["SEAMS", "SEAM_API_VERSIONS", "Seam", "seam_class_problems", "version
 #: Each seam's API version, ``"MAJOR.MINOR"``: a class written for another major, or for a newer
 #: minor than this, is refused (state ``incompatible``). ``models`` follows the forward
 #: contract (``FORWARD_CONTRACT``). A seam is listed here once the engine calls what is
-#: registered on it: docs/design.md §18's quantization methods, logits processors and platforms
-#: are not seams yet, and a plugin implementing their hooks is refused
-#: as implementing an unknown hook (never registered and silently unused).
+#: registered on it: docs/design.md §18's quantization methods and platforms are not seams
+#: yet, and a plugin implementing their hooks is refused as implementing an unknown hook
+#: (never registered and silently unused).
 SEAM_API_VERSIONS: dict[str, str] = {
     "models": f"{FORWARD_CONTRACT}.0",
     "kv_layouts": "1.0",
     "tool_parsers": "1.1",  # 1.1: feed/finish, the incremental parse
     "reasoning_parsers": "1.0",
     "attention_backends": "1.0",
+    "logits_processors": "1.0",
 }
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -75,6 +76,8 @@ SEAMS: dict[str, Seam] = {
              "register_attention_backend", "rtpcore.attention:AttentionBackend"),
         Seam("reasoning_parsers", "reasoning parser", "rtpcore_register_reasoning_parsers",
              "register_reasoning_parser", "rtpcore.reasoning:ReasoningParser"),
+        Seam("logits_processors", "logits processor", "rtpcore_register_logits_processors",
+             "register_logits_processor", "rtpcore.logits:LogitsProcessor"),
     )
 }
 
