@@ -30,7 +30,12 @@ from rtpcore import Allowlist, Engine
 from rtpcore.engine.core.outputs import RequestOutput
 from rtpcore.engine.sample.logits_processors import batch_update
 from rtpcore.engine.sample.params import SamplingParams
-from rtpcore.errors import InvalidRequestError, LogitsProcessorError, PluginIncompatibleError, RequestFailedError
+from rtpcore.errors import (
+    InvalidRequestError,
+    LogitsProcessorError,
+    PluginIncompatibleError,
+    RequestFailedError,
+)
 from rtpcore.logits import BatchUpdate, LogitsProcessor
 from rtpcore.plugins.loading import load_report
 from test_llama import make_checkpoint
