@@ -221,6 +221,19 @@ def test_per_request_arguments_change_only_their_own_rows_in_a_concurrent_batch(
     assert [list(o.outputs[0].token_ids) for o in outs] == [got[0], got[4]]
 
 
+def test_preempted_requests_come_back_with_their_output_and_keep_it(ckpts: dict[str, Path]) -> None:
+    """With KV memory for about one 40-token sequence, requests are preempted and recomputed: each
+    comes back as an added row whose output_ids hold what it generated, so a processor reading the
+    whole output gives the tokens it gives without memory pressure."""
+    ps = [params(n, fresh=True) for n in MAX_TOKENS]
+    with engine(ckpts, "steer", max_batch_size=2) as e:
+        reference = token_ids(e, ps)
+        block_bytes = sum(spec.block_bytes for spec in e.kv_cache_specs)
+    with engine(ckpts, "steer", kv_cache_memory=10 * block_bytes, max_model_len=40) as e:
+        assert token_ids(e, ps) == reference
+        assert e.stats().preemptions_total > 0
+
+
 def test_a_bad_argument_is_refused_naming_extra_args_before_anything_runs(ckpts: dict[str, Path]) -> None:
     with engine(ckpts, "steer") as e:
         with pytest.raises(InvalidRequestError) as excinfo:

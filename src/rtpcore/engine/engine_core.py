@@ -138,6 +138,9 @@ class EngineCore:
         ``extra_args`` is checked by them when it is added."""
         k = num_speculative_tokens if draft_forward is not None else 0
         if logits_processors is not None:
+            if async_scheduling:
+                logger.info("async scheduling is off: logits processors (%s) run on every step's logits on the host",
+                            ", ".join(logits_processors.names))
             greedy_forward = None  # a processor may move any row's argmax
         self.logits_processors = logits_processors
         self.num_speculative_tokens = k
