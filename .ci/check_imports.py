@@ -2,7 +2,7 @@
 
 Every ``import`` of an ``rtpcore`` module counts, at module level, inside a function (both
 run) or under ``if TYPE_CHECKING:`` (a type-only import that closes a loop is a loop:
-docs/design.md §7). Stages, from the bottom: errors, config_fields, plugins, reasoning, checkpoint, kv,
+docs/design.md §7). Stages, from the bottom: errors, config_fields, plugins, reasoning, logits, checkpoint, kv,
 parallel, models, engine, serving, testing, cli; a module may import its own stage and the stages below it.
 Inside engine/ the same holds for its parts, from the bottom: sample/, core/, step/, worker/,
 text/, then the modules at engine/'s top (engine_core, config, engine, async_engine), which may
@@ -21,7 +21,7 @@ import ast
 import sys
 from pathlib import Path
 
-STAGES = ["errors", "config_fields", "plugins", "reasoning", "checkpoint", "quantization", "kv", "parallel", "attention", "platforms", "models", "engine", "serving",
+STAGES = ["errors", "config_fields", "plugins", "reasoning", "logits", "checkpoint", "quantization", "kv", "parallel", "attention", "platforms", "models", "engine", "serving",
           "testing", "cli"]
 ENGINE_PARTS = ["sample", "core", "step", "worker", "text"]  # then engine/'s own top modules
 TOP = {"rtpcore", "rtpcore.__main__", "rtpcore.batch", "rtpcore.layers", "rtpcore.sharding"}

@@ -46,6 +46,7 @@ PUBLIC_MODULES = (
     "rtpcore.attention",
     "rtpcore.platforms",
     "rtpcore.quantization",
+    "rtpcore.logits",
     "rtpcore_native",
 )
 

@@ -207,8 +207,8 @@ def pip_install_into_venv(tmp_path: Path, *pip_args: str) -> tuple[str, dict[str
 #: The modules a plugin may import (docs/design.md §21).
 PUBLIC_MODULES = frozenset({
     "rtpcore", "rtpcore.errors", "rtpcore.config_fields", "rtpcore.layers", "rtpcore.batch", "rtpcore.sharding",
-    "rtpcore.kv", "rtpcore.checkpoint", "rtpcore.testing", "rtpcore.reasoning", "rtpcore.attention", "rtpcore.platforms", "rtpcore.quantization",
-    "rtpcore_native",
+    "rtpcore.kv", "rtpcore.checkpoint", "rtpcore.testing", "rtpcore.reasoning", "rtpcore.attention", "rtpcore.platforms",
+    "rtpcore.quantization", "rtpcore.logits", "rtpcore_native",
 })
 
 

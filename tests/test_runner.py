@@ -123,9 +123,9 @@ def test_a_steps_sampling_rows_view_the_requests_own_tokens(monkeypatch: pytest.
 
     seen: list[Any] = []
 
-    def recording_sample(logits: torch.Tensor, rows: Any) -> Any:
+    def recording_sample(logits: torch.Tensor, rows: Any, **kwargs: Any) -> Any:  # raw=: the model's own logits
         seen.extend(rows)
-        return sample(logits, rows)
+        return sample(logits, rows, **kwargs)
 
     monkeypatch.setattr(runner_module, "sample", recording_sample)
     requests = [_request([5, 6, 7], [0]), _request([1, 2, 3, 4, 8, 9], [1, 2])]

@@ -24,6 +24,7 @@ __all__ = [
     "KVBlockError",
     "KVCacheCapacityError",
     "KVCacheSpecError",
+    "LogitsProcessorError",
     "MissingTensorsError",
     "PluginConflictError",
     "PluginError",
@@ -225,6 +226,19 @@ class AttentionBackendError(RtpcoreError, ValueError):
         self.reason = reason
 
 
+class LogitsProcessorError(RtpcoreError):
+    """A logits processor (``rtpcore.logits``) cannot be used or failed: an unknown name in
+    ``logits_processors`` (``.known`` lists the registered ones), or an exception from its code
+    in a step (the exception as ``__cause__``). ``.processor`` is its name, ``.provider`` who
+    registered it (distribution, version and module) when known."""
+
+    def __init__(self, message: str, *, processor: str, provider: str | None = None, known: Sequence[str] = ()):
+        super().__init__(message)
+        self.processor = processor
+        self.provider = provider
+        self.known = tuple(known)
+
+
 class KVCacheSpecError(RtpcoreError, ValueError):
     """A KV-cache descriptor or layout is invalid. ``.tag`` names the layer."""
 
@@ -394,7 +408,8 @@ class RequestFailedError(RtpcoreError):
     infinite logits, or every token masked), the grammar engine gave up on its grammar
     (``"grammar"``: a schema too large or recursive for it, found while decoding), or the
     engine's own bookkeeping of it raised (``"internal"``: a bug, logged with its traceback;
-    docs/design.md §22). ``.request_id`` names it."""
+    docs/design.md §22), or a logits processor raised on it (``"logits_processor"``, the
+    :class:`LogitsProcessorError` naming it as ``__cause__``). ``.request_id`` names it."""
 
     def __init__(self, message: str, *, request_id: str, reason: str):
         super().__init__(message)

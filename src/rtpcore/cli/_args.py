@@ -70,6 +70,14 @@ def _fraction(text: str) -> float:
     return value
 
 
+def names_arg(text: str) -> tuple[str, ...]:
+    """argparse type: ``NAME[,NAME]`` as a tuple of names, else a usage error naming the text."""
+    names = tuple(n.strip() for n in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated names like a,b, got {text!r}")
+    return names
+
+
 def device_arg(text: str) -> str:
     """argparse ``type=`` for ``--device``: the form rule of :func:`rtpcore.engine.worker.devices.check_device_form`
     (imports no torch); a malformed value is a usage error (exit status 2) naming it."""
@@ -91,7 +99,7 @@ def add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
 
 
 _KINDS: dict[str, Callable[[str], Any]] = {
-    "positive_int": positive_int, "bytes": parse_bytes, "fraction": _fraction, "device": device_arg,
+    "positive_int": positive_int, "bytes": parse_bytes, "fraction": _fraction, "device": device_arg, "names": names_arg,
 }
 
 
@@ -126,6 +134,21 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in EngineOptions.names() if hasattr(args, name)}
 
 
+def check_logits_processors(names: tuple[str, ...], allow: Allowlist, parser: argparse.ArgumentParser) -> None:
+    """A usage error (exit status 2) for a name of ``--logits-processors`` that no loaded
+    plugin registers, listing the known ones; loads the allowlist's plugins (as the engine will)."""
+    from rtpcore.engine.sample.logits_processors import resolve_logits_processors
+    from rtpcore.errors import LogitsProcessorError
+    from rtpcore.plugins.loading import load_plugins
+
+    try:
+        resolve_logits_processors(names, load_plugins(allow.resolve()))
+    except LogitsProcessorError as exc:
+        parser.error(f"--logits-processors {exc.processor!r} is not a known logits processor; known: "
+                     f"{', '.join(exc.known) or 'none'} (a plugin adds more with rtpcore_register_logits_processors; "
+                     "load it with --plugins)")
+
+
 def checkpoint_name(args: argparse.Namespace, path: Path) -> str:
     """What the checkpoint is called: the demo's name, a Hub id's repository (``org/name``),
     else the folder's name."""
@@ -153,6 +176,8 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
 
     resolve_platform(args.device, load_plugins(allow.resolve()))  # a device nothing here can run fails now
     device = args.device
+    if getattr(args, "logits_processors", None):
+        check_logits_processors(args.logits_processors, allow, parser)
     plugins = [str(r) for r in allow.plugins]
     if args.demo is not None:
         from rtpcore.testing import demo_checkpoint

@@ -44,8 +44,8 @@ QUANTIZATIONS = ("int8",)  # rtpcore.models.layers.QUANTIZATIONS (a test keeps t
 @attrs.frozen
 class CliFlag:
     """How an option is spelled on the command line. ``help`` names the default. ``kind``: how
-    the CLI parses the value ("positive_int", "bytes", "fraction", "device", or None for plain
-    text; the parsers are the CLI's); ``negative``: a ``--no-NAME`` switch that sets False, for
+    the CLI parses the value ("positive_int", "bytes", "fraction", "device", "names" for a
+    comma-separated list, or None for plain text; the parsers are the CLI's); ``negative``: a ``--no-NAME`` switch that sets False, for
     an option that is on (or automatic, None) by default; ``commands``: the subcommands that
     take it (None: every one that runs an engine)."""
 
@@ -71,6 +71,16 @@ def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise RtpcoreError(f"{name} must be a positive integer, got {value!r}")
     return value
+
+
+def _names(name: str, value: Any) -> tuple[str, ...]:
+    """``value`` (a sequence of non-empty strings, not one string) as a tuple."""
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise RtpcoreError(f"{name} must be a list of names, got {value!r}")
+    names = tuple(value)
+    if not all(isinstance(n, str) and n for n in names):
+        raise RtpcoreError(f"{name} must be a list of non-empty names, got {value!r}")
+    return names
 
 
 def _tristate(name: str, value: Any) -> None:
@@ -146,6 +156,11 @@ class EngineOptions:
         CliFlag("the attention backend every layer runs (rtpcore plugins list shows the registered ones: torch, "
                 "native_cpu and the plugins'); an error names a layer it cannot serve (default: per layer, the "
                 "platform's default, else the highest-priority backend that supports the layer)", metavar="NAME"))
+    logits_processors: tuple[str, ...] = option((), "registered logits processors every step's logits go through",
+        CliFlag("logits processors every step's logits go through, in this order, before the engine's own "
+                "sampling settings: names a loaded plugin registers (rtpcore_register_logits_processors; rtpcore "
+                "plugins list shows them); their per-request arguments come from SamplingParams.extra_args, over "
+                "HTTP vllm_xargs (default: none)", kind="names", metavar="NAME[,NAME]"))
     async_scheduling: bool | None = option(None, "outputs one step behind; None: on with CUDA graphs", CliFlag(
         "read each step's tokens before planning the next (default: with CUDA graphs, plan and launch the next "
         "step while the current one runs, outputs one step behind)", negative=True))
@@ -273,6 +288,7 @@ class EngineConfig(EngineOptions):
             raise RtpcoreError(f"native_decode must be True or False, got {o.native_decode!r}")
         if o.attention_backend is not None and (not isinstance(o.attention_backend, str) or not o.attention_backend):
             raise RtpcoreError(f"attention_backend must be None or a backend's name, got {o.attention_backend!r}")
+        processors = _names("logits_processors", o.logits_processors)
         _tristate("async_scheduling", o.async_scheduling)
         if o.async_scheduling and o.tensor_parallel_size > 1:
             raise RtpcoreError(
@@ -298,7 +314,7 @@ class EngineConfig(EngineOptions):
             "dtype": dtype, "kv_cache_dtype": kv, "device": resolved_device, "platform": platform_name,
             "draft_model": draft,
             "num_speculative_tokens": k, "max_num_batched_tokens": max_num_batched_tokens,
-            "gpu_memory_utilization": float(o.gpu_memory_utilization),
+            "gpu_memory_utilization": float(o.gpu_memory_utilization), "logits_processors": processors,
         }
         given = {name: getattr(o, name) for name in EngineOptions.names()}
         return cls(checkpoint=str(path), plan=plan, **{**given, **resolved})

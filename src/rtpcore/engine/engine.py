@@ -73,6 +73,7 @@ from rtpcore.engine.core.block_pool import BlockAllocator
 from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
 from rtpcore.engine.core.prefix_cache import namespace_key
 from rtpcore.engine.engine_core import EngineCore
+from rtpcore.engine.sample.logits_processors import LogitsProcessors, resolve_logits_processors
 from rtpcore.engine.sample.params import SamplingParams
 from rtpcore.engine.sample.speculative import SpeculativeStats
 from rtpcore.engine.text.output_processor import PromptRun
@@ -87,6 +88,7 @@ from rtpcore.errors import (
     InvalidRequestError,
     RtpcoreError,
 )
+from rtpcore.plugins.loading import load_plugins
 from rtpcore.plugins.resolution import PlanEntry
 
 __all__ = ["Engine"]
@@ -181,7 +183,14 @@ class Engine:
         planned and launched while the current one runs, for steps whose rows are all plain
         greedy; other steps run synchronously (counted in ``stats().async_fallback_steps_total``).
         None (the default) turns it on where it helps, a single-rank engine whose decode steps
-        replay CUDA graphs; True forces it on (on the CPU it gains nothing: for tests)."""
+        replay CUDA graphs; True forces it on (on the CPU it gains nothing: for tests).
+
+        ``logits_processors``: the names of registered logits processors (``rtpcore.logits``;
+        a plugin registers them, so list it in ``plugins``) that every step's logits go through,
+        in order, before the engine's own processing; their per-request arguments are
+        ``SamplingParams.extra_args``. An unknown name raises
+        :class:`~rtpcore.errors.LogitsProcessorError` naming ``logits_processors=`` and the
+        known ones before anything loads."""
         EngineOptions.check_names(options, "Engine.from_pretrained")
         config = EngineConfig.create(path, plugins=plugins, external_model_packages=external_model_packages, **options)
         return cls.from_config(config)
@@ -205,7 +214,10 @@ class Engine:
         self.kv_caches = []
         self.plugins = tuple(config.plan.entries)
         self.device = torch.device(config.device)
+        self.logits_processors: LogitsProcessors | None = None
         try:
+            if config.logits_processors:  # an unknown name fails before any weight loads
+                resolve_logits_processors(config.logits_processors, load_plugins(config.plan))
             # Every rank builds an EngineShard (rtpcore.engine.worker.rank) from the config: this process is
             # rank 0; with tensor_parallel_size > 1, ranks 1..N-1 are worker processes that load
             # exactly config.plan (no discovery) and build their part of the model.
@@ -235,6 +247,8 @@ class Engine:
             vocab = hf.get("vocab_size")
             self.vocab_size = vocab if isinstance(vocab, int) else None
             self._allocator = BlockAllocator(self.num_kv_blocks)
+            # Rank 0 samples: the processors live here, built once, on its device.
+            self.logits_processors = LogitsProcessors.build(config.logits_processors, shard.registry, config, self.device)
             self._core = EngineCore(
                 forward=self._forward,
                 greedy_forward=self._greedy_forward,
@@ -255,6 +269,7 @@ class Engine:
                 prefix_cache_namespace=self._prefix_cache_namespace(),
                 counters=self._graph_counters,  # rank 0's: it steps every batch
                 async_scheduling=_async_scheduling(config, shard),
+                logits_processors=self.logits_processors,
             )
         except BaseException as exc:
             self._release()  # every rank's model, pools and processes
@@ -507,6 +522,8 @@ class Engine:
                 if not out.finished:
                     self._core.abort(requests[i][2])
 
+        for _, params, _, _ in requests:  # every request's extra_args, before any is added
+            self._core.check_params(params)
         try:
             for i, (ids, params, request_id, _) in enumerate(requests):
                 self._core.add_request(ids, params, functools.partial(deliver, i), request_id=request_id, checked=True)
@@ -524,6 +541,12 @@ class Engine:
                     self._core.abort(request_id)
         if errors:
             raise errors[0]
+
+    def check_extra_args(self, params: SamplingParams, *, field: str = "extra_args") -> None:
+        """Whether the engine's logits processors take ``params.extra_args``: an
+        :class:`~rtpcore.errors.InvalidRequestError` naming ``field`` when one refuses them
+        (what adding the request would raise; a server names its own field, ``vllm_xargs``)."""
+        self._core.check_params(params, field=field)
 
     def _forward(self, batch: Any) -> Any:
         """(B, vocab) logits of one step; every rank steps."""

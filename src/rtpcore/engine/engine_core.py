@@ -59,6 +59,7 @@ from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
 from rtpcore.engine.core.prefix_cache import NoPrefixCache, PrefixCache
 from rtpcore.engine.core.request import FinishReason, Request, RequestStatus, StepPlan
 from rtpcore.engine.core.scheduler import Scheduler
+from rtpcore.engine.sample.logits_processors import LogitsProcessors
 from rtpcore.engine.sample.params import SampledToken, SamplingParams
 from rtpcore.engine.sample.speculative import SpeculativeStats
 from rtpcore.engine.step.inputs import BatchBuilder
@@ -117,6 +118,7 @@ class EngineCore:
         counters: Callable[[], dict[str, Any]] = dict,
         greedy_forward: Callable[[ForwardBatch], torch.Tensor] | None = None,
         async_scheduling: bool = False,
+        logits_processors: LogitsProcessors | None = None,
     ):
         """``max_model_len``: the longest prompt + output a request may ask for (the engine
         checked that the pool holds one). ``draft_forward`` and ``num_speculative_tokens`` > 0:
@@ -130,8 +132,17 @@ class EngineCore:
         more EngineStats fields the model runner keeps (CUDA graph replays, eager decodes).
         ``greedy_forward``: the forward that returns the greedy picks of a step whose rows are all
         plain greedy (``StepRunner``), None to sample every step. ``async_scheduling``: outputs
-        one step behind (the module docstring); it needs ``greedy_forward``."""
+        one step behind (the module docstring); it needs ``greedy_forward``. ``logits_processors``:
+        the engine's logits processors (``rtpcore.logits``), None for none; with them every step
+        samples (no ``greedy_forward``, so no async scheduling) and each request's
+        ``extra_args`` is checked by them when it is added."""
         k = num_speculative_tokens if draft_forward is not None else 0
+        if logits_processors is not None:
+            if async_scheduling:
+                logger.info("async scheduling is off: logits processors (%s) run on every step's logits on the host",
+                            ", ".join(logits_processors.names))
+            greedy_forward = None  # a processor may move any row's argmax
+        self.logits_processors = logits_processors
         self.num_speculative_tokens = k
         self.allocator = allocator
         self.eos_token_ids = tuple(eos_token_ids)
@@ -157,6 +168,7 @@ class EngineCore:
             draft_forward=draft_forward if k else None,
             shift=draft_shift,
             greedy_forward=greedy_forward,
+            processors=logits_processors,
         )
         self.step_observers: list[Callable[[StepReport], None]] = []  # called after each step, on its thread
         self._counters = counters
@@ -226,11 +238,13 @@ class EngineCore:
     ) -> str:
         """Queue a request; return its id (a fresh one when ``request_id`` is None).
         ``checked``: ``prompt`` already passed :meth:`check_prompt`. Refused with
-        QueueFullError when ``max_waiting`` requests already wait."""
+        QueueFullError when ``max_waiting`` requests already wait; InvalidRequestError naming
+        ``extra_args`` when a logits processor refuses the request's arguments."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"params must be a SamplingParams, got {type(params).__name__}", field="params", value=params
             )
+        self.check_params(params)
         ids = list(prompt) if checked else self.check_prompt(prompt, params.max_tokens)
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -269,6 +283,12 @@ class EngineCore:
             self.scheduler.add(r)
             self._cv.notify_all()
         return request_id
+
+    def check_params(self, params: SamplingParams, *, field: str = "extra_args") -> None:
+        """The logits processors' check of ``params`` (their ``validate_params``): an
+        InvalidRequestError naming ``field`` when one refuses it; nothing without processors."""
+        if self.logits_processors is not None:
+            self.logits_processors.validate(params, field=field)
 
     def abort(self, request_id: str) -> bool:
         """End a request with finish_reason "abort" and free its blocks (at the end of

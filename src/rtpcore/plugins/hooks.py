@@ -69,7 +69,16 @@ def rtpcore_register_quantization_methods(registry: Any) -> None:
     Recorded like ``rtpcore_register_models``."""
 
 
+@hookspec
+def rtpcore_register_logits_processors(registry: Any) -> None:
+    """Register the plugin's logits processors (``rtpcore.logits.LogitsProcessor`` subclasses)
+    with ``registry.register_logits_processor(cls)``, enabled by their ``name`` with
+    ``--logits-processors NAME[,NAME]`` (``logits_processors=[...]``; docs/design.md §18).
+    Recorded like ``rtpcore_register_models``."""
+
+
 #: The name of every hook above: an implementation of another name is refused.
 HOOK_NAMES = ("rtpcore_register_models", "rtpcore_kv_cache_layouts", "rtpcore_register_tool_parsers",
               "rtpcore_register_reasoning_parsers", "rtpcore_register_attention_backends",
-              "rtpcore_register_platforms", "rtpcore_register_quantization_methods")
+              "rtpcore_register_platforms", "rtpcore_register_quantization_methods",
+              "rtpcore_register_logits_processors")

@@ -228,6 +228,10 @@ class RecordingView:
         """Record a quantization method class (``rtpcore.quantization.QuantizationMethod`` subclass)."""
         self._register_on("quantization_methods", cls)
 
+    def register_logits_processor(self, cls: type[Any]) -> None:
+        """Record a logits processor class (``rtpcore.logits.LogitsProcessor`` subclass)."""
+        self._register_on("logits_processors", cls)
+
     def _register_on(self, seam_name: str, cls: object) -> None:
         """Record ``cls`` on the seam named ``seam_name``: invalid (a class the seam refuses, a
         name registered twice by this plugin) or incompatible (its ``api_version``) at once."""

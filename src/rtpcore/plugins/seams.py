@@ -34,8 +34,7 @@ __all__ = ["SEAMS", "SEAM_API_VERSIONS", "Seam", "seam_class_problems", "version
 #: Each seam's API version, ``"MAJOR.MINOR"``: a class written for another major, or for a newer
 #: minor than this, is refused (state ``incompatible``). ``models`` follows the forward
 #: contract (``FORWARD_CONTRACT``). A seam is listed here once the engine calls what is
-#: registered on it: docs/design.md §18's logits processors are not a seam yet, and a plugin implementing their hooks is refused
-#: as implementing an unknown hook (never registered and silently unused).
+#: registered on it: every seam of docs/design.md §18 is.
 SEAM_API_VERSIONS: dict[str, str] = {
     "models": f"{FORWARD_CONTRACT}.0",
     "kv_layouts": "1.0",
@@ -44,6 +43,7 @@ SEAM_API_VERSIONS: dict[str, str] = {
     "attention_backends": "1.0",
     "platforms": "1.0",
     "quantization_methods": "1.0",
+    "logits_processors": "1.0",
 }
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -80,6 +80,8 @@ SEAMS: dict[str, Seam] = {
              "rtpcore.platforms:Platform"),
         Seam("reasoning_parsers", "reasoning parser", "rtpcore_register_reasoning_parsers",
              "register_reasoning_parser", "rtpcore.reasoning:ReasoningParser"),
+        Seam("logits_processors", "logits processor", "rtpcore_register_logits_processors",
+             "register_logits_processor", "rtpcore.logits:LogitsProcessor"),
     )
 }
 

@@ -23,6 +23,7 @@ the model's limits it is given; what it cannot honour raises an
 
 from __future__ import annotations
 
+import json
 import typing
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -167,6 +168,7 @@ class _Sampling(_Strict):
     skip_special_tokens: bool | None = None
     return_token_ids: bool | None = None  # vLLM's: each choice (and chunk) also carries its token_ids
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: prefix-cache blocks shared per salt
+    vllm_xargs: dict[str, Any] | None = None  # vLLM's: the logits processors' per-request arguments (extra_args)
     # Accepted without effect (OpenAI platform bookkeeping; prompt_cache_key is a routing hint).
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -193,6 +195,16 @@ class _Sampling(_Strict):
         if any(len(s) > MAX_STOP_LENGTH for s in strings):
             raise ValueError(f"a stop string may hold at most {MAX_STOP_LENGTH} characters")
         return stop
+
+    @field_validator("vllm_xargs")
+    @classmethod
+    def _xargs(cls, xargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        if xargs is not None:
+            try:
+                json.dumps(xargs, allow_nan=False)
+            except ValueError as exc:
+                raise ValueError(f"a JSON object of JSON values: {exc}") from None
+        return xargs
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -270,7 +282,7 @@ class _Sampling(_Strict):
             grammar=grammar, n=self.num_choices,
             skip_special_tokens=self.skip_special_tokens is not False,
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
-            cache_salt=self.cache_salt,
+            cache_salt=self.cache_salt, extra_args=self.vllm_xargs,
         )
 
 

@@ -216,9 +216,12 @@ def check_model(served: Served, model: str) -> None:
 
 def params_for(served: Served, body: CompletionRequest | ChatCompletionRequest, prompt: Prompt,
                grammar: Grammar | None = None) -> SamplingParams:
-    """The request's SamplingParams (``body.to_sampling_params``) within this model's limits."""
+    """The request's SamplingParams (``body.to_sampling_params``) within this model's limits,
+    its ``vllm_xargs`` taken by the engine's logits processors (a 400 naming ``vllm_xargs``)."""
     try:
-        return body.to_sampling_params(len(prompt.token_ids), max_model_len=served.max_model_len,
-                                       vocab_size=served.vocab_size, grammar=grammar)
+        params = body.to_sampling_params(len(prompt.token_ids), max_model_len=served.max_model_len,
+                                         vocab_size=served.vocab_size, grammar=grammar)
+        served.engine.engine.check_extra_args(params, field="vllm_xargs")
     except InvalidRequestError as exc:
         raise ApiError.invalid_request(exc) from None
+    return params

@@ -15,6 +15,7 @@ take the argmax and never divide the logits (no overflow to inf).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -236,6 +237,26 @@ def _cache_salt(value: Any) -> str | None:
     return value
 
 
+def _extra_args(value: Any) -> dict[str, Any] | None:
+    """None, or a copy of a JSON object: a mapping with str keys whose values JSON can carry."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(
+            f"extra_args must be None or a mapping of str keys to JSON values, got {type(value).__name__}",
+            field="extra_args", value=value,
+        )
+    for key in value:
+        if not isinstance(key, str):
+            raise InvalidRequestError(f"extra_args keys must be strings, got {key!r}", field="extra_args", value=value)
+    try:
+        copied: dict[str, Any] = json.loads(json.dumps(dict(value), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"extra_args must hold JSON values only: {exc}", field="extra_args",
+                                  value=value) from None
+    return copied
+
+
 def _n(value: Any) -> int:
     if not _is_int(value) or not 1 <= value <= MAX_N:
         raise InvalidRequestError(f"n must be an integer from 1 to {MAX_N}, got {value!r}", field="n", value=value)
@@ -283,6 +304,11 @@ class SamplingParams:
     prefix-cache block (``rtpcore.engine.core.prefix_cache``), so the request shares cached
     blocks only with requests of the same salt; None shares the unsalted cache. Output is
     the same with any salt.
+
+    ``extra_args`` (None, or a JSON object: a mapping with str keys and JSON values, kept as a
+    copy): per-request arguments of the engine's logits processors (``rtpcore.logits``; over
+    HTTP the request's ``vllm_xargs``), which each processor checks when the request is added.
+    The engine itself reads none of it.
     """
 
     max_tokens: int = attrs.field(default=16, converter=_max_tokens)
@@ -305,6 +331,7 @@ class SamplingParams:
     skip_special_tokens: bool = attrs.field(default=True, converter=_skip_special_tokens)
     include_stop_str_in_output: bool = attrs.field(default=False, converter=_include_stop_str_in_output)
     cache_salt: str | None = attrs.field(default=None, converter=_cache_salt)
+    extra_args: dict[str, Any] | None = attrs.field(default=None, converter=_extra_args, hash=False)
 
     @classmethod
     def create(

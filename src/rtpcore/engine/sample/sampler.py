@@ -385,12 +385,14 @@ def unpack_logprobs(
     return SampledToken(token, flat[j], tuple((int(i), v) for i, v in zip(ids, values, strict=True)))
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> StepSample:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], *, raw: torch.Tensor | None = None) -> StepSample:
     """Row b of the (N, V) ``logits`` drawn for ``rows[b]``, the whole batch at once on the
     logits' device with one host transfer. Greedy rows: the argmax of the processed logits;
     sampled rows: the exponential race (one noise draw for the rows without a generator,
     each seeded row's noise from its own generator). A row whose processed distribution is
-    not finite is in ``failed`` with a None token; the other rows are unaffected."""
+    not finite is in ``failed`` with a None token; the other rows are unaffected. ``raw``: the
+    model's own logits when ``logits`` went through logits processors (``rtpcore.logits``)
+    first; log-probabilities are read from them."""
     n = len(rows)
     if n == 0:
         return StepSample([], [])
@@ -409,7 +411,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> StepSample:
     packed = [tokens.double(), not_finite(x).double()]
     k = min(max((rows[b].params.logprobs or 0 for b in want), default=0), v)
     if want:
-        packed += raw_logprobs(logits, d_want, tokens.index_select(0, d_want), k)
+        packed += raw_logprobs(logits if raw is None else raw, d_want, tokens.index_select(0, d_want), k)
     flat = torch.cat(packed).tolist()  # the one host transfer
     out: list[SampledToken | None] = [SampledToken(int(t)) for t in flat[:n]]
     failed = [b for b in range(n) if flat[n + b]]

@@ -129,7 +129,7 @@ def propose(
     return [int(t) for t in tokens.masked_fill(bad, 0).tolist()], dists
 
 
-def verify_batch(logits: torch.Tensor, proposals: Sequence[Proposal]) -> list[Verdict]:
+def verify_batch(logits: torch.Tensor, proposals: Sequence[Proposal], *, raw: torch.Tensor | None = None) -> list[Verdict]:
     """Every request's verification in one go: ``logits`` holds, request after request,
     the target's ``k + 1`` rows of a request with ``k`` proposals (after its last token and
     after each proposal; row j's history is the output plus ``proposals[:j]``) -> one
@@ -139,7 +139,9 @@ def verify_batch(logits: torch.Tensor, proposals: Sequence[Proposal]) -> list[Ve
     argmax after it. Sampled requests accept proposal j when ``u * q(d) < p(d)`` (``u``
     uniform from the request's generator), then draw their own token from ``max(0, p - q)``
     at the first rejection (``p`` where that is zero), or from ``p`` after the last
-    proposal, by the exponential race with the request's generator."""
+    proposal, by the exponential race with the request's generator. ``raw``: the target's own
+    logits when ``logits`` went through logits processors first (``rtpcore.logits``: position by
+    position, as if decoding without a draft); log-probabilities are read from them."""
     m = len(proposals)
     if m == 0:
         return []
@@ -208,7 +210,7 @@ def verify_batch(logits: torch.Tensor, proposals: Sequence[Proposal]) -> list[Ve
         if kt:
             row_tokens = row_tokens.index_put((d_prop_rows,), d_drafted)
         row_tokens = row_tokens.index_put((final_rows,), final)
-        packed += raw_logprobs(logits, d_want_rows, row_tokens.index_select(0, d_want_rows), k_lp)
+        packed += raw_logprobs(logits if raw is None else raw, d_want_rows, row_tokens.index_select(0, d_want_rows), k_lp)
     flat = torch.cat(packed).tolist()  # the one host transfer
     lp, w = flat[3 * m :], len(want_rows)
     out: list[Verdict] = []

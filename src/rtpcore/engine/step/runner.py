@@ -19,6 +19,15 @@ as its cause); every other sequence gets the tokens it would have had. A row who
 distribution is not finite fails that request alone (``reason="non_finite"``). Only a fault
 that is not a request's -- the worker group broken (a lost rank, a device fault) -- is raised,
 and then ends every request of the step.
+
+Logits processors (``rtpcore.logits``; :class:`~rtpcore.engine.sample.logits_processors.LogitsProcessors`,
+when the engine enables any): after the forward, the step's drawing sequences, in order, are the
+processors' rows (``begin``), and the logits go through them before the sampler (with a draft,
+position by position over the verification rows, as if decoding without it); log-probabilities
+stay the model's. A processor's exception is a fault of the step's requests like the forward's:
+they are run again apart, and each culprit ends with ``reason="logits_processor"``, the error
+naming the processor. With processors every step samples: no greedy picks on the device, no
+launch ahead (async scheduling).
 """
 
 from __future__ import annotations
@@ -31,11 +40,12 @@ import attrs
 import torch
 
 from rtpcore.engine.core.request import Request, ScheduledSeq
+from rtpcore.engine.sample.logits_processors import LogitsProcessors, ProcessorRow
 from rtpcore.engine.sample.params import SampledToken
 from rtpcore.engine.sample.sampler import SamplingRow, TokenView, history_row, plain_greedy, sample
 from rtpcore.engine.sample.speculative import Proposal, propose, verify_batch
 from rtpcore.engine.step.inputs import BatchBuilder
-from rtpcore.errors import RequestFailedError, RtpcoreError
+from rtpcore.errors import LogitsProcessorError, RequestFailedError, RtpcoreError
 
 __all__ = ["SeqResult", "StepRunner", "as_rtpcore_error"]
 
@@ -70,7 +80,8 @@ class StepRunner:
     ``greedy_forward``: the target's forward returning the greedy picks
     (``rtpcore.engine.sample.sampler.greedy_pick``) instead of the logits, None to always sample;
     ``is_broken()``: whether the worker group can no longer step (then a fault is not a
-    request's); ``shift``: 1 for a draft that reads the target's hidden states."""
+    request's); ``shift``: 1 for a draft that reads the target's hidden states;
+    ``processors``: the engine's logits processors, None when it enables none."""
 
     def __init__(
         self,
@@ -81,9 +92,11 @@ class StepRunner:
         draft_forward: Callable[[Any], torch.Tensor] | None = None,
         shift: int = 0,
         greedy_forward: Callable[[Any], torch.Tensor] | None = None,
+        processors: LogitsProcessors | None = None,
     ):
         self.forward = forward
-        self.greedy_forward = greedy_forward
+        self.processors = processors
+        self.greedy_forward = greedy_forward if processors is None else None  # processors: every step samples
         self.greedy_steps = 0  # steps whose tokens were the device's greedy picks (no sampler)
         self.builder = builder
         self.is_broken = is_broken
@@ -133,10 +146,13 @@ class StepRunner:
                     failed = again
             if len(part) == 1:
                 r = seqs[part[0]].request
-                logger.error("request %r failed in the model's forward: %s: %s", r.request_id, type(failed).__name__, failed)
+                where, reason = "the model's forward", "model_fault"
+                if isinstance(failed, LogitsProcessorError):
+                    where, reason = f"logits processor {failed.processor!r}", "logits_processor"
+                logger.error("request %r failed in %s: %s: %s", r.request_id, where, type(failed).__name__, failed)
                 error = RequestFailedError(
-                    f"request {r.request_id!r} failed in the model's forward: {type(failed).__name__}: {failed}",
-                    request_id=r.request_id, reason="model_fault",
+                    f"request {r.request_id!r} failed in {where}: {type(failed).__name__}: {failed}",
+                    request_id=r.request_id, reason=reason,
                 )
                 error.__cause__ = failed
                 results[part[0]] = SeqResult(error=error)
@@ -164,8 +180,15 @@ class StepRunner:
         drawing = [i for i, s in enumerate(seqs) if s.samples]
         if not drawing:
             return results
+        raw = logits
+        if self.processors is not None:  # the step's drawing sequences are the processors' rows
+            self.processors.begin([_processor_row(seqs[i].request) for i in drawing])
+            if self.draft_forward is None:
+                logits = self.processors.apply(raw)
+            else:  # position by position, each row's output_ids extended by the proposals before it
+                logits = self.processors.apply_verification(raw, [proposals.get(seqs[i].request, ()) for i in drawing])
         if self.draft_forward is None:  # one batched draw; the logits hold a row per sampling sequence
-            drawn = sample(logits, [_row(seqs[i].request) for i in drawing])
+            drawn = sample(logits, [_row(seqs[i].request) for i in drawing], raw=raw)
             for j, i in enumerate(drawing):
                 token = drawn.tokens[j]
                 results[i] = SeqResult((token,)) if token is not None else SeqResult(error=_non_finite(seqs[i].request))
@@ -175,7 +198,7 @@ class StepRunner:
         verdicts = verify_batch(logits, [
             Proposal(_row(seqs[i].request), tuple(proposals.get(seqs[i].request, ())), tuple(dists.get(seqs[i].request, ())))
             for i in drawing
-        ])
+        ], raw=raw)
         for i, verdict in zip(drawing, verdicts, strict=True):
             r = seqs[i].request
             if verdict.failed:
@@ -195,6 +218,8 @@ class StepRunner:
     def overlap_problem(self, seqs: Sequence[ScheduledSeq]) -> str | None:
         """Why ``seqs`` cannot be launched by :meth:`launch_greedy` (one pick per sequence, read
         later), or None when they can."""
+        if self.processors is not None:
+            return "logits processors are enabled"
         if self.draft_forward is not None:
             return "speculative decoding verifies proposals on the host"
         if self.greedy_forward is None:
@@ -280,6 +305,11 @@ def _row(r: Request) -> SamplingRow:
         params=r.params, generator=r.generator, prompt_ids=TokenView(tokens, 0, r.prompt_len),
         output_ids=TokenView(tokens, r.prompt_len), stop_ids=r.stop_ids, grammar=r.grammar,
     )
+
+
+def _processor_row(r: Request) -> ProcessorRow:
+    """``r`` as the logits processors see it: its own token list (read, never copied whole)."""
+    return ProcessorRow(key=r, params=r.params, tokens=r.tokens, prompt_len=r.prompt_len)
 
 
 def _non_finite(r: Request) -> RequestFailedError:
