@@ -255,8 +255,9 @@ class EngineConfig(EngineOptions):
         check_device_form(o.device)  # a malformed device fails before any plugin loads
         plan = Allowlist.from_cli(plugins=plugins, external_model_packages=external_model_packages,
                                   allow_plugin_patches=o.allow_plugin_patches).resolve()
-        platform_name, resolved_device = resolve_platform(o.device, _platforms(plan), tensor_parallel_size=local_ranks)
-        platform = _platforms(plan).seam_class("platforms", platform_name)
+        registry = _platforms(plan)
+        platform_name, resolved_device = resolve_platform(o.device, registry, tensor_parallel_size=local_ranks)
+        platform = registry.seam_class("platforms", platform_name)
         _tristate("cuda_graphs", o.cuda_graphs)
         if o.cuda_graphs and not platform.supports_graphs:
             raise RtpcoreError(f"cuda_graphs=True needs a platform that replays CUDA graphs; the engine runs on "
@@ -274,7 +275,6 @@ class EngineConfig(EngineOptions):
         if o.max_model_len is not None:
             _positive_int("max_model_len", o.max_model_len)
         if o.quantization is not None:  # a registered method (rtpcore.quantization) that runs on this device
-            registry = _platforms(plan)
             method = registry.seam_class("quantization_methods", o.quantization) if isinstance(o.quantization, str) else None
             if method is None:
                 raise RtpcoreError(

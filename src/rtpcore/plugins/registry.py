@@ -299,6 +299,11 @@ class ModelRegistry:
             found = self._seams.get(seam, {}).get(name)
             return None if found is None else found[1]
 
+    def seam_classes(self, seam: str) -> dict[str, type[Any]]:
+        """Every registration on ``seam``: name -> class, sorted by name (rtpcore's own included)."""
+        with self._lock:
+            return {n: found[0] for n, found in sorted(self._seams.get(seam, {}).items())}
+
     def seam_names(self, seam: str) -> list[str]:
         """The names registered on ``seam``, sorted (rtpcore's own included)."""
         with self._lock:

@@ -128,7 +128,7 @@ def resolve_platform(device: Any, registry: Any = None, *, tensor_parallel_size:
     if registry is None:
         classes: dict[str, Any] = {"cpu": CpuPlatform, "cuda": CudaPlatform}
     else:
-        classes = {n: registry.seam_class("platforms", n) for n in registry.seam_names("platforms")}
+        classes = registry.seam_classes("platforms")
     name, _, index = text.partition(":")
     if name == "auto":
         for candidate in sorted(classes, key=lambda n: (-classes[n].priority, n)):

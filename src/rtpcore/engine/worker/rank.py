@@ -394,8 +394,7 @@ def _quantization_method(config: Any, registry: Any, hf_config: dict[str, Any]) 
     """The model's quantization method among the registered ones (None: float weights)."""
     from rtpcore.quantization import quantization_method
 
-    names = registry.seam_names("quantization_methods")
-    classes = {n: registry.seam_class("quantization_methods", n) for n in names}
+    classes = registry.seam_classes("quantization_methods")
     return quantization_method(hf_config, classes, requested=getattr(config, "quantization", None))
 
 
@@ -406,8 +405,7 @@ def attention_backends(config: Any, registry: Any, specs: list[Any], device: Any
     left out when ``native_decode`` is off)."""
     from rtpcore.attention import choose_attention_backends
 
-    names = registry.seam_names("attention_backends")
-    classes = {n: registry.seam_class("attention_backends", n) for n in names}
+    classes = registry.seam_classes("attention_backends")
     platform = registry.seam_class("platforms", getattr(config, "platform", "cpu"))
     return choose_attention_backends(
         specs, classes, device=device, dtype=config.torch_dtype,
