@@ -64,7 +64,7 @@ class LlamaConfig:
             raise cf.config_error("head_dim", head_dim, "must be even (rotary embeddings rotate pairs)")
         theta, rope = _rope(hf)
         archs = cf.optional_str_list(hf, "architectures") or ()
-        is_qwen2 = hf.get("model_type") == "qwen2" or "Qwen2ForCausalLM" in archs
+        is_qwen2 = cf.optional_str(hf, "model_type", None) == "qwen2" or "Qwen2ForCausalLM" in archs
         bias = cf.optional_bool(hf, "attention_bias", False)
         return cls(
             vocab_size=cf.require_int(hf, "vocab_size"),

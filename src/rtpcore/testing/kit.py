@@ -219,6 +219,12 @@ class KitContext:
             self._demo[model_type] = ensure_demo_checkpoint(plugin, cache_dir=self.cache_dir)
         return self._demo[model_type]
 
+    def demo_config_value(self, model_type: str, key: str) -> Any:
+        """``key`` of the model's demo config.json (None when absent)."""
+        from rtpcore.checkpoint import read_hf_config
+
+        return read_hf_config(self.demo_checkpoint(model_type)).get(key)
+
     def demo_model_types(self) -> list[str]:
         """The plugin's model types that have a demo config, else the built-in Llama (the model a
         seam-only plugin's backends and methods are tried on)."""
