@@ -274,43 +274,49 @@ def forward_contract(ctx: KitContext, model_type: str) -> str | None:
     return None
 
 
-def kv_layout(ctx: KitContext, model_type: str) -> str | None:
+def kv_layout(ctx: KitContext, subject: str) -> str | None:
+    """A model's layers (its default KV layout and every registered fp8 layout it takes), or a
+    KV layout the plugin registers, on DeepSeek-V3's MLA shape (latent 512, rope 64)."""
     import torch
 
-    from rtpcore.kv.codecs import TORCH_DTYPES, KVCodec, make_codec
-    from rtpcore.kv.specs import kv_cache_specs
-    from rtpcore_native import BUILTIN_LAYOUTS
+    from rtpcore.kv.codecs import KVCodec, make_codec
+    from rtpcore.kv.specs import build_specs, kv_cache_specs
+    from rtpcore_native import BUILTIN_LAYOUTS, KVCacheSpecDesc
 
-    plugin = ctx.model_class(model_type)
-    path = ctx.demo_checkpoint(model_type)
+    def check(specs: list[Any], where: str) -> int:
+        for index, spec in enumerate(specs):
+            custom = spec.layout not in ("", *BUILTIN_LAYOUTS)
+            policy = ctx.registry.get_layout(spec.layout) if custom else None
+            codec = make_codec(spec, policy)
+            what = f"{where} layer {index} ({spec.tag}, {spec.dtype}" + (f", layout {spec.layout})" if spec.layout
+                                                                           else ")")
+            _check_layer(spec, codec, what, torch, KVCodec)
+        return len(specs)
+
+    if subject not in ctx.subjects("models"):  # a layout of the plugin's
+        desc = KVCacheSpecDesc(tag="mla", kind="mla", dtype="fp8_e4m3", kv_lora_rank=512, rope_head_dim=64,
+                               tokens_per_block=64, layout=subject)
+        check(build_specs([desc], registry=ctx.registry, model_type="kv_layout check"), f"layout {subject!r}:")
+        return "an fp8 MLA layer of latent 512, rope 64"
     from rtpcore.checkpoint import read_hf_config
 
-    config = plugin.config_from_hf(read_hf_config(path))
+    plugin = ctx.model_class(subject)
+    config = plugin.config_from_hf(read_hf_config(ctx.demo_checkpoint(subject)))
     checked = 0
-    layouts: list[str | None] = [None, *ctx.registry.layout_names()]
-    for kv_dtype in ("fp32", "bf16", "fp8_e4m3"):
-        for layout in layouts if kv_dtype == "fp8_e4m3" else [None]:
-            try:
-                specs = kv_cache_specs(plugin, config, kv_cache_dtype=kv_dtype, kv_layout=layout,
-                                       tokens_per_block=16, registry=ctx.registry, model_type=model_type)
-            except Exception as exc:
-                if layout is None and kv_dtype != "fp8_e4m3":
-                    raise
-                continue  # a layout this model does not take (an error the engine gives at build)
-            for index, spec in enumerate(specs):
-                custom = spec.layout not in ("", *BUILTIN_LAYOUTS)
-                policy = ctx.registry.get_layout(spec.layout) if custom else None
-                codec = make_codec(spec, policy)
-                what = f"layer {index} ({spec.tag}, kv_cache_dtype={kv_dtype}" + (
-                    f", kv_layout={spec.layout})" if spec.layout else ")")
-                _check_layer(spec, codec, what, torch, KVCodec, TORCH_DTYPES)
-                checked += 1
-    if checked == 0:
-        raise CheckSkipped(f"model type {model_type!r} has no KV-cache layers")
+    for kv_dtype, layout in [("fp32", None), ("bf16", None), ("fp8_e4m3", None),
+                             *(("fp8_e4m3", name) for name in ctx.registry.layout_names())]:
+        try:
+            specs = kv_cache_specs(plugin, config, kv_cache_dtype=kv_dtype, kv_layout=layout, tokens_per_block=16,
+                                   registry=ctx.registry, model_type=subject)
+        except Exception:
+            if layout is None and kv_dtype != "fp8_e4m3":
+                raise
+            continue  # a KV dtype or layout this model does not take (the engine refuses it at build)
+        checked += check(specs, f"kv_cache_dtype={kv_dtype}" + (f", kv_layout={layout}:" if layout else ":"))
     return f"{checked} layer specs"
 
 
-def _check_layer(spec: Any, codec: Any, what: str, torch: Any, generic_codec: Any, dtypes: Any) -> None:
+def _check_layer(spec: Any, codec: Any, what: str, torch: Any, generic_codec: Any) -> None:
     from rtpcore.kv.pools import kv_shapes
 
     generator = torch.Generator().manual_seed(0)

@@ -294,7 +294,10 @@ def plan_checks(item: str, *, checks: Sequence[str] | None = None, device: str =
         if spec.kind == "plugin":
             planned.append(PlannedCheck(spec.name, None, context))
         elif loaded:
-            planned += [PlannedCheck(spec.name, s, context) for s in context.subjects(spec.kind)]
+            subjects = context.subjects(spec.kind)
+            if spec.name == "kv_layout":  # the plugin's own KV layouts too, each on its own
+                subjects += [s for s in context.subjects("kv_layouts") if s not in subjects]
+            planned += [PlannedCheck(spec.name, s, context) for s in subjects]
     return planned
 
 
