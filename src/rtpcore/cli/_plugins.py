@@ -1,4 +1,5 @@
-"""``rtpcore plugins list``, ``rtpcore plugins check`` and ``rtpcore plugins init`` (``_scaffold``).
+"""``rtpcore plugins list``, ``rtpcore plugins check``, ``rtpcore plugins test`` (``_plugins_test``) and
+``rtpcore plugins init`` (``_scaffold``).
 
 ``list`` shows every installed ``rtpcore.plugins`` entry point (read from metadata, never
 imported unless requested), the built-in models, and each requested item with its outcome:
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rtpcore.cli._args import add_log_level_argument
+from rtpcore.cli._plugins_test import add_test_parser
 from rtpcore.cli._scaffold import add_init_parser
 from rtpcore.plugins.allowlist import (
     IGNORED_ENV_VARS,
@@ -38,9 +40,9 @@ __all__ = ["add_parser"]
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "plugins",
-        help="list, check and write rtpcore plugins",
+        help="list, check, test and write rtpcore plugins",
         description="List installed rtpcore plugins without importing them, load some in a fresh "
-        "process and report how that went, or write a new plugin package.",
+        "process and report how that went, run the conformance kit on one, or write a new plugin package.",
     )
     actions = parser.add_subparsers(dest="plugins_command", metavar="ACTION", required=True)
 
@@ -92,6 +94,7 @@ def add_parser(subparsers: Any) -> None:
     checker.add_argument("--json", action="store_true", help="print a JSON array of objects")
     add_log_level_argument(checker)
     checker.set_defaults(func=_check)
+    add_test_parser(actions)
     add_init_parser(actions)
 
 
