@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 import time
 import traceback
 import unittest
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "KitContext",
     "PlannedCheck",
     "plan_checks",
+    "run_check",
     "run_kit",
 ]
 
@@ -165,10 +167,14 @@ class KitContext:
 
     ``plugins`` is what an engine of the plugin's models is built with (``()`` for the built-in
     plugin); ``name`` the plugin's name (its entry point), ``distribution`` its distribution.
+    ``checkpoints`` (model type -> folder) replaces the demo checkpoints of those models, and
+    ``prompts`` (token ids) the prompts of the checks that generate: a plugin's own models and
+    prompts.
     """
 
     def __init__(self, item: str, *, device: str = "cpu", import_budget: float = 1.0,
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, checkpoints: Mapping[str, str | os.PathLike[str]] | None = None,
+                 prompts: Sequence[Sequence[int]] | None = None) -> None:
         from rtpcore.plugins.allowlist import Allowlist
         from rtpcore.plugins.loading import BUILTIN_PLUGIN, load_report
 
@@ -193,7 +199,9 @@ class KitContext:
         self.report = load_report(self.plan, import_models=True)
         self.outcome = self.report.builtin if entry is None else self.report.outcomes[0]
         self.registry = self.report.registry
-        self._demo: dict[str, Path] = {}
+        self._demo: dict[str, Path] = {mt: Path(p) for mt, p in (checkpoints or {}).items()}
+        #: The token-id prompts of the engine checks (None: each check's own).
+        self.prompts: list[list[int]] | None = None if prompts is None else [list(p) for p in prompts]
 
     @property
     def engine_options(self) -> dict[str, Any]:
@@ -276,15 +284,16 @@ class PlannedCheck:
 
 
 def plan_checks(item: str, *, checks: Sequence[str] | None = None, device: str = "cpu",
-                import_budget: float = 1.0, cache_dir: Path | None = None) -> list[PlannedCheck]:
+                import_budget: float = 1.0, **context: Any) -> list[PlannedCheck]:
     """The checks to run on the plugin ``item`` (an allowlist item, or ``rtpcore.models``): each
     of ``checks`` (None: all of :data:`CHECKS`) once per subject it applies to. A plugin that
     cannot be resolved raises its PluginError; a plugin that fails to load still gets its
-    ``registration`` check (which reports the failure) and the checks that need no load."""
+    ``registration`` check (which reports the failure) and the checks that need no load.
+    ``context``: :class:`KitContext`'s ``checkpoints``, ``prompts`` and ``cache_dir``."""
     unknown = [c for c in checks or () if c not in _BY_NAME]
     if unknown:
         raise RtpcoreError(f"unknown check {unknown[0]!r}; the checks are: {', '.join(CHECKS)}")
-    context = KitContext(item, device=device, import_budget=import_budget, cache_dir=cache_dir)
+    context = KitContext(item, device=device, import_budget=import_budget, **context)
     wanted = set(checks) if checks else set(CHECKS)
     loaded = context.outcome.state in ("loaded", "registered")
     planned = []
@@ -301,16 +310,37 @@ def plan_checks(item: str, *, checks: Sequence[str] | None = None, device: str =
     return planned
 
 
-def run_kit(item: str, *, checks: Sequence[str] | None = None, device: str = "cpu",
-            import_budget: float = 1.0, on_result: Callable[[CheckResult], None] | None = None) -> list[CheckResult]:
-    """Run the kit on ``item`` and return every result (``on_result`` sees each as it ends)."""
+def run_kit(item: str, *, checks: Sequence[str] | None = None, device: str = "cpu", import_budget: float = 1.0,
+            on_result: Callable[[CheckResult], None] | None = None, **context: Any) -> list[CheckResult]:
+    """Run the kit on ``item`` and return every result (``on_result`` sees each as it ends);
+    ``context``: :class:`KitContext`'s ``checkpoints``, ``prompts`` and ``cache_dir``."""
     results = []
-    for planned in plan_checks(item, checks=checks, device=device, import_budget=import_budget):
+    for planned in plan_checks(item, checks=checks, device=device, import_budget=import_budget, **context):
         result = planned.run()
         if on_result is not None:
             on_result(result)
         results.append(result)
     return results
+
+
+def run_check(item: str, check: str, subject: str | None = None, *, device: str = "cpu",
+              **context: Any) -> CheckResult:
+    """Run one check on one subject of ``item`` (a model type, or a seam's name; None for the
+    plugin-level checks) and raise what it found: :class:`CheckFailed` (an AssertionError) or
+    :class:`CheckSkipped` (pytest reports a skip); the result when it passed. ``context``:
+    :class:`KitContext`'s ``checkpoints`` and ``prompts``, for a plugin's own models and prompts::
+
+        run_check("my-plugin", "batch_invariance", "my_model", checkpoints={"my_model": path},
+                  prompts=[[1, 2, 3], [4, 5, 6, 7]])
+    """
+    if check not in _BY_NAME:
+        raise RtpcoreError(f"unknown check {check!r}; the checks are: {', '.join(CHECKS)}")
+    result = PlannedCheck(check, subject, KitContext(item, device=device, **context)).run()
+    if result.status == "FAIL":
+        raise CheckFailed(RULES[check], result.detail.split("\n", 1)[1] if "\n" in result.detail else "")
+    if result.status == "skip":
+        raise CheckSkipped(result.detail)
+    return result
 
 
 def describe_exception(exc: BaseException) -> str:
