@@ -355,9 +355,11 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def _is_rtpcore_file(filename: str) -> bool:
-    root = Path(sys.modules["rtpcore"].__file__ or "").parent
-    try:
-        Path(filename).resolve().relative_to(root.resolve())
-    except ValueError:
-        return "torch" in Path(filename).parts or "site-packages/torch" in filename
-    return True
+    """Whether ``filename`` is rtpcore's own code, or a library's it calls through (torch, pluggy)."""
+    roots = []
+    for name in ("rtpcore", "rtpcore_native", "torch", "pluggy"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            roots.append(Path(module.__file__).resolve().parent)  # type: ignore[arg-type]
+    path = Path(filename).resolve()
+    return any(path.is_relative_to(root) for root in roots)
