@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from rtpcore.testing import RULES, run_check, run_kit
 
 # Why a check may skip here, by check: GPU-only checks on a CPU, a draft where there is none.

@@ -32,6 +32,17 @@ def _check_name(text: str) -> str:
     return text
 
 
+def _item(text: str) -> str:
+    """argparse type: one allowlist item (the allowlist's rules), or ``rtpcore.models``."""
+    from rtpcore.testing.kit import BUILTIN_ITEM
+
+    if text != BUILTIN_ITEM:
+        items = plugins_arg(text)  # ArgumentTypeError naming the rule
+        if len(items) != 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: the kit tests one plugin at a time")
+    return text
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -52,7 +63,7 @@ def add_test_parser(actions: Any) -> None:
         "rule and what was seen) or skip (why: e.g. a GPU check on a CPU). Exit status 1 if any fails. ITEM "
         "'rtpcore.models' tests rtpcore's built-in plugin.",
     )
-    tester.add_argument("item", metavar="ITEM",
+    tester.add_argument("item", metavar="ITEM", type=_item,
                         help="the plugin, as --plugins names it: DIST[:ENTRY_POINT][SPECIFIER], or rtpcore.models")
     tester.add_argument("--json", action="store_true", help="print a JSON array of the results")
     tester.add_argument("--check", dest="checks", action="extend", nargs="+", type=_check_name, default=[],
@@ -68,10 +79,8 @@ def add_test_parser(actions: Any) -> None:
 
 
 def _test(args: argparse.Namespace) -> int:
-    from rtpcore.testing.kit import BUILTIN_ITEM, plan_checks
+    from rtpcore.testing.kit import plan_checks
 
-    if args.item != BUILTIN_ITEM:
-        plugins_arg(args.item)  # a malformed item is a usage error (the allowlist's message)
     start = time.perf_counter()
     planned = plan_checks(args.item, checks=args.checks or None, device=args.device,
                           import_budget=args.import_budget)

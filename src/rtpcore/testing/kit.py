@@ -178,6 +178,16 @@ class KitContext:
         from rtpcore.plugins.allowlist import Allowlist
         from rtpcore.plugins.loading import BUILTIN_PLUGIN, load_report
 
+        if device not in ("cpu", "cuda"):
+            raise RtpcoreError(f"device {device!r}: the kit runs on 'cpu' or 'cuda'")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                from rtpcore.errors import DeviceError
+
+                raise DeviceError("device 'cuda' is not available: torch sees no CUDA or ROCm GPU", device=device,
+                                  available=("cpu",))
         self.item = item
         self.device = device
         self.import_budget = import_budget
