@@ -17,7 +17,9 @@ the two are a near-tie that float rounding may flip (random-weight demo models h
 the rest of that prompt is not compared (the ok note says where); any other difference fails,
 naming the prompt, the first new token that differs and both tokens. A check that could not bring
 about what it tests (no cache hit, no preemption, no mixed step, no proposal) fails: passing it
-would prove nothing. Prompts are token ids built by a fixed formula, never drawn at random.
+would prove nothing. Prompts are token ids built by a fixed formula, never drawn at random; a
+plugin's own (``KitContext.prompts``, ``run_check(..., prompts=)``) replace them, except in the
+prefix-cache and preemption checks, whose prompts are shaped by the block size.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class _Reference:
 
 def batch_invariance(ctx: KitContext, model_type: str) -> str | None:
     path = ctx.demo_checkpoint(model_type)
-    prompts = _prompts(_vocab(path), _LENGTHS)
+    prompts = ctx.prompts or _prompts(_vocab(path), _LENGTHS)
     with ctx.engine(path, **_NO_CACHE) as engine:
         alone = _reference(engine, prompts, _NEW, solo=True)
         batched = _generate(engine, prompts, _NEW)
@@ -69,7 +71,7 @@ def batch_invariance(ctx: KitContext, model_type: str) -> str | None:
 
 def chunked_prefill_invariance(ctx: KitContext, model_type: str) -> str | None:
     path = ctx.demo_checkpoint(model_type)
-    prompts = _prompts(_vocab(path), _LENGTHS, salt=1)
+    prompts = ctx.prompts or _prompts(_vocab(path), _LENGTHS, salt=1)
     with ctx.engine(path, **_NO_CACHE) as engine:
         alone = _reference(engine, prompts, _NEW, solo=True)
     with ctx.engine(path, **_NO_CACHE, max_num_batched_tokens=_CHUNK_BUDGET) as engine:
@@ -153,7 +155,7 @@ def tensor_parallel(ctx: KitContext, model_type: str) -> str | None:
             raise CheckSkipped(f"tensor_parallel_size=2 on cuda needs 2 devices; torch sees "
                                f"{torch.cuda.device_count()}")
     path = ctx.demo_checkpoint(model_type)
-    prompts = _prompts(_vocab(path), _LENGTHS[:3], salt=5)
+    prompts = ctx.prompts or _prompts(_vocab(path), _LENGTHS[:3], salt=5)
     with ctx.engine(path, **_NO_CACHE) as engine:
         one = _reference(engine, prompts, _NEW, solo=False)
     with contextlib.ExitStack() as stack:
@@ -177,7 +179,7 @@ def draft(ctx: KitContext, model_type: str) -> str | None:
     path = ctx.demo_checkpoint(model_type)
     if call_optional(plugin, "mtp_draft", plugin.config_from_hf(_hf_config(path))) is None:
         raise CheckSkipped(f"{plugin.__qualname__} offers no draft (mtp_draft returns None)")
-    prompts = _prompts(_vocab(path), _LENGTHS[:3], salt=6)
+    prompts = ctx.prompts or _prompts(_vocab(path), _LENGTHS[:3], salt=6)
     with ctx.engine(path, **_NO_CACHE) as engine:
         plain = _reference(engine, prompts, _NEW, solo=False)
     with ctx.engine(path, **_NO_CACHE, draft_model="mtp") as engine:
@@ -210,7 +212,7 @@ def hf_parity(ctx: KitContext, model_type: str) -> str | None:
         raise fail("hf_parity", f"{plugin.__qualname__}.transformers_class is {name!r}, which transformers "
                                 f"{transformers.__version__} does not define")
     path = ctx.demo_checkpoint(model_type)
-    prompts = _prompts(_vocab(path), _HF_LENGTHS, salt=7)
+    prompts = ctx.prompts or _prompts(_vocab(path), _HF_LENGTHS, salt=7)
     expected = _transformers_greedy(cls, path, prompts, _HF_NEW)
     with ctx.engine(path, **_NO_CACHE) as engine:
         got = [_generate(engine, [p], _HF_NEW)[0] for p in prompts]
@@ -223,7 +225,7 @@ def graph_replay(ctx: KitContext, model_type: str) -> str | None:
         raise CheckSkipped(f"needs a CUDA device; running on {ctx.device}")
     plugin = ctx.model_class(model_type)
     path = ctx.demo_checkpoint(model_type)
-    prompts = _prompts(_vocab(path), _LENGTHS, salt=8)
+    prompts = ctx.prompts or _prompts(_vocab(path), _LENGTHS, salt=8)
     with ctx.engine(path, **_NO_CACHE, cuda_graphs=False) as engine:
         eager = _reference(engine, prompts, _NEW, solo=False)
     with ctx.engine(path, **_NO_CACHE, cuda_graphs=True) as engine:
