@@ -26,12 +26,14 @@ tolerances, and why:
   from an fp8 block-quantized copy (DeepSeek-V3's format, blocks of 16 x 16). The reference
   ``W`` is what the checkpoint holds: the float weight, or the fp8 one dequantized by the
   format's formula. Probing the layer with the zero row and the unit rows gives its effective
-  weight and bias; random rows its products. The bounds, by family: ``int8`` (``Int8Method``
-  and subclasses) each weight within half a step of its row, ``amax(|W_row|) / 254``, so a
-  product within ``sum(|x|) * amax / 254``; any other method (``fp8``, a plugin's own) the
-  rounding of e4m3 (3 mantissa bits): each weight within ``2**-4 |w|`` plus its subnormal step,
-  and each activation too, should the method quantize them. Plus float32 accumulation,
-  ``4 n 2**-24 sum(|x||w|)``.
+  weight and bias; random rows its products. The bounds, by what built the layer: a layer that
+  kept rtpcore's float kernels (``create_weights`` False: ``fp8``, which dequantizes at load)
+  float32 rounding, ``2**-22 |w|`` per weight (the checkpoint's values, exactly); an ``int8``
+  layer (``Int8Method`` and subclasses) each weight within half a step of its row,
+  ``amax(|W_row|) / 254``, so a product within ``sum(|x|) * amax / 254``; a layer any other
+  method built the rounding of e4m3 (3 mantissa bits, the coarsest built-in format): each weight
+  within ``2**-4 |w|`` plus e4m3's subnormal step, and each activation too, should the method
+  quantize them. Plus float32 accumulation, ``4 n 2**-24 sum(|x||w|)``.
 * ``reasoning_parser``: exact. Every text (think tags or none, empty reasoning, unclosed,
   unicode) fed to a fresh instance in pieces at every split point, one character at a time,
   and at seeded random points, then ``finish``, joins to what ``extract`` returns.
@@ -148,6 +150,9 @@ def _compare(where: str, expected: Sequence[tuple[list[int], list[Any]]],
     ``rtol``); a divergence at a tie within the tolerance ends that prompt's comparison."""
     ties = []
     for p, ((ref_ids, ref_lps), (ids, lps)) in enumerate(zip(expected, seen, strict=True)):
+        if len(ids) != len(ref_ids) or len(lps) != len(ref_lps):
+            raise fail("attention_backend", f"{where}: prompt {p}: {len(ids)} tokens {ids} (log-probabilities for "
+                                            f"{len(lps)}), the reference {len(ref_ids)}: {ref_ids}")
         for i, (ref, got) in enumerate(zip(ref_lps, lps, strict=True)):
             ref_top, top = dict(ref.top), dict(got.top)
             values = [(ref.token_id, ref.logprob, got.logprob)] if ref.token_id == got.token_id else []
@@ -212,21 +217,29 @@ def quantization_method(ctx: KitContext, name: str) -> str | None:
 
 
 def _projections(checkpoint: Path) -> dict[str, Any]:
-    """A few float projection weights of ``checkpoint`` (one of each kind, ``*_proj.weight``)."""
+    """A few float projection weights (``*proj.weight``) of ``checkpoint``: of different kinds
+    and, first, of different shapes."""
     from safetensors import safe_open
 
-    found: dict[str, Any] = {}
-    kinds: set[str] = set()
+    candidates: dict[str, tuple[str, tuple[int, ...], Path]] = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             for key in sorted(f.keys()):
-                kind = key.rsplit(".", 2)[-2]
-                if len(found) >= _LAYERS or kind in kinds or not key.endswith(("proj.weight", "proj_with_mqa.weight")):
-                    continue
-                tensor = f.get_tensor(key)
-                if tensor.dim() == 2 and tensor.is_floating_point():
-                    found[key] = tensor.float()
-                    kinds.add(kind)
+                if key.endswith(("proj.weight", "proj_with_mqa.weight")):
+                    candidates[key] = (key.rsplit(".", 2)[-2], tuple(f.get_slice(key).get_shape()), file)
+    chosen: list[str] = []
+    for new_shape in (True, False):
+        for key, (kind, shape, _) in candidates.items():
+            kinds = {candidates[k][0] for k in chosen}
+            shapes = {candidates[k][1] for k in chosen}
+            if len(chosen) < _LAYERS and len(shape) == 2 and kind not in kinds and (shape not in shapes or not new_shape):
+                chosen.append(key)
+    found: dict[str, Any] = {}
+    for key in chosen:
+        with safe_open(str(candidates[key][2]), "pt") as f:
+            tensor = f.get_tensor(key)
+        if tensor.is_floating_point() and tensor.element_size() > 1:
+            found[key] = tensor.float()
     return found
 
 
@@ -266,9 +279,8 @@ def _check_layers(method: Any, path: Path, reference: dict[str, Any], source: st
     from rtpcore.quantization import Int8Method
 
     weights = load_checkpoint(path, list(reference), dtype=torch.float32, device=device, quantization=method)
-    int8 = isinstance(method, Int8Method)
     generator = torch.Generator().manual_seed(0)
-    kernels = set()
+    kernels, rules = set(), set()
     for i, (key, w_ref) in enumerate(reference.items()):
         if key not in weights:
             raise fail("quantization_method", f"loading {source} through {method!r} lost {key!r}; it returned "
@@ -288,29 +300,42 @@ def _check_layers(method: Any, path: Path, reference: dict[str, Any], source: st
             b_eff = layer(torch.zeros(1, in_f, device=device)).float().cpu()[0]
             w_eff = (layer(torch.eye(in_f, device=device)).float().cpu() - b_eff).T  # (out, in)
         b_ref = torch.zeros(out_f) if bias is None else bias
-        amax = w_ref.abs().amax(dim=1, keepdim=True)  # (out, 1)
-        if int8:
-            w_bound = (amax / 254.0).expand_as(w_ref) * (1 + 1e-5)
-            what = "half an int8 step of its row (amax / 254)"
-        else:
-            w_bound = _E4M3_ROUND * w_ref.abs() + amax * _E4M3_STEP / _E4M3_MAX
-            what = "e4m3 rounding (2**-4 |w| + amax * 2**-9 / 448)"
-        w_bound = w_bound + 1e-6 * amax
-        _within(where, "the effective weight (the layer's output for unit rows)", w_eff, w_ref, w_bound, what)
+        rows = x.reshape(-1, in_f)
+        own = layer.kernel == (method.kernel or method.name)  # create_weights built it: apply computes it
+        family = ("int8" if isinstance(method, Int8Method) else "e4m3") if own else "float"
+        w_bound, bound, rule = _bounds(family, w_ref, rows)
+        rules.add(rule)
+        _within(where, "the effective weight (the layer's output for unit rows)", w_eff, w_ref, w_bound, rule)
         _within(where, "the effective bias (the output for the zero row)", b_eff, b_ref,
                 1e-6 * (1 + b_ref.abs()), "float32 rounding")
-        rows = x.reshape(-1, in_f)
-        expected = rows @ w_ref.T + b_ref
-        magnitude = rows.abs() @ w_ref.abs().T  # (n, out): sum |x||w|
-        if int8:
-            bound = rows.abs() @ w_bound.T
-        else:  # each weight and each activation rounded as e4m3
-            x_floor = rows.abs().amax(dim=1, keepdim=True) * _E4M3_STEP / _E4M3_MAX
-            bound = ((2 * _E4M3_ROUND + _E4M3_ROUND**2) * magnitude + rows.abs() @ w_bound.T
-                     + x_floor * (w_ref.abs() + w_bound).sum(dim=1))
-        bound = bound + 4 * in_f * 2.0**-24 * magnitude + 1e-6
-        _within(where, "the output for random rows", y.float().cpu().reshape(-1, out_f), expected, bound, what)
-    return f"{len(reference)} layers from {source}, kernel {', '.join(sorted(kernels))}, within {what}"
+        _within(where, "the output for random rows", y.float().cpu().reshape(-1, out_f), rows @ w_ref.T + b_ref,
+                bound, rule)
+    return f"{', '.join(reference)} from {source}, kernel {', '.join(sorted(kernels))}, within {'; '.join(rules)}"
+
+
+def _bounds(family: str, w_ref: Any, rows: Any) -> tuple[Any, Any, str]:
+    """``(per weight (out, in), per output (n, out), the rule in words)`` of a method family:
+    ``float`` (the layer kept rtpcore's float kernels: the loaded weight is the checkpoint's,
+    dequantized), ``int8`` (half a step of the row) or ``e4m3`` (weights and activations)."""
+    amax = w_ref.abs().amax(dim=1, keepdim=True)  # (out, 1)
+    magnitude = rows.abs() @ w_ref.abs().T  # (n, out): sum |x||w|
+    if family == "float":
+        w_bound = 2.0**-22 * w_ref.abs()
+        bound = rows.abs() @ w_bound.T
+        rule = "float32 rounding (dequantized at load, float kernels)"
+    elif family == "int8":
+        w_bound = (amax / 254.0).expand_as(w_ref) * (1 + 1e-5)
+        bound = rows.abs() @ w_bound.T
+        rule = "half an int8 step of its row (amax / 254)"
+    else:  # each weight and each activation rounded as e4m3
+        w_bound = _E4M3_ROUND * w_ref.abs() + amax * _E4M3_STEP / _E4M3_MAX
+        x_floor = rows.abs().amax(dim=1, keepdim=True) * _E4M3_STEP / _E4M3_MAX
+        bound = ((2 * _E4M3_ROUND + _E4M3_ROUND**2) * magnitude + rows.abs() @ w_bound.T
+                 + x_floor * (w_ref.abs() + w_bound).sum(dim=1))
+        rule = "e4m3 rounding of weights and activations (2**-4 relative + the subnormal step)"
+    floor = 1e-6 * amax
+    accumulation = 4 * rows.shape[1] * 2.0**-24 * magnitude + rows.abs() @ floor.expand_as(w_ref).T
+    return w_bound + floor, bound + accumulation + 1e-6, rule
 
 
 def _within(where: str, what: str, seen: Any, expected: Any, bound: Any, rule: str) -> None:
@@ -401,6 +426,9 @@ def _stream(cls: Any, text: str, cuts: tuple[int, ...], pieces: list[str]) -> tu
 # -- logits_processor ------------------------------------------------------------------------
 
 
+_VOCAB = 256  # the logits' width when the checkpoint does not say (a byte vocabulary)
+
+
 def logits_processor(ctx: KitContext, name: str) -> str | None:
     import torch
 
@@ -417,7 +445,7 @@ def logits_processor(ctx: KitContext, name: str) -> str | None:
             cause = f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
             raise fail("logits_processor", f"generating with logits_processors=[{name!r}] raised "
                                            f"{type(exc).__name__}: {exc}{cause}") from None
-        config, device, vocab = engine.config, engine.device, engine.vocab_size or 320
+        config, device, vocab = engine.config, engine.device, engine.vocab_size or _VOCAB
     if any(len(ids) != 4 for ids in generated):
         raise fail("logits_processor", f"an engine with {name!r} generated {generated!r}: want 4 tokens per prompt")
     params = [SamplingParams(max_tokens=8, seed=r) for r in range(3)]
