@@ -1,5 +1,5 @@
 """The conformance kit's seam checks (docs/design.md §19): ``attention_backend``,
-``quantization_method``, ``reasoning_parser``, ``logits_processor`` and ``platform`` pass on
+``quantization_method``, ``reasoning_parser``, ``tool_parser``, ``logits_processor`` and ``platform`` pass on
 rtpcore's built-in plugin and on atom-plugin (or skip saying why, as ``cuda`` without a GPU), and
 each fails, naming its rule and what it saw, on a broken seam class of a real distribution."""
 
@@ -14,12 +14,15 @@ import pytest
 from plugin_env import PluginEnv
 from rtpcore.testing.kit import RULES, CheckResult, plan_checks
 
-SEAM_CHECKS = ["attention_backend", "quantization_method", "reasoning_parser", "logits_processor", "platform"]
+SEAM_CHECKS = ["attention_backend", "quantization_method", "reasoning_parser", "tool_parser", "logits_processor",
+               "platform"]
 
 # Seam classes that keep their contracts (a plugin with seams only: the kit tries them on the
 # built-in Llama demo).
 GOOD = '''
-from rtpcore import hookimpl
+import json
+
+from rtpcore import ParsedToolCalls, ToolCall, ToolCallParser, hookimpl
 from rtpcore.attention import TorchAttentionBackend
 from rtpcore.logits import LogitsProcessor
 from rtpcore.platforms import Platform
@@ -131,11 +134,36 @@ def rtpcore_register_logits_processors(registry):
 def rtpcore_register_platforms(registry):
     registry.register_platform(Host)
     registry.register_platform(Missing)
+
+
+class Calls(ToolCallParser):
+    """<call>{"name": ..., "arguments": {...}} after content; the default feed and finish."""
+    name = "calls"
+    markers = ("<call>",)
+
+    def parse(self, text):
+        content, calls = [], []
+        for i, part in enumerate(text.split("<call>")):
+            try:
+                obj = json.loads(part) if i else None
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+                calls.append(ToolCall.of(obj["name"], obj.get("arguments", {})))
+            else:
+                content.append(part if i == 0 else "<call>" + part)
+        return ParsedToolCalls("".join(content) or None, tuple(calls))
+
+
+@hookimpl
+def rtpcore_register_tool_parsers(registry):
+    registry.register_tool_parser(Calls)
 '''
 
 # One broken class per seam.
 BROKEN = '''
 from rtpcore import hookimpl
+from kit_good import Calls
 from rtpcore.attention import TorchAttentionBackend
 from rtpcore.logits import LogitsProcessor
 from rtpcore.platforms import Platform
@@ -219,6 +247,20 @@ def rtpcore_register_logits_processors(registry):
 @hookimpl
 def rtpcore_register_platforms(registry):
     registry.register_platform(Liar)
+
+
+class Clipped(Calls):
+    """Streams lose the last character of every piece but the last."""
+    name = "clipped"
+
+    def feed(self, text):
+        self._fed().append(text[:-1] if len(text) > 1 else text)
+        return ()
+
+
+@hookimpl
+def rtpcore_register_tool_parsers(registry):
+    registry.register_tool_parser(Clipped)
 '''
 
 
@@ -275,7 +317,7 @@ def test_atom_plugin_passes_its_seam_checks(cache: Path) -> None:
     results = run("atom-plugin", cache)
     assert statuses(results) == {
         "attention_backend[atom_mla]": "ok", "quantization_method[atom_fp8]": "ok", "quantization_method[fp8]": "ok",
-        "reasoning_parser[atom_deepseek_r1]": "ok",
+        "reasoning_parser[atom_deepseek_r1]": "ok", "tool_parser[deepseek_v3]": "ok",
     }, {k: r.detail for k, r in results.items()}
     detail = results["attention_backend[atom_mla]"].detail
     for model_type in ("deepseek_v2", "deepseek_v3"):
@@ -291,11 +333,13 @@ def test_seam_classes_that_keep_their_contracts_pass(env: PluginEnv, cache: Path
         "attention_backend[echo]": "ok", "quantization_method[my_int8]": "ok",
         "quantization_method[half_weights]": "ok", "reasoning_parser[brackets]": "ok",
         "logits_processor[longer]": "ok", "platform[host]": "ok", "platform[missing]": "skip",
+        "tool_parser[calls]": "ok",
     }, {k: r.detail for k, r in results.items()}
     assert "not served: llama (fp8" not in results["attention_backend[echo]"].detail  # it serves fp8 caches too
     assert "llama, fp8_e4m3 KV cache" in results["attention_backend[echo]"].detail
     assert "is_available() raised ModuleNotFoundError" in results["platform[missing]"].detail
     assert "kernel half_weights, within e4m3 rounding" in results["quantization_method[half_weights]"].detail
+    assert "calls found whole" in results["tool_parser[calls]"].detail
 
 
 @pytest.mark.parametrize(("check", "subject", "seen"), [
@@ -303,6 +347,7 @@ def test_seam_classes_that_keep_their_contracts_pass(env: PluginEnv, cache: Path
     ("quantization_method", "wrong_scale", "the effective weight (the layer's output for unit rows) is off the float "
                                            "reference by more than half an int8 step of its row"),
     ("reasoning_parser", "lossy", "fed in pieces"),
+    ("tool_parser", "clipped", "parse of the whole answer"),
     ("logits_processor", "batch_norm", "differ from its row in the batch of 3"),
     ("platform", "liar", "liar.memory_info() returned (free=10, total=5)"),
 ])

@@ -1,5 +1,6 @@
 """The kit's checks on the seams beyond models (docs/design.md §18, §19): ``attention_backend``,
-``quantization_method``, ``reasoning_parser``, ``logits_processor``, ``platform``.
+``quantization_method``, ``logits_processor``, ``platform`` (the text parsers' checks are in
+``rtpcore.testing._checks_parsers``).
 
 Each takes the name a plugin registered on its seam and tries the class the way the engine uses
 it, on the plugin's demo models (the built-in Llama for a plugin without models). The
@@ -34,9 +35,6 @@ tolerances, and why:
   method built the rounding of e4m3 (3 mantissa bits, the coarsest built-in format): each weight
   within ``2**-4 |w|`` plus e4m3's subnormal step, and each activation too, should the method
   quantize them. Plus float32 accumulation, ``4 n 2**-24 sum(|x||w|)``.
-* ``reasoning_parser``: exact. Every text (think tags or none, empty reasoning, unclosed,
-  unicode) fed to a fresh instance in pieces at every split point, one character at a time,
-  and at seeded random points, then ``finish``, joins to what ``extract`` returns.
 * ``logits_processor``: the result keeps the shape, dtype and device; a row alone (after its
   neighbours were removed and it moved, or in a fresh instance) equals the row in the batch of
   three within ``rtol 1e-5, atol 1e-6`` (:data:`ROW_TOLERANCE`: batched float32 kernels may
@@ -48,7 +46,6 @@ tolerances, and why:
 from __future__ import annotations
 
 import json
-import random
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -352,75 +349,6 @@ def _within(where: str, what: str, seen: Any, expected: Any, bound: Any, rule: s
                                           f"{float(seen[index])!r} vs {float(expected[index])!r} (bound "
                                           f"{float(bound[index]):.3g}); worst at {list(flat)}: {float(seen[flat])!r} "
                                           f"vs {float(expected[flat])!r}")
-
-
-# -- reasoning_parser ------------------------------------------------------------------------
-
-_TEXTS = (
-    "",
-    "plain answer, no tags at all",
-    "<think>step one, step two</think>The answer is 42.",
-    "<think></think>content after empty reasoning",
-    "<think>\n</think>\n\ncontent",
-    "reasoning with no opening tag</think>answer",
-    "<think>a block never closed",
-    "<think><think>twice opened</think>then </think> again",
-    "  <think>after spaces</think>x",
-    "<thi",
-    "</think>",
-    "<think>x</thin",
-    "a < b and c </ d <think",
-    "<think>ünïcödé 思考 🙂 — ok</think>答案：✓ émoji 🎉",
-)
-_RANDOM_SPLITS = 20
-_SEED = 0
-
-
-def reasoning_parser(ctx: KitContext, name: str) -> str | None:
-    cls = _seam_class(ctx, "reasoning_parsers", name)
-    rng = random.Random(_SEED)
-    runs = 0
-    for text in _TEXTS:
-        reasoning, content = cls().extract(text)
-        if not (reasoning is None or isinstance(reasoning, str)) or not isinstance(content, str):
-            raise fail("reasoning_parser", f"extract({text!r}) returned {(reasoning, content)!r}: want (str or None, "
-                                           "str)")
-        expected = (reasoning or "", content)
-        for cuts in _splits(text, rng):
-            runs += 1
-            pieces = [text[a:b] for a, b in zip((0, *cuts), (*cuts, len(text)), strict=True)]
-            got = _stream(cls, text, cuts, pieces)
-            if got != expected:
-                raise fail("reasoning_parser", f"text {text!r} fed in pieces {pieces!r} (split at {list(cuts)}), then "
-                                               f"finish: assembled (reasoning, content) {got!r}; extract returned "
-                                               f"{(reasoning, content)!r}")
-    return f"{len(_TEXTS)} texts, {runs} ways of splitting them"
-
-
-def _splits(text: str, rng: random.Random) -> Iterator[tuple[int, ...]]:
-    """Split points: none, each single one, every character alone, and seeded random sets."""
-    n = len(text)
-    yield ()
-    for i in range(1, n):
-        yield (i,)
-    if n > 2:
-        yield tuple(range(1, n))
-        for _ in range(_RANDOM_SPLITS):
-            yield tuple(sorted(rng.sample(range(1, n), rng.randint(2, min(5, n - 1)))))
-
-
-def _stream(cls: Any, text: str, cuts: tuple[int, ...], pieces: list[str]) -> tuple[str, str]:
-    parser = cls()
-    reasoning, content = [], []
-    for step, piece in enumerate([*pieces, None]):
-        out = parser.finish() if piece is None else parser.feed(piece)
-        call = "finish()" if piece is None else f"feed({piece!r})"
-        if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(s, str) for s in out)):
-            raise fail("reasoning_parser", f"text {text!r} split at {list(cuts)}: {call} (call {step + 1}) returned "
-                                           f"{out!r}: want (reasoning_delta, content_delta), two strings")
-        reasoning.append(out[0])
-        content.append(out[1])
-    return "".join(reasoning), "".join(content)
 
 
 # -- logits_processor ------------------------------------------------------------------------

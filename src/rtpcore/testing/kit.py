@@ -102,6 +102,7 @@ _PLUGIN = "rtpcore.testing._checks_plugin"
 _MODEL = "rtpcore.testing._checks_model"
 _ENGINE = "rtpcore.testing._checks_engine"
 _SEAMS = "rtpcore.testing._checks_seams"
+_PARSERS = "rtpcore.testing._checks_parsers"
 
 _TABLE = (
     _Check("registration", "plugin", "the plugin loads atomically, and every class it registers imports and passes "
@@ -139,7 +140,9 @@ _TABLE = (
     _Check("quantization_method", "quantization_methods", "the method's linear layers equal a float reference "
            "within the documented tolerance", f"{_SEAMS}:quantization_method"),
     _Check("reasoning_parser", "reasoning_parsers", "the streamed pieces (feed, finish) assemble to what extract "
-           "returns for the whole text", f"{_SEAMS}:reasoning_parser"),
+           "returns for the whole text", f"{_PARSERS}:reasoning_parser"),
+    _Check("tool_parser", "tool_parsers", "the streamed pieces (feed, finish) give the calls and content that parse "
+           "gives for the whole answer", f"{_PARSERS}:tool_parser"),
     _Check("logits_processor", "logits_processors", "the processor keeps the logits' shape and rows, and a row's "
            "result does not depend on the other rows", f"{_SEAMS}:logits_processor"),
     _Check("platform", "platforms", "the platform answers its questions (availability, memory, dtypes, default "
