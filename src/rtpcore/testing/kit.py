@@ -297,16 +297,16 @@ class PlannedCheck:
 
 
 def plan_checks(item: str, *, checks: Sequence[str] | None = None, device: str = "cpu",
-                import_budget: float = 1.0, **context: Any) -> list[PlannedCheck]:
+                import_budget: float = 1.0, **options: Any) -> list[PlannedCheck]:
     """The checks to run on the plugin ``item`` (an allowlist item, or ``rtpcore.models``): each
     of ``checks`` (None: all of :data:`CHECKS`) once per subject it applies to. A plugin that
     cannot be resolved raises its PluginError; a plugin that fails to load still gets its
     ``registration`` check (which reports the failure) and the checks that need no load.
-    ``context``: :class:`KitContext`'s ``checkpoints``, ``prompts`` and ``cache_dir``."""
+    ``options``: :class:`KitContext`'s ``checkpoints``, ``prompts`` and ``cache_dir``."""
     unknown = [c for c in checks or () if c not in _BY_NAME]
     if unknown:
         raise RtpcoreError(f"unknown check {unknown[0]!r}; the checks are: {', '.join(CHECKS)}")
-    context = KitContext(item, device=device, import_budget=import_budget, **context)
+    context = KitContext(item, device=device, import_budget=import_budget, **options)
     wanted = set(checks) if checks else set(CHECKS)
     loaded = context.outcome.state in ("loaded", "registered")
     planned = []
