@@ -95,6 +95,8 @@ def write_gguf(
         "general.name": ("string", "tiny"),
         "general.file_type": ("uint32", FILE_TYPES[file_type]),
     }
+    if hf.get("sliding_window") and arch == "llama":  # Mistral's window (a file without it loses the window)
+        keys[f"{arch}.attention.sliding_window"] = ("uint32", hf["sliding_window"])
     if hf.get("head_dim"):
         keys[f"{arch}.attention.key_length"] = ("uint32", head_dim)
         keys[f"{arch}.attention.value_length"] = ("uint32", head_dim)
