@@ -172,11 +172,14 @@ class UnknownModelTypeError(UnknownArchitectureError):
 
 
 class CheckpointError(RtpcoreError):
-    """A checkpoint file or directory is unusable. ``.path`` names the file."""
+    """A checkpoint file or directory is unusable. ``.path`` names the file; ``.key`` the
+    metadata key or tensor at fault when there is one (a GGUF file's ``llama.block_count``,
+    ``blk.0.attn_q.weight``), else None."""
 
-    def __init__(self, message: str, *, path: object = None):
+    def __init__(self, message: str, *, path: object = None, key: str | None = None):
         super().__init__(message)
         self.path = path
+        self.key = key
 
 
 class ChatTemplateError(RtpcoreError, ValueError):

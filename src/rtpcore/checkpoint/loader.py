@@ -59,8 +59,16 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The parsed ``config.json`` of a checkpoint directory (or the file itself)."""
+def read_hf_config(path: str | os.PathLike[str], registry: Any = None) -> dict[str, Any]:
+    """The parsed ``config.json`` of a checkpoint directory (or the file itself). A GGUF
+    checkpoint (a ``.gguf`` file, split set or folder) has its ``config.json`` read from its
+    metadata by the model plugin that declares its architecture among ``registry``'s
+    (``rtpcore.checkpoint.gguf.gguf_hf_config``; without a registry, the built-in Llama
+    family's reading)."""
+    from rtpcore.checkpoint.gguf import gguf_hf_config, is_gguf
+
+    if is_gguf(path):
+        return gguf_hf_config(path, registry)
     p = Path(path)
     cfg = p if p.is_file() else p / "config.json"
     try:
@@ -294,6 +302,7 @@ def load_checkpoint(
     lazy: bool = False,
     dtypes: Mapping[str, Any] | None = None,
     quantization: Any = None,
+    tensor_names: Mapping[str, Any] | None = None,
 ) -> LoadedWeights:
     """Load the tensors matching ``patterns`` from the checkpoint at ``path``.
 
@@ -319,12 +328,21 @@ def load_checkpoint(
     the files must then not be modified or truncated while the tensors live (the
     process would get SIGBUS).
 
+    A GGUF checkpoint (``rtpcore.checkpoint.gguf``: a ``.gguf`` file, a split set, a folder
+    holding one) is read from its memory map by ``rtpcore.checkpoint.gguf.weights``, with the
+    same rules; ``tensor_names`` maps its GGUF names to the names ``patterns`` use (a model
+    plugin's ``gguf_tensor_names``; a tensor it does not rename keeps its GGUF name).
+
     Raises :class:`MissingTensorsError` when a required tensor is in no file and
     :class:`CheckpointError` for any unusable file, naming it.
     """
     request = WeightRequest(patterns, ranges, quantization)
     WeightSelection.from_patterns(request.patterns, request.ranges)  # bad patterns fail before any file is read
     torch_dtype = _resolve_dtype(dtype)
+    from rtpcore.checkpoint.gguf import is_gguf
+
+    if is_gguf(path):
+        return _load_gguf(path, request, torch_dtype, expected_shapes, device, slices, dtypes, tensor_names)
     index = build_index(path)
     selection, scaled = request.select(index.weight_map, slices)
     if scaled is not None:
@@ -366,4 +384,43 @@ def load_checkpoint(
         len(plan),
         len(index.files),
     )
+    return weights
+
+
+def _load_gguf(
+    path: str | os.PathLike[str],
+    request: WeightRequest,
+    dtype: torch.dtype | None,
+    expected_shapes: Mapping[str, Sequence[int]] | None,
+    device: Any,
+    slices: Mapping[str, tuple[int, int, int]] | None,
+    dtypes: Mapping[str, Any] | None,
+    tensor_names: Mapping[str, Any] | None,
+) -> LoadedWeights:
+    """:func:`load_checkpoint` of a GGUF checkpoint (``rtpcore.checkpoint.gguf.weights``)."""
+    from rtpcore.checkpoint.gguf import open_gguf
+    from rtpcore.checkpoint.gguf.weights import load_gguf, renamed_tensors
+
+    checkpoint = open_gguf(path)
+    selection, scaled = request.select(renamed_tensors(checkpoint, tensor_names), slices)
+    if scaled is not None:
+        raise CheckpointError(
+            f"GGUF file {str(checkpoint.path)!r}: quantization {request.quantization!r} reads tensors besides the "
+            "weights (scales), which a GGUF file does not have",
+            path=checkpoint.path,
+        )
+    tensors, nbytes = load_gguf(
+        checkpoint, selection, tensor_names=tensor_names, dtype=dtype, expected_shapes=expected_shapes,
+        device=device, slices=slices, dtypes=dtypes,
+    )
+    weights = LoadedWeights(tensors)
+    weights.stats = LoadStats(
+        shards_total=len(checkpoint.files),
+        files_opened=tuple(sorted({t.file.name for t in checkpoint.tensors.values()})),
+        headers_read=tuple(f.name for f in checkpoint.files),
+        tensors_loaded=len(weights),
+        header_bytes_read=0,
+        tensor_bytes_read=nbytes,
+    )
+    logger.info("loaded %d tensors (%.1f MB) from GGUF %s", len(weights), nbytes / 1e6, checkpoint.path)
     return weights

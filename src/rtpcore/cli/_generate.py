@@ -70,8 +70,9 @@ def add_parser(subparsers: Any) -> None:
 
 def _load_tokenizer(path: Path, demo: bool) -> Any | None:
     """The checkpoint's tokenizer; a demo without tokenizer.json gets the byte tokenizer."""
-    if (path / "tokenizer.json").is_file():
-        from rtpcore.engine.text.tokenizer import Tokenizer
+    from rtpcore.engine.text.tokenizer import Tokenizer, has_tokenizer
+
+    if has_tokenizer(path):
 
         return Tokenizer.from_pretrained(path)
     if demo:

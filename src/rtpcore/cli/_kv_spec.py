@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> None:
         "block) a checkpoint gets, and how many blocks fit in --memory. Reads config.json only.",
     )
     parser.add_argument(
-        "checkpoint", metavar="CHECKPOINT", help="checkpoint directory (or its config.json)"
+        "checkpoint", metavar="CHECKPOINT", help="checkpoint directory (or its config.json), or a .gguf file"
     )
     add_allowlist_arguments(parser)
     parser.add_argument(
@@ -81,7 +81,8 @@ def _run(args: argparse.Namespace) -> int:
 
     allowlist = Allowlist.from_args(args)
     registry = load_plugins(allowlist.resolve())
-    hf_config = read_hf_config(resolve_checkpoint(args.checkpoint, extras=()))  # a Hub id: config.json only
+    # A Hub id: config.json only. A GGUF file: its metadata, read by the plugin serving its architecture.
+    hf_config = read_hf_config(resolve_checkpoint(args.checkpoint, extras=()), registry)
     model_type = args.model_type or registry.infer_model_type(hf_config)
     plugin = registry.get(model_type)
     config = plugin.config_from_hf(hf_config)

@@ -305,7 +305,7 @@ class EngineConfig(EngineOptions):
             raise RtpcoreError(f"gpu_memory_utilization must be in (0, 1], got {o.gpu_memory_utilization!r}")
         # A Hub id (org/name[@revision]) becomes its snapshot folder, holding the shards the ranks read.
         path, draft = resolve_checkpoints(path, draft, plan=plan, model_type=o.model_type)
-        dtype = _resolve_dtype(o.dtype, resolved_device, path)
+        dtype = _resolve_dtype(o.dtype, resolved_device, path, registry)
         if dtype not in platform.supported_dtypes:
             raise RtpcoreError(f"dtype {dtype!r} is not one platform {platform_name!r} runs: "
                                f"{', '.join(platform.supported_dtypes)}")
@@ -357,7 +357,7 @@ def _speculative_options(draft_model: Any, num_speculative_tokens: Any) -> tuple
     return draft_model, _positive_int("num_speculative_tokens", num_speculative_tokens)
 
 
-def _resolve_dtype(dtype: str, device: str, path: str | os.PathLike[str]) -> str:
+def _resolve_dtype(dtype: str, device: str, path: str | os.PathLike[str], registry: Any = None) -> str:
     """``dtype`` itself, or for "auto": float32 on the CPU, the checkpoint's ``torch_dtype``
     (or ``dtype``) on a GPU, float32 when config.json names none we run."""
     if dtype != "auto":
@@ -366,6 +366,6 @@ def _resolve_dtype(dtype: str, device: str, path: str | os.PathLike[str]) -> str
         return "float32"
     from rtpcore.checkpoint import read_hf_config
 
-    hf = read_hf_config(path)
+    hf = read_hf_config(path, registry)
     named = hf.get("torch_dtype", hf.get("dtype"))
     return named if isinstance(named, str) and named in DTYPES else "float32"

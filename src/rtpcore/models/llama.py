@@ -33,10 +33,26 @@ class LlamaPlugin(ModelPlugin):
     model_type = "llama"
     architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
     transformers_class = "LlamaForCausalLM"  # the reference of the kit's hf_parity (its demo checkpoint)
+    # GGUF files (docs/design.md §20): llama.cpp writes "llama" for Llama and Mistral.
+    gguf_architectures = ("llama", "mistral", "qwen2")
 
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any]) -> LlamaConfig:
         return LlamaConfig.from_hf(hf_config)
+
+    @classmethod
+    def config_from_gguf(cls, checkpoint: Any) -> dict[str, Any]:
+        """The ``<arch>.*`` metadata as config.json (``rtpcore.checkpoint.gguf.config``)."""
+        from rtpcore.checkpoint.gguf import llama_family_config
+
+        return llama_family_config(checkpoint)
+
+    @classmethod
+    def gguf_tensor_names(cls, checkpoint: Any, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+        """llama.cpp's tensor names -> this plugin's; Q and K of ``llama`` files un-permuted."""
+        from rtpcore.checkpoint.gguf import llama_family_tensor_names
+
+        return llama_family_tensor_names(hf_config, checkpoint.architecture)
 
     @classmethod
     def weight_patterns(cls, config: LlamaConfig) -> list[str]:

@@ -79,6 +79,19 @@ class ModelPlugin:
     only fill empty slots). ``transformers_class`` (optional) names the class of the
     ``transformers`` package computing the same function from the same checkpoint
     (``"LlamaForCausalLM"``): the kit's ``hf_parity`` check compares greedy tokens with it.
+
+    GGUF checkpoints (docs/design.md §20): ``gguf_architectures`` lists the GGUF
+    ``general.architecture`` values the plugin serves (``("llama", "qwen2")``; empty: none).
+    For such a file the engine calls ``config_from_gguf(checkpoint)`` (an
+    ``rtpcore.checkpoint.gguf.GGUFCheckpoint``: ``.metadata``, ``.tensors`` with their shapes
+    and GGML types, ``.architecture``) for the ``config.json`` dict it then passes to
+    ``config_from_hf`` as for any checkpoint, and ``gguf_tensor_names(checkpoint, hf_config)``
+    for the map GGUF tensor name -> the name ``weight_patterns`` uses (a string, or an
+    ``rtpcore.checkpoint.gguf.GGUFTensorName`` that also says which rows llama.cpp's
+    converter permuted); tensors it leaves out keep their GGUF names. The built-in Llama
+    family's readings are ``rtpcore.checkpoint.gguf.llama_family_config`` and
+    ``llama_family_tensor_names``, for a Llama-shaped plugin to reuse. An external plugin
+    declaring an architecture a built-in also declares takes it.
     """
 
     model_type: ClassVar[str]
@@ -92,6 +105,7 @@ class ModelPlugin:
     # or a kernel of its own); False keeps its decode steps out of CUDA graphs, which would
     # otherwise gather the longest possible context on every step (docs/design.md §9).
     decode_reads_kv_in_place: ClassVar[bool] = True
+    gguf_architectures: ClassVar[tuple[str, ...]] = ()  # GGUF general.architecture values served
 
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any]) -> Any:
@@ -191,6 +205,26 @@ class ModelPlugin:
         """Optional: a small Hugging Face style config.json dict for ``--demo``."""
         return None
 
+    @classmethod
+    def config_from_gguf(cls, checkpoint: Any) -> Mapping[str, Any]:
+        """Optional, with ``gguf_architectures``: the ``config.json`` dict of a GGUF checkpoint
+        (``rtpcore.checkpoint.gguf.GGUFCheckpoint``) of one of those architectures. A missing or
+        bad key is a ``CheckpointError`` naming the file and the key (``checkpoint.require``)."""
+        from rtpcore.errors import CheckpointError
+
+        raise CheckpointError(
+            f"{cls.__qualname__} declares GGUF architectures {cls.gguf_architectures!r} but does not implement "
+            "config_from_gguf",
+            path=getattr(checkpoint, "path", None),
+        )
+
+    @classmethod
+    def gguf_tensor_names(cls, checkpoint: Any, hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Optional: GGUF tensor name -> the checkpoint name ``weight_patterns`` uses (a string
+        or an ``rtpcore.checkpoint.gguf.GGUFTensorName``) for the model built from
+        ``hf_config``. The default renames nothing: the weight patterns name GGUF tensors."""
+        return {}
+
 
 _REQUIRED_CLASSMETHODS = ("config_from_hf", "weight_patterns", "kv_cache_descs", "build_model")
 _OPTIONAL_CLASSMETHODS = (
@@ -200,6 +234,8 @@ _OPTIONAL_CLASSMETHODS = (
     "tensor_parallel_shard",
     "mtp_draft",
     "demo_config",
+    "config_from_gguf",
+    "gguf_tensor_names",
 )
 
 
@@ -210,6 +246,7 @@ _SWITCHED_OFF: dict[str, Any] = {
     "weight_dtypes": {},  # every tensor in the engine's dtype
     "demo_config": None,  # no demo model
     "mtp_draft": None,  # no multi-token-prediction draft
+    "gguf_tensor_names": {},  # GGUF tensors keep their names
 }
 
 
@@ -281,6 +318,11 @@ def model_plugin_problems(cls: object) -> list[str]:
         problem = replaces_problem(replaces, architectures, model_type)
     if problem is not None:
         problems.append(problem)
+    gguf = getattr(cls, "gguf_architectures", ())
+    if gguf and (problem := _names_problem("gguf_architectures", gguf)) is not None:
+        problems.append(problem)
+    elif not isinstance(gguf, tuple | list):
+        problems.append(f"gguf_architectures must be a tuple of strings, got {type(gguf).__name__}")
     if (problem := _contract_problem(getattr(cls, "forward_contract", None), "it")) is not None:
         problems.append(problem)
     for name in _REQUIRED_CLASSMETHODS + _OPTIONAL_CLASSMETHODS:

@@ -227,6 +227,33 @@ class ModelRegistry:
             message += f"; {name} is served by the installed {' or '.join(lines)}"
         raise UnknownArchitectureError(message, architectures=archs, known=known, hints=hints)
 
+    def gguf_model_type(self, architecture: str, *, path: object = None) -> str:
+        """The model_type serving GGUF files whose ``general.architecture`` is ``architecture``:
+        the registered plugin whose ``gguf_architectures`` lists it, an external plugin's before
+        a built-in's (lazily registered classes are imported to read it). None serving it is an
+        :class:`UnknownArchitectureError` naming the GGUF file (``path``), the key and the GGUF
+        architectures served; two external plugins, a :class:`PluginConflictError`."""
+        found: list[tuple[str, ModelRecord]] = []
+        served: set[str] = set()
+        for record in self.records():
+            cls = self.get(record.model_type)
+            declared = tuple(getattr(cls, "gguf_architectures", ()) or ())
+            served.update(declared)
+            if architecture in declared:
+                found.append((record.model_type, record))
+        external = [f for f in found if not f[1].provider.builtin]
+        if len(external) > 1:
+            (_, ra), (_, rb) = external[:2]
+            raise _conflict(f"GGUF architecture {architecture!r}", architecture, ra.provider, rb.provider, ra, rb)
+        if external or found:
+            return (external or found)[0][0]
+        where = f"GGUF file {str(path)!r}: " if path is not None else ""
+        raise UnknownArchitectureError(
+            f"{where}no registered model serves general.architecture {architecture!r}; GGUF architectures served: "
+            f"{', '.join(sorted(served)) or 'none'} (a plugin declares more with ModelPlugin.gguf_architectures)",
+            architectures=[architecture], known=sorted(served),
+        )
+
     def record(self, model_type: str) -> ModelRecord:
         """The registration of ``model_type``, with its provenance (``.provider``)."""
         with self._lock:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from rtpcore.engine.async_engine import AsyncEngine
 from rtpcore.engine.sample.grammar import GrammarCompiler
 from rtpcore.engine.text.prompts import TextSide
-from rtpcore.engine.text.tokenizer import Tokenizer
+from rtpcore.engine.text.tokenizer import Tokenizer, has_tokenizer
 from rtpcore.serving.errors import ApiError
 from rtpcore.serving.heap import long_lived
 from rtpcore.serving.json_body import BodyParser
@@ -75,7 +75,7 @@ class Served:
         self.no_tokenizer: str | None = None  # why this server has no tokenizer (None: it has one)
         if skip_tokenizer:
             self.no_tokenizer = "this server was started with --skip-tokenizer-init"
-        elif not (self.text.path / "tokenizer.json").is_file():
+        elif not has_tokenizer(self.text.path):
             self.no_tokenizer = f"the checkpoint has no tokenizer ({str(self.text.path / 'tokenizer.json')!r} is missing)"
             logger.warning("serving token ids only: %s; text prompts and chat requests are answered 400",
                            self.no_tokenizer)

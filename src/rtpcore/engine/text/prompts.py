@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from rtpcore.engine.text.chat_template import TEMPLATE_FILE, ChatTemplate
-from rtpcore.engine.text.tokenizer import Tokenizer, read_tokenizer_config
+from rtpcore.engine.text.tokenizer import Tokenizer, has_tokenizer, read_tokenizer_config
 from rtpcore.errors import ChatTemplateError, InvalidRequestError
 
 __all__ = ["RESERVED_TEMPLATE_KWARGS", "Prompt", "PromptInputs", "PromptType", "TextSide", "conversations", "prompt_items"]
@@ -166,7 +166,7 @@ class TextSide:
         """The checkpoint's tokenizer; None when it has no ``tokenizer.json``."""
         with self._lock:
             if self._tokenizer is _UNSET:
-                has = (self.path / "tokenizer.json").is_file()
+                has = has_tokenizer(self.path)
                 self._tokenizer = Tokenizer.from_pretrained(self.path) if has else None
             return self._tokenizer
 

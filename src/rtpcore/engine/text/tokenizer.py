@@ -37,10 +37,22 @@ from rtpcore.errors import CheckpointError, ConfigFieldError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SPECIAL_TOKEN_NAMES", "Tokenizer", "read_tokenizer_config", "special_tokens", "tokenizer_file"]
+__all__ = [
+    "SPECIAL_TOKEN_NAMES", "Tokenizer", "has_tokenizer", "read_tokenizer_config", "special_tokens", "tokenizer_file",
+]
 
 #: The named special tokens transformers passes to chat templates, in its order.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether the checkpoint at ``path`` has a tokenizer: ``tokenizer.json`` in its folder, or
+    a GGUF file's ``tokenizer.ggml.*`` vocabulary."""
+    from rtpcore.checkpoint.gguf import is_gguf, open_gguf
+
+    if is_gguf(path):
+        return "tokenizer.ggml.tokens" in open_gguf(path).metadata
+    return (Path(path) / "tokenizer.json").is_file()
 
 
 def tokenizer_file(path: str | Path) -> Path:
@@ -55,7 +67,13 @@ def tokenizer_file(path: str | Path) -> Path:
 
 
 def read_tokenizer_config(path: str | Path) -> dict[str, Any]:
-    """``tokenizer_config.json`` of the checkpoint folder ``path`` ({} when it has none)."""
+    """``tokenizer_config.json`` of the checkpoint folder ``path`` ({} when it has none); of a
+    GGUF checkpoint, what its metadata says (special tokens, ``chat_template``:
+    ``rtpcore.checkpoint.gguf.gguf_tokenizer_config``)."""
+    from rtpcore.checkpoint.gguf import gguf_tokenizer_config, is_gguf, open_gguf
+
+    if is_gguf(path):
+        return gguf_tokenizer_config(open_gguf(path))
     file = Path(path) / "tokenizer_config.json"
     if not file.is_file():
         return {}
@@ -104,14 +122,21 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Load ``path/tokenizer.json`` and ``path/tokenizer_config.json`` (optional).
+        """Load ``path/tokenizer.json`` and ``path/tokenizer_config.json`` (optional), or a GGUF
+        checkpoint's vocabulary (``rtpcore.checkpoint.gguf.vocab``).
 
         Raises :class:`~rtpcore.errors.CheckpointError` naming ``tokenizer.json`` when the
         checkpoint has none or it cannot be read.
         """
         from tokenizers import Tokenizer as Backend
 
+        from rtpcore.checkpoint.gguf import gguf_tokenizer, is_gguf, open_gguf
+
         path = Path(path)
+        if is_gguf(path):  # docs/design.md §20: the vocabulary of tokenizer.ggml.*, rebuilt
+            backend = gguf_tokenizer(open_gguf(path))
+            _no_word_cache(backend)
+            return cls(backend, special_tokens=special_tokens(read_tokenizer_config(path)), path=path)
         file = tokenizer_file(path)
         try:
             backend = Backend.from_file(str(file))

@@ -78,7 +78,7 @@ class EngineShard:
         self.ctx = ctx
         self.config = config
         self.registry = registry = load_plugins(config.plan)  # already loaded: returns the registry
-        self.hf_config = read_hf_config(config.checkpoint)
+        self.hf_config = read_hf_config(config.checkpoint, registry)  # a GGUF file's: its plugin's reading
         self.model_type = config.model_type or registry.infer_model_type(self.hf_config)
         plugin = registry.get(self.model_type)
         with plugin_code(registry, self.model_type, plugin, "config_from_hf", config.checkpoint):
@@ -315,7 +315,7 @@ def _draft_source(
     if path == "mtp":
         draft_plugin = mtp_plugin(plugin, model_type, model_config, config.checkpoint)
         return config.checkpoint, hf_config, str(draft_plugin.model_type), draft_plugin, draft_plugin.config_from_hf(hf_config)
-    hf = read_hf_config(path)
+    hf = read_hf_config(path, registry)
     draft_type = registry.infer_model_type(hf)
     draft_plugin = registry.get(draft_type)
     target_vocab, draft_vocab = hf_config.get("vocab_size"), hf.get("vocab_size")
@@ -373,6 +373,7 @@ def _load(
         slices=slices,
         dtypes=call_optional(plugin, "weight_dtypes", model_config),
         quantization=request.quantization,
+        tensor_names=_gguf_names(plugin, checkpoint, hf_config),
     )
     bytes_read = weights.stats.tensor_bytes_read
     options: dict[str, Any] = {"dtype": config.torch_dtype, "device": ctx.device}
@@ -388,6 +389,13 @@ def _load(
     if isinstance(model, torch.nn.Module):
         model.eval()
     return LoadedModel(model_type, plugin, hf_config, model_config, local_config, specs, model, bytes_read, backends)
+
+
+def _gguf_names(plugin: Any, checkpoint: str, hf_config: dict[str, Any]) -> dict[str, Any] | None:
+    """The plugin's GGUF tensor name map for a GGUF checkpoint (None: safetensors)."""
+    from rtpcore.checkpoint.gguf import gguf_tensor_names, is_gguf
+
+    return gguf_tensor_names(plugin, checkpoint, hf_config) if is_gguf(checkpoint) else None
 
 
 def _quantization_method(config: Any, registry: Any, hf_config: dict[str, Any]) -> Any:

@@ -1,0 +1,330 @@
+"""Open a GGUF checkpoint: one ``.gguf`` file, a split set, or a folder holding one model.
+
+A GGUF file is::
+
+    ┌───────┬─────────┬──────────────┬──────────────────────┬──────────────┬─────────────────────┐
+    │ magic │ version │ counts (u64) │ metadata key/values  │ tensor infos │ aligned tensor data │
+    └───────┴─────────┴──────────────┴──────────────────────┴──────────────┴─────────────────────┘
+
+Each tensor info is (name, dims innermost first, GGML type, offset into the data region); a
+quantized type stores a row as blocks (Q8_0: 32 weights in 34 bytes). The ``gguf`` package's
+``GGUFReader`` parses the header and memory-maps the file: nothing here reads tensor data,
+which stays in the mapping until :mod:`rtpcore.checkpoint.gguf.weights` asks for it.
+
+A split set (``name-00001-of-00003.gguf`` ...) is written by ``llama-gguf-split``: every part
+holds some tensors, the first the model's metadata (``split.count`` says how many parts). Any
+part's name, or the folder, opens the whole set; a missing part is an error naming it.
+
+Every problem is a :class:`~rtpcore.errors.CheckpointError` naming the file and, where there
+is one, the metadata key or tensor (``.key``): a truncated file, a tensor of a type this
+``gguf`` package does not know, a tensor whose data runs past the end of its file, a missing
+part. Nothing is half-opened: :func:`open_gguf` returns a whole checkpoint or raises.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from attrs import field, frozen
+
+from rtpcore.errors import CheckpointError
+
+__all__ = [
+    "GGUFCheckpoint",
+    "GGUFTensor",
+    "gguf_files",
+    "is_gguf",
+    "open_gguf",
+]
+
+_SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def _fail(path: object, problem: str, key: str | None = None) -> CheckpointError:
+    return CheckpointError(f"GGUF file {str(path)!r}: {problem}", path=path, key=key)
+
+
+@frozen
+class GGUFTensor:
+    """One tensor as its file's header describes it. ``shape`` is torch's order (outermost
+    first: a linear weight is ``(out, in)``), ``type_name`` the GGML type (``"Q8_0"``,
+    ``"F32"``), ``nbytes`` the bytes it takes in the file. :meth:`raw` is the stored bytes,
+    still in their blocks: what a quantized kernel multiplies by, or
+    :func:`gguf.quants.dequantize` turns into floats."""
+
+    name: str
+    type_name: str
+    ggml_type: int
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int  # absolute, in ``file``
+    file: Path
+    _data: Any = field(repr=False, eq=False)  # the reader's numpy view into the mapping
+
+    def raw(self) -> Any:
+        """The stored bytes as a numpy array viewing the file mapping (no copy): float types
+        as their numpy dtype in ``shape``; quantized types as uint8 rows of blocks,
+        ``(…, bytes per row)``. The file must stay unchanged while it is used."""
+        return self._data
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether the weights are stored in blocks (not F32, F16, BF16 or an integer type)."""
+        return self.type_name not in _PLAIN_TYPES
+
+
+_PLAIN_TYPES = frozenset({"F32", "F16", "BF16", "F64", "I8", "I16", "I32", "I64"})
+
+
+@frozen
+class GGUFCheckpoint:
+    """A whole GGUF model: its metadata (key -> plain Python value: ``int``, ``float``,
+    ``bool``, ``str`` or a list of them; the ``GGUF.*`` header fields left out) read from the
+    first part, and every tensor of every part by its GGUF name (``blk.0.attn_q.weight``).
+    ``files`` lists the parts in order; ``path`` is what was opened."""
+
+    path: Path
+    files: tuple[Path, ...]
+    metadata: Mapping[str, Any]
+    tensors: Mapping[str, GGUFTensor]
+    readers: tuple[Any, ...] = field(repr=False, eq=False)  # the gguf.GGUFReader of each part: they hold the maps
+
+    @property
+    def architecture(self) -> str:
+        """``general.architecture`` (``"llama"``, ``"qwen2"``)."""
+        return str(self.require("general.architecture", str))
+
+    def require(self, key: str, kind: type | tuple[type, ...] | None = None) -> Any:
+        """The metadata value of ``key``; a missing key, or one of another type than ``kind``,
+        is a CheckpointError naming the file and the key."""
+        if key not in self.metadata:
+            raise _fail(self.files[0], f"metadata key {key!r} is missing", key)
+        value = self.metadata[key]
+        if kind is not None and not _is_kind(value, kind):
+            names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            raise _fail(self.files[0], f"metadata key {key!r} must be {names}, got {value!r:.80}", key)
+        return value
+
+    def get(self, key: str, default: Any = None, kind: type | tuple[type, ...] | None = None) -> Any:
+        """The metadata value of ``key``, ``default`` when absent; of the wrong type: an error."""
+        return self.require(key, kind) if key in self.metadata else default
+
+    def tensor(self, name: str) -> GGUFTensor:
+        """The tensor ``name``; a missing one is a CheckpointError naming the file and it."""
+        found = self.tensors.get(name)
+        if found is None:
+            raise _fail(self.path, f"tensor {name!r} is missing", name)
+        return found
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def _is_kind(value: Any, kind: type | tuple[type, ...]) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        return False  # True is no count
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        return True
+    return isinstance(value, kinds)
+
+
+def is_gguf(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names a GGUF checkpoint: a ``.gguf`` file, or a folder holding
+    ``.gguf`` files and no safetensors (no file is opened)."""
+    p = Path(path)
+    if p.suffix == ".gguf":
+        return True
+    if not p.is_dir():
+        return False
+    names = [c.name for c in p.iterdir()]
+    return any(n.endswith(".gguf") for n in names) and not any(n.endswith(".safetensors") for n in names)
+
+
+def gguf_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The files of the GGUF checkpoint ``path`` in order: the file itself, every part of a
+    split set (from any part's name), or the one model in a folder. A folder holding several
+    models, a part whose set is incomplete or a path that is not there is a CheckpointError."""
+    p = Path(path)
+    if p.is_dir():
+        found = sorted(c for c in p.iterdir() if c.name.endswith(".gguf") and c.is_file())
+        if not found:
+            raise CheckpointError(f"checkpoint directory {str(p)!r} holds no .gguf file", path=p)
+        models = sorted({_set_name(f) for f in found})
+        if len(models) > 1:
+            raise CheckpointError(
+                f"checkpoint directory {str(p)!r} holds {len(models)} GGUF models ({', '.join(models[:4])}); "
+                "name the file to load",
+                path=p,
+            )
+        return _parts(found[0])
+    if not p.exists():
+        raise _fail(p, "does not exist")
+    return _parts(p)
+
+
+def _set_name(file: Path) -> str:
+    m = _SPLIT_RE.match(file.name)
+    return f"{m['stem']}-*-of-{m['count']}.gguf" if m else file.name
+
+
+def _parts(file: Path) -> list[Path]:
+    m = _SPLIT_RE.match(file.name)
+    if m is None:
+        return [file]
+    count = int(m["count"])
+    names = [file.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [n for n in names if not n.is_file()]
+    if missing:
+        raise _fail(
+            missing[0],
+            f"part {names.index(missing[0]) + 1} of the {count}-part set {file.name!r} belongs to is missing"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+            missing[0].name,
+        )
+    return names
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
+    """Open the GGUF checkpoint at ``path`` (:func:`gguf_files`): every part's header is
+    parsed and its file memory-mapped; no tensor data is read. The last few checkpoints
+    opened are kept (the engine asks for the config, the weights, the tokenizer and the
+    template in turn): a file changed since (size or modification time) is opened again."""
+    files = gguf_files(path)
+    stamp = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError as e:
+            raise _fail(f, f"cannot be read ({e.strerror})") from None
+        stamp.append((str(f), st.st_size, st.st_mtime_ns))
+    return _open_cached(str(path), tuple(stamp))
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, stamp: tuple[tuple[str, int, int], ...]) -> GGUFCheckpoint:
+    files = [Path(f) for f, _, _ in stamp]
+    readers = [_reader(f) for f in files]
+    metadata = _metadata(files[0], readers[0])
+    if len(files) > 1:
+        declared = metadata.get("split.count")
+        if declared is not None and declared != len(files):
+            raise _fail(files[0], f"split.count is {declared!r} but the set has {len(files)} parts", "split.count")
+    tensors: dict[str, GGUFTensor] = {}
+    for file, reader in zip(files, readers, strict=True):
+        for t in _tensors(file, reader):
+            if t.name in tensors:
+                raise _fail(file, f"tensor {t.name!r} is also in {tensors[t.name].file.name!r}", t.name)
+            tensors[t.name] = t
+    return GGUFCheckpoint(
+        path=Path(path), files=tuple(files), metadata=metadata, tensors=tensors, readers=tuple(readers)
+    )
+
+
+def _reader(file: Path) -> Any:
+    """The file's ``GGUFReader``, every failure a CheckpointError naming the file (and the
+    tensor, for an unknown type or data past the end of the file)."""
+    from gguf import GGUFReader
+
+    class _CheckedReader(GGUFReader):  # type: ignore[misc]
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            _check_tensor_infos(file, len(self.data), start_offs, fields)
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        size = file.stat().st_size
+    except OSError as e:
+        raise _fail(file, f"cannot be read ({e.strerror})") from None
+    if not file.is_file():
+        raise _fail(file, "is not a regular file")
+    if size < 24:
+        raise _fail(file, f"truncated: {size} bytes, shorter than a GGUF header")
+    try:
+        return _CheckedReader(file, "r")
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise _fail(file, f"cannot be read ({e.strerror})") from None
+    except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError, TypeError) as e:
+        if "magic" in str(e):
+            raise _fail(file, "is not a GGUF file (bad magic)") from None
+        # The header parser reads past the end of the mapping as short arrays: a cut header.
+        raise _fail(file, f"truncated or corrupt header ({type(e).__name__}: {str(e)[:160]})") from None
+
+
+def _check_tensor_infos(file: Path, file_size: int, start: int, fields: list[Any]) -> None:
+    """Each tensor info names a type the ``gguf`` package knows, and data inside the file."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    known = {int(t): t for t in GGMLQuantizationType}
+    for info in fields:
+        _name_len, name_data, _n_dims, dims, raw_type, offset = info.parts
+        name = bytes(name_data).decode("utf-8", "replace")
+        code = int(raw_type[0])
+        qtype = known.get(code)
+        if qtype is None or qtype not in GGML_QUANT_SIZES:
+            raise _fail(
+                file,
+                f"tensor {name!r} has GGML type {code}, which this gguf package does not know "
+                f"(known: {', '.join(t.name for t in GGML_QUANT_SIZES)})",
+                name,
+            )
+        count = 1
+        for d in dims.tolist():
+            count *= int(d)
+        block, size = GGML_QUANT_SIZES[qtype]
+        if int(dims[0]) % block:
+            raise _fail(file, f"tensor {name!r}: a row of {int(dims[0])} is not whole {qtype.name} blocks of {block}",
+                        name)
+        end = start + int(offset[0]) + count // block * size
+        if end > file_size:
+            raise _fail(
+                file,
+                f"truncated: tensor {name!r} ends at byte {end} but the file has {file_size} bytes",
+                name,
+            )
+
+
+def _metadata(file: Path, reader: Any) -> dict[str, Any]:
+    import numpy as np
+    from gguf import GGUFValueType
+
+    out: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            value = fld.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            raise _fail(file, f"metadata key {key!r} cannot be read ({str(e)[:120]})", key) from None
+        if fld.types and fld.types[0] == GGUFValueType.ARRAY and value is None:
+            value = []
+        elif fld.types == [GGUFValueType.FLOAT32]:
+            value = float(str(np.float32(value)))  # 1e-06 as written, not 9.99999997e-07
+        out[key] = value
+    return out
+
+
+def _tensors(file: Path, reader: Any) -> list[GGUFTensor]:
+    out = []
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        out.append(
+            GGUFTensor(
+                name=t.name,
+                type_name=t.tensor_type.name,
+                ggml_type=int(t.tensor_type),
+                shape=shape,
+                nbytes=int(t.n_bytes),
+                offset=int(t.data_offset),
+                file=file,
+                data=t.data,
+            )
+        )
+    return out
