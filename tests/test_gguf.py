@@ -317,3 +317,14 @@ def test_tokenizer_object_is_a_tokenizers_tokenizer(tmp_path: Path) -> None:
     _, path = convert(tmp_path)
     assert isinstance(gguf_tokenizer(open_gguf(path)), Backend)
     assert np.array_equal(np.array(open_gguf(path).tensor("token_embd.weight").shape), [420, 64])
+
+
+def test_the_private_reader_hook_still_exists() -> None:
+    """rtpcore.checkpoint.gguf.reader overrides GGUFReader._build_tensors (private) to check each
+    tensor info before the package builds it: a gguf release that renames it or changes its
+    arguments must fail here, not silently skip the check."""
+    import inspect
+
+    from gguf import GGUFReader
+
+    assert list(inspect.signature(GGUFReader._build_tensors).parameters) == ["self", "start_offs", "fields"]

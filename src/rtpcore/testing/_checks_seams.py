@@ -271,8 +271,7 @@ def _check_layers(method: Any, path: Path, reference: dict[str, Any], source: st
     import torch
 
     from rtpcore.checkpoint import load_checkpoint
-    from rtpcore.models.layers import Linear
-    from rtpcore.models.layers import weight_quantization
+    from rtpcore.models.layers import Linear, weight_quantization
     from rtpcore.quantization import Int8Method
 
     weights = load_checkpoint(path, list(reference), dtype=torch.float32, device=device, quantization=method)

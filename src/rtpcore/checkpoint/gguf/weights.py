@@ -65,10 +65,11 @@ def tensor_from_gguf(tensor: GGUFTensor, permuted_heads: int | None = None) -> t
     elif tensor.type_name in _FLOAT_TYPES:
         t = torch.from_numpy(np.array(raw, copy=True)).reshape(tensor.shape)
     else:
+        from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 
         try:
-            values = dequantize(raw, tensor.ggml_type)
+            values = dequantize(raw, GGMLQuantizationType(tensor.ggml_type))
         except NotImplementedError:
             raise _fail(tensor.file, f"tensor {tensor.name!r}: the gguf package cannot dequantize "
                         f"{tensor.type_name}", tensor.name) from None
