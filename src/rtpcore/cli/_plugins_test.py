@@ -128,7 +128,7 @@ def _line(result: Any) -> None:
     dots = "." * max(_WIDTH - 24 - len(head), 3)
     line = f"{head}{dots} {status:<4} {result.seconds:6.2f}s"
     if note:
-        line += f"  {note}"
+        line += f"  {note if len(note) <= 90 else note[:89] + '…'}"  # --json has it whole
     print(line)
     sys.stdout.flush()
 

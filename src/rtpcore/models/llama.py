@@ -32,6 +32,7 @@ class LlamaPlugin(ModelPlugin):
     forward_contract = 2  # rtpcore.models.forward_batch: unpadded steps, chunked prefill
     model_type = "llama"
     architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    transformers_class = "LlamaForCausalLM"  # the reference of the kit's hf_parity (its demo checkpoint)
 
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any]) -> LlamaConfig:

@@ -43,6 +43,12 @@ checkpoint's multi-token-prediction layers (their tensors, KV descriptors and mo
 engine loads it like a model from the same checkpoint (reading only its tensors) and calls
 its ``build_model`` with ``target=`` the target model too; its forward reads the target's
 hidden states through ``batch.hidden_rows`` (see ``rtpcore.models.forward_batch``).
+
+A reference implementation: ``transformers_class`` (optional, None by default) names a class of
+the ``transformers`` package (``"LlamaForCausalLM"``) that computes the same function from the
+same checkpoint. The conformance kit's ``hf_parity`` check (docs/design.md §19) loads it from the
+model's demo checkpoint in float32 and compares its greedy tokens with the engine's; without it
+the check is skipped.
 """
 
 from __future__ import annotations
@@ -70,13 +76,18 @@ class ModelPlugin:
     model follows: ``FORWARD_CONTRACT``; there is no default). ``replaces`` lists the
     built-in architectures, or the built-in model type, this plugin takes over on
     purpose; without it, an external plugin that claims one is a conflict (built-ins
-    only fill empty slots).
+    only fill empty slots). ``transformers_class`` (optional) names the class of the
+    ``transformers`` package computing the same function from the same checkpoint
+    (``"LlamaForCausalLM"``): the kit's ``hf_parity`` check compares greedy tokens with it.
     """
 
     model_type: ClassVar[str]
     architectures: ClassVar[tuple[str, ...]]
     replaces: ClassVar[tuple[str, ...]] = ()
     forward_contract: ClassVar[int]  # no default: every plugin states the contract it follows
+    # The transformers class computing the same function from the same checkpoint (by name, so
+    # reading it imports nothing), or None: the reference of the kit's hf_parity check.
+    transformers_class: ClassVar[str | None] = None
     # Whether a decode step reads every layer's KV pool in place (through rtpcore.kv.paged_attention,
     # or a kernel of its own); False keeps its decode steps out of CUDA graphs, which would
     # otherwise gather the longest possible context on every step (docs/design.md §9).

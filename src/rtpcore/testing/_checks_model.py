@@ -53,7 +53,7 @@ def _malformed(value: Any) -> Any:
     return None
 
 
-class _ReadRecorder(dict):  # type: ignore[type-arg]
+class _ReadRecorder(dict[str, Any]):
     """A config.json dict that records the keys read one by one (not a whole copy)."""
 
     def __init__(self, *args: Any) -> None:
@@ -122,7 +122,7 @@ def config_errors(ctx: KitContext, model_type: str) -> str | None:
     return f"{len(fields)} fields refused by name"
 
 
-class _AccessRecorder(dict):  # type: ignore[type-arg]
+class _AccessRecorder(dict[str, Any]):
     """The loaded weights handed to ``build_model``: every name asked for is recorded (a
     name iterated over counts as read)."""
 

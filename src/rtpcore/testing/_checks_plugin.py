@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from rtpcore.testing.kit import CheckSkipped, KitContext, fail
+from rtpcore.testing.kit import KitContext, fail
 
 __all__: list[str] = []
 
@@ -74,14 +74,15 @@ def no_patches(ctx: KitContext, subject: None) -> str | None:
 
 
 def _run_probe(kind: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Run a probe in a fresh interpreter; one that dies (a crash in the plugin's import) fails its check."""
     command = [sys.executable, "-P", "-m", "rtpcore.testing._checks_plugin", kind, json.dumps(args)]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CheckSkipped(f"the {kind} probe process exited with status {proc.returncode}: {tail}") \
-            if proc.returncode < 0 else AssertionError(f"the {kind} probe process failed: {tail}")
+        check = {"import": "import_cost", "patches": "no_patches"}[kind]
+        raise fail(check, f"the process that loads the plugin exited with status {proc.returncode}: {tail}")
     result: dict[str, Any] = json.loads(lines[-1])
     return result
 
@@ -119,7 +120,7 @@ def _probe_import(args: dict[str, Any]) -> dict[str, Any]:
     if "torch" in sys.modules:
         return {"error": "torch was imported before the plugin was (an rtpcore bug)"}
     watch = _TorchWatch()
-    sys.meta_path.insert(0, watch)  # type: ignore[arg-type]
+    sys.meta_path.insert(0, watch)
     slow: list[tuple[float, str]] = []
     original = __import__
 

@@ -102,6 +102,7 @@ _PLUGIN = "rtpcore.testing._checks_plugin"
 _MODEL = "rtpcore.testing._checks_model"
 _ENGINE = "rtpcore.testing._checks_engine"
 _SEAMS = "rtpcore.testing._checks_seams"
+_PARSERS = "rtpcore.testing._checks_parsers"
 
 _TABLE = (
     _Check("registration", "plugin", "the plugin loads atomically, and every class it registers imports and passes "
@@ -139,7 +140,9 @@ _TABLE = (
     _Check("quantization_method", "quantization_methods", "the method's linear layers equal a float reference "
            "within the documented tolerance", f"{_SEAMS}:quantization_method"),
     _Check("reasoning_parser", "reasoning_parsers", "the streamed pieces (feed, finish) assemble to what extract "
-           "returns for the whole text", f"{_SEAMS}:reasoning_parser"),
+           "returns for the whole text", f"{_PARSERS}:reasoning_parser"),
+    _Check("tool_parser", "tool_parsers", "the streamed pieces (feed, finish) give the calls and content that parse "
+           "gives for the whole answer", f"{_PARSERS}:tool_parser"),
     _Check("logits_processor", "logits_processors", "the processor keeps the logits' shape and rows, and a row's "
            "result does not depend on the other rows", f"{_SEAMS}:logits_processor"),
     _Check("platform", "platforms", "the platform answers its questions (availability, memory, dtypes, default "
@@ -294,16 +297,16 @@ class PlannedCheck:
 
 
 def plan_checks(item: str, *, checks: Sequence[str] | None = None, device: str = "cpu",
-                import_budget: float = 1.0, **context: Any) -> list[PlannedCheck]:
+                import_budget: float = 1.0, **options: Any) -> list[PlannedCheck]:
     """The checks to run on the plugin ``item`` (an allowlist item, or ``rtpcore.models``): each
     of ``checks`` (None: all of :data:`CHECKS`) once per subject it applies to. A plugin that
     cannot be resolved raises its PluginError; a plugin that fails to load still gets its
     ``registration`` check (which reports the failure) and the checks that need no load.
-    ``context``: :class:`KitContext`'s ``checkpoints``, ``prompts`` and ``cache_dir``."""
+    ``options``: :class:`KitContext`'s ``checkpoints``, ``prompts`` and ``cache_dir``."""
     unknown = [c for c in checks or () if c not in _BY_NAME]
     if unknown:
         raise RtpcoreError(f"unknown check {unknown[0]!r}; the checks are: {', '.join(CHECKS)}")
-    context = KitContext(item, device=device, import_budget=import_budget, **context)
+    context = KitContext(item, device=device, import_budget=import_budget, **options)
     wanted = set(checks) if checks else set(CHECKS)
     loaded = context.outcome.state in ("loaded", "registered")
     planned = []

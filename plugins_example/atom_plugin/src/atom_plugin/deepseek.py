@@ -29,6 +29,8 @@ class DeepseekV3Plugin(ModelPlugin):
     # rtpcore.batch: unpadded steps, prompt chunks without a logits row (contract 2)
     forward_contract: ClassVar[int] = 2
     architectures: ClassVar[tuple[str, ...]] = ("DeepseekV3ForCausalLM",)
+    # The reference the kit's hf_parity check compares greedy tokens with (tests/test_atom_parity.py too).
+    transformers_class: ClassVar[str | None] = "DeepseekV3ForCausalLM"
     variant: ClassVar[str] = "deepseek_v3"
 
     @classmethod
@@ -128,6 +130,7 @@ class DeepseekV2Plugin(DeepseekV3Plugin):
 
     model_type: ClassVar[str] = "deepseek_v2"
     architectures: ClassVar[tuple[str, ...]] = ("DeepseekV2ForCausalLM",)
+    transformers_class: ClassVar[str | None] = "DeepseekV2ForCausalLM"
     variant: ClassVar[str] = "deepseek_v2"
 
     @classmethod
