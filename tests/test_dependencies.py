@@ -23,6 +23,8 @@ OWN = {"rtpcore", "rtpcore_native"}
 
 # Imported only where it may be missing, each for a reason; never a declared dependency.
 OPTIONAL = {
+    "pytest": "imported only by rtpcore.testing.pytest_plugin, which pytest itself loads (the pytest11 entry "
+    "point, docs/design.md §19): pytest is there wherever that module runs",
     "triton": "the paged-attention GPU kernels; it ships with CUDA and ROCm builds of torch, and "
     "rtpcore.kv.triton_support.triton_available() guards every use (the CPU path needs none)",
 }
