@@ -180,6 +180,7 @@ def test_the_slow_plugin_is_measured_at_its_import_time(kit: Callable[..., KitRu
     took = re.search(r"took (\d+\.\d+) s", detail)
     assert took is not None, detail
     assert float(took.group(1)) >= 2.5
+    assert "slowest module: kit_slow.hooks, " in detail  # where the time went, its own code's
 
 
 @pytest.mark.slow
