@@ -175,7 +175,7 @@ def _probe_import(args: dict[str, Any]) -> dict[str, Any]:
     watch = _TorchWatch()
     timer = _ImportTimer()
     sys.meta_path.insert(0, timer)
-    sys.meta_path.insert(0, watch)  # type: ignore[arg-type]
+    sys.meta_path.insert(0, watch)
     start = time.perf_counter()
     try:
         report = load_report(plan)  # for the built-in plugin: its own import, in a fresh process
