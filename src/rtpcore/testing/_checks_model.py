@@ -53,12 +53,16 @@ def _malformed(value: Any) -> Any:
     return None
 
 
-class _ReadRecorder(dict[str, Any]):
-    """A config.json dict that records the keys read one by one (not a whole copy)."""
+class _Recorder(dict[str, Any]):
+    """A mapping that records what is asked of it: ``read`` the keys asked for one by one
+    (``[]``, ``get``, ``in``, ``pop``), in order; ``whole`` whether it was iterated (every key
+    taken: a copy, ``items()``)."""
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        super().__init__(data)
         self.read: list[str] = []
+        self.whole = False
+        self.stats = getattr(data, "stats", None)  # a LoadedWeights' load statistics
 
     def _note(self, key: Any) -> None:
         if isinstance(key, str) and key not in self.read:
@@ -75,6 +79,26 @@ class _ReadRecorder(dict[str, Any]):
     def __contains__(self, key: object) -> bool:
         self._note(key)
         return super().__contains__(key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self._note(key)
+        return super().pop(key, *default)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.whole = True
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        self.whole = True
+        return super().keys()
+
+    def items(self) -> Any:
+        self.whole = True
+        return super().items()
+
+    def values(self) -> Any:
+        self.whole = True
+        return super().values()
 
 
 def _pre_load_stages(plugin: Any, hf_config: Mapping[str, Any]) -> None:
@@ -96,7 +120,7 @@ def config_errors(ctx: KitContext, model_type: str) -> str | None:
     demo = call_optional(plugin, "demo_config")
     if demo is None:
         raise CheckSkipped(f"model type {model_type!r} offers no demo_config() to break")
-    recorder = _ReadRecorder(demo)
+    recorder = _Recorder(demo)
     plugin.config_from_hf(recorder)
     fields = [k for k in recorder.read if k in demo and _malformed(demo[k]) is not None]
     if not fields:
@@ -122,52 +146,6 @@ def config_errors(ctx: KitContext, model_type: str) -> str | None:
     return f"{len(fields)} fields refused by name"
 
 
-class _AccessRecorder(dict[str, Any]):
-    """The loaded weights handed to ``build_model``: every name asked for is recorded (a
-    name iterated over counts as read)."""
-
-    def __init__(self, weights: Mapping[str, Any]) -> None:
-        super().__init__(weights)
-        self.asked: list[str] = []
-        self.stats = getattr(weights, "stats", None)
-
-    def _note(self, key: Any) -> None:
-        self.asked.append(str(key))
-
-    def __getitem__(self, key: Any) -> Any:
-        self._note(key)
-        return super().__getitem__(key)
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        self._note(key)
-        return super().get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        self._note(key)
-        return super().__contains__(key)
-
-    def pop(self, key: Any, *default: Any) -> Any:
-        self._note(key)
-        return super().pop(key, *default)
-
-    def __iter__(self) -> Iterator[Any]:
-        names = list(super().__iter__())
-        self.asked.extend(names)
-        return iter(names)
-
-    def keys(self) -> Any:
-        self.asked.extend(super().keys())
-        return super().keys()
-
-    def items(self) -> Any:
-        self.asked.extend(super().keys())
-        return super().items()
-
-    def values(self) -> Any:
-        self.asked.extend(super().keys())
-        return super().values()
-
-
 def _load_and_build(ctx: KitContext, model_type: str, *, record: bool = False) -> tuple[Any, Any, Any, Any]:
     """(plugin, config, model, recorder) built as ``rtpcore.engine.worker.rank`` builds it, float32 on the CPU."""
     import torch
@@ -187,7 +165,7 @@ def _load_and_build(ctx: KitContext, model_type: str, *, record: bool = False) -
     weights = load_checkpoint(path, request.patterns, request.ranges, dtype=torch.float32,
                               expected_shapes=call_optional(plugin, "weight_shapes", config),
                               dtypes=call_optional(plugin, "weight_dtypes", config), quantization=request.quantization)
-    recorder = _AccessRecorder(weights) if record else weights
+    recorder = _Recorder(weights) if record else weights
     with linear_kernels(batched_fp32=False), weight_quantization(method), torch.inference_mode():
         model = plugin.build_model(config, recorder, dtype=torch.float32, device=torch.device("cpu"))
     return plugin, config, model, recorder
@@ -196,7 +174,7 @@ def _load_and_build(ctx: KitContext, model_type: str, *, record: bool = False) -
 def weight_patterns(ctx: KitContext, model_type: str) -> str | None:
     plugin, _, _, recorder = _load_and_build(ctx, model_type, record=True)
     declared = set(dict.keys(recorder))
-    asked = set(recorder.asked)
+    asked = declared | set(recorder.read) if recorder.whole else set(recorder.read)
     undeclared = sorted(asked - declared)
     unread = sorted(declared - asked)
     where = f"{plugin.__module__}.{plugin.__qualname__}"
