@@ -118,10 +118,10 @@ class GGUFBlocks(torch.Tensor):
                 raise ValueError(f"a {kind} part of width {in_features} is uint8 (rows, {want}); got "
                                  f"{data.dtype} {tuple(data.shape)}")
         out_features = sum(int(d.shape[0]) for _, d in parts)
-        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        t = torch.Tensor._make_wrapper_subclass(
             cls, (out_features, in_features), dtype=dtype, device=parts[0][1].device, requires_grad=False)
         t.parts = parts
-        return t  # type: ignore[no-any-return]
+        return t
 
     @property
     def gguf_types(self) -> tuple[str, ...]:
@@ -156,11 +156,11 @@ class GGUFBlocks(torch.Tensor):
         kinds = "+".join(self.gguf_types)
         return f"GGUFBlocks({kinds}, shape={tuple(self.shape)}, dtype={self.dtype}, bytes={self.stored_bytes})"
 
-    def __reduce_ex__(self, protocol: Any) -> Any:  # type: ignore[override]
+    def __reduce_ex__(self, protocol: Any) -> Any:
         return (_rebuild, (self.parts, self.shape[1], self.dtype))
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is not None:

@@ -158,10 +158,10 @@ def load_gguf(
         nbytes += tensor.nbytes
         spec = slice_of.get(name)
         if name in kept:
-            t = blocks_from_gguf(tensor, heads, None if target is None else _torch_dtype(target))
+            blocks = blocks_from_gguf(tensor, heads, None if target is None else _torch_dtype(target))
             if spec is not None:
-                t = _slice_blocks(t, spec, name, checkpoint)
-            out[name] = t if str(device) == "cpu" else t.to(device)
+                blocks = _slice_blocks(blocks, spec, name, checkpoint)
+            out[name] = blocks if str(device) == "cpu" else blocks.to(device)
             continue
         t = tensor_from_gguf(tensor, heads)
         if spec is not None:
