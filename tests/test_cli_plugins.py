@@ -374,7 +374,7 @@ def test_list_shows_each_plugins_registrations_per_seam(capsys: pytest.CaptureFi
     builtin = next(r for r in _list(capsys)[1] if r["builtin"])
     assert builtin["seams"] == {"models": ["llama"], "kv_layouts": [], "tool_parsers": [],
                                 "attention_backends": ["native_cpu", "torch"], "platforms": ["cpu", "cuda"],
-                                "quantization_methods": ["fp8", "int8"],
+                                "quantization_methods": ["fp8", "gguf", "int8"],
                                 "reasoning_parsers": ["deepseek_r1", "qwen3"], "logits_processors": []}
     assert main(["plugins", "list", "--plugins", "atom-plugin", "--requested-only"]) == 0
     assert "; kv_layouts: ue8m0; tool_parsers: deepseek_v3" in capsys.readouterr().out

@@ -120,7 +120,7 @@ def test_quantized_gguf_loads_close_and_the_engine_runs_it_exactly(tmp_path: Pat
         got = hf(prompt).logits
     if file_type in LOGIT_TOLERANCE:
         assert (got - want).abs().max().item() <= LOGIT_TOLERANCE[file_type]
-    with Engine.from_pretrained(path) as engine:
+    with Engine.from_pretrained(path, quantization="none") as engine:  # dequantized (tests/test_gguf_method.py: blocks)
         tokens = engine.generate(PROMPTS[:1], max_new_tokens=16, stop_token_ids=[])
     assert tokens[0] == hf_greedy(hf, PROMPTS[0], 16)
 

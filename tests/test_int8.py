@@ -47,7 +47,7 @@ def test_weight_quantization_refuses_an_unknown_scheme_and_a_gpu_engine(tmp_path
     with pytest.raises(ValueError, match="quantization must be None or one of"), weight_quantization("int4"):
         pass
     make_checkpoint(tmp_path)
-    with pytest.raises(RtpcoreError, match="quantization must be None or one of fp8, int8, got 'fp4'"):
+    with pytest.raises(RtpcoreError, match="quantization must be None, 'none' or one of fp8, gguf, int8, got 'fp4'"):
         Engine.from_pretrained(tmp_path, quantization="fp4")
 
 

@@ -9,6 +9,9 @@ weights). :func:`quantization_method` resolves it among the registered methods; 
 any installed plugin that declares it under the entry-point group
 ``rtpcore.quantization_methods`` (a hint, like ``rtpcore.architectures``).
 
+``--quantization none`` (``quantization="none"``) asks for float weights whatever the checkpoint
+declares: fp8 and GGUF weights are dequantized at load.
+
 A method acts at two moments:
 
 * **the load** (``rtpcore.checkpoint.load_checkpoint(..., quantization=method)``):
@@ -23,11 +26,12 @@ A method acts at two moments:
 Built in, registered through the same hook a plugin implements (``rtpcore.models``): ``fp8``
 (:class:`Fp8Method`: DeepSeek-V3's block-quantized fp8 checkpoints, dequantized at load,
 ``rtpcore.checkpoint.quantized``) and ``int8`` (:class:`Int8Method`: rtpcore's weight-only int8,
-quantized at load from a float or fp8 checkpoint, on the CPU). GGUF's quantized blocks are the
-subject of docs/design.md §20 and not a method yet. A method extending a built-in subclasses it
-under another ``name``.
+quantized at load from a float or fp8 checkpoint, on the CPU) and ``gguf`` (:class:`GgufMethod`:
+a GGUF checkpoint's quantized weights kept in their blocks from the file to the kernel,
+docs/design.md §20; the method of every GGUF checkpoint unless another is asked for). A method
+extending a built-in subclasses it under another ``name``.
 
-Public constants: :data:`BUILTIN_QUANTIZATION_METHODS` (the built-in names).
+Public constants: :data:`BUILTIN_QUANTIZATION_METHODS` (the built-in names), :data:`NO_QUANTIZATION`.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN_QUANTIZATION_METHODS",
+    "NO_QUANTIZATION",
     "Fp8Method",
+    "GgufMethod",
     "Int8Method",
     "QuantizationMethod",
     "QuantizedTensors",
@@ -54,7 +60,9 @@ __all__ = [
 ]
 
 #: The names of rtpcore's own quantization methods.
-BUILTIN_QUANTIZATION_METHODS = ("fp8", "int8")
+BUILTIN_QUANTIZATION_METHODS = ("fp8", "gguf", "int8")
+#: The ``--quantization`` value that asks for float weights (quantized checkpoints dequantized at load).
+NO_QUANTIZATION = "none"
 
 
 class QuantizedTensors(Protocol):
@@ -94,6 +102,9 @@ class QuantizationMethod(abc.ABC):
     api_version: ClassVar[str] = "1.0"
     replaces: ClassVar[tuple[str, ...]] = ()
     kernel: ClassVar[str | None] = None
+    #: The GGML types (lower-case) whose 2-D tensors a GGUF checkpoint's loader hands this method
+    #: in their blocks (``rtpcore.checkpoint.gguf.blocks.GGUFBlocks``); none: every tensor as floats.
+    gguf_types: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     @abc.abstractmethod
@@ -188,6 +199,8 @@ class Int8Method(QuantizationMethod):
         declared = quantization_config.get("quant_method") if isinstance(quantization_config, Mapping) else None
         if declared == "fp8":
             return cls(Fp8Method.from_config(quantization_config))
+        if declared == "gguf":  # a GGUF file read as floats (dequantized at load), then quantized to int8
+            return cls()
         raise CheckpointError(
             f"quantization method {cls.name!r} quantizes float or fp8 checkpoints at load, and this checkpoint's "
             f"config.json quantization_config.quant_method is {declared!r}"
@@ -239,19 +252,83 @@ class Int8Method(QuantizationMethod):
         return y.reshape(*x.shape[:-1], layer.out_features)
 
 
+class GgufMethod(QuantizationMethod):
+    """``gguf``: a GGUF checkpoint's weights kept in their blocks, from the file to the kernel
+    (docs/design.md §20). The loader hands every 2-D tensor of a type in :attr:`gguf_types`
+    (Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16) to the model as a
+    ``rtpcore.checkpoint.gguf.blocks.GGUFBlocks`` -- the file's bytes, Q/K rows un-permuted --
+    and each ``Linear`` built from one keeps the bytes (``rtpcore.models.gguf_linear``); a token
+    embedding in blocks dequantizes the rows it looks up. F32 and BF16 tensors are floats as
+    stored; other quantized types are dequantized at load, with a warning. The products run in
+    rtpcore_native's GGUF kernels (activations quantized per block, as llama.cpp does), or,
+    in a build without them, on the weights dequantized per call (exact, slow). On the CPU.
+
+    The method of every GGUF checkpoint unless ``--quantization`` names another (``none``:
+    floats, every weight dequantized at load); asked for on any other checkpoint, a
+    CheckpointError."""
+
+    name = "gguf"
+    kernel = "gguf"
+    gguf_types: ClassVar[tuple[str, ...]] = ("q8_0", "q4_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16")
+
+    @classmethod
+    def from_config(cls, quantization_config: Mapping[str, Any] | None) -> QuantizationMethod:
+        declared = quantization_config.get("quant_method") if isinstance(quantization_config, Mapping) else None
+        if declared != "gguf":
+            what = ("its config.json has no quantization_config" if quantization_config is None
+                    else f"its config.json quantization_config.quant_method is {declared!r}")
+            raise CheckpointError(
+                f"quantization method {cls.name!r} multiplies the weights of a GGUF checkpoint (a .gguf file, a split "
+                f"set or a folder holding one) in their blocks; this checkpoint is not one ({what})"
+            )
+        return cls()
+
+    @classmethod
+    def device_problem(cls, device_type: str) -> str | None:
+        if device_type != "cpu":
+            return f"{cls.name!r} multiplies GGUF blocks on the CPU only; this engine runs on {device_type}"
+        return None
+
+    def create_weights(self, layer: Any, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        from rtpcore.checkpoint.gguf.blocks import GGUFBlocks
+
+        if not isinstance(weight, GGUFBlocks):  # F32/BF16 in the file, or a plugin's float tensor
+            return False
+        from rtpcore.models.gguf_linear import attach
+
+        attach(layer, weight, bias)
+        return True
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        from rtpcore.models.gguf_linear import forward
+
+        return forward(layer, x)
+
+
+#: What a GGUF checkpoint declares, as a config.json's quantization_config would.
+_GGUF_CONFIG: Mapping[str, Any] = {"quant_method": "gguf"}
+
+
 def quantization_method(
     hf_config: Mapping[str, Any],
     classes: Mapping[str, type[QuantizationMethod]],
     *,
     requested: str | None = None,
     what: str = "quantization",
+    gguf: bool = False,
 ) -> QuantizationMethod | None:
     """The engine's quantization method for a checkpoint with this ``config.json``, among the
     registered ``classes`` (name -> class): ``requested`` (``--quantization``; ``what`` spells
-    the option in messages) when given, else the one ``quantization_config.quant_method`` names,
-    else None. An unknown ``requested`` is an RtpcoreError listing the known methods; an unknown
+    the option in messages) when given (``"none"``: None, float weights), else the one
+    ``quantization_config.quant_method`` names, else None. A GGUF checkpoint (``gguf=True``)
+    declares ``{"quant_method": "gguf"}``: the ``gguf`` method unless ``requested`` names
+    another. An unknown ``requested`` is an RtpcoreError listing the known methods; an unknown
     ``quant_method`` a CheckpointError naming it, the known methods and the installed plugins
     that declare it (entry-point group ``rtpcore.quantization_methods``)."""
+    if requested == NO_QUANTIZATION:
+        return None
+    if gguf:
+        hf_config = {**hf_config, "quantization_config": _GGUF_CONFIG}
     config = hf_config.get("quantization_config") if "quantization_config" in hf_config else None
     if "quantization_config" in hf_config and not isinstance(config, Mapping):
         raise CheckpointError(
@@ -263,7 +340,7 @@ def quantization_method(
         if cls is None:
             raise RtpcoreError(
                 f"{what}={requested!r} is not a quantization method here; known: {', '.join(sorted(classes))} "
-                "(a plugin adds more with rtpcore_register_quantization_methods)"
+                f"or {NO_QUANTIZATION!r} (a plugin adds more with rtpcore_register_quantization_methods)"
             )
         return cls.from_config(config)
     if config is None:

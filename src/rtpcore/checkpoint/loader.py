@@ -331,7 +331,10 @@ def load_checkpoint(
     A GGUF checkpoint (``rtpcore.checkpoint.gguf``: a ``.gguf`` file, a split set, a folder
     holding one) is read from its memory map by ``rtpcore.checkpoint.gguf.weights``, with the
     same rules; ``tensor_names`` maps its GGUF names to the names ``patterns`` use (a model
-    plugin's ``gguf_tensor_names``; a tensor it does not rename keeps its GGUF name).
+    plugin's ``gguf_tensor_names``; a tensor it does not rename keeps its GGUF name). Its
+    quantized tensors are dequantized, unless ``quantization`` is the ``gguf`` method
+    (``rtpcore.quantization.GgufMethod``): then the 2-D tensors of the types it multiplies stay
+    in their blocks, as :class:`~rtpcore.checkpoint.gguf.blocks.GGUFBlocks`.
 
     Raises :class:`MissingTensorsError` when a required tensor is in no file and
     :class:`CheckpointError` for any unusable file, naming it.
@@ -412,6 +415,8 @@ def _load_gguf(
     tensors, nbytes = load_gguf(
         checkpoint, selection, tensor_names=tensor_names, dtype=dtype, expected_shapes=expected_shapes,
         device=device, slices=slices, dtypes=dtypes,
+        # The types the quantization method multiplies in their blocks (rtpcore.quantization.GgufMethod).
+        block_types=getattr(request.quantization, "gguf_types", ()),
     )
     weights = LoadedWeights(tensors)
     weights.stats = LoadStats(

@@ -147,8 +147,9 @@ class EngineOptions:
     quantization: str | None = option(None, "the quantization method of the model's linear layers", CliFlag(
         "the quantization method of the model's linear layers (rtpcore plugins list shows the registered ones): "
         "int8 (weight-only, quantized at load, on the CPU; one scale per output channel, the checkpoint stays "
-        "float), fp8, or a plugin's (default: the one config.json's quantization_config.quant_method names, "
-        "else none)", metavar="NAME"))
+        "float), fp8, gguf (a GGUF file's weights kept in their blocks, on the CPU), none (float weights: "
+        "quantized checkpoints dequantized at load), or a plugin's (default: gguf for a GGUF checkpoint on the "
+        "CPU, else the one config.json's quantization_config.quant_method names, else none)", metavar="NAME"))
     native_decode: bool = option(True, "CPU decode steps in rtpcore_native where the model allows", CliFlag(
         "run CPU decode steps with torch's modules, bit-identical to transformers in float32 (default: rtpcore's "
         "native decode step where the model allows it, within float32 rounding)", negative=True))
@@ -274,12 +275,13 @@ class EngineConfig(EngineOptions):
             )
         if o.max_model_len is not None:
             _positive_int("max_model_len", o.max_model_len)
-        if o.quantization is not None:  # a registered method (rtpcore.quantization) that runs on this device
+        if o.quantization is not None and o.quantization != "none":  # a registered method that runs on this device
             method = registry.seam_class("quantization_methods", o.quantization) if isinstance(o.quantization, str) else None
             if method is None:
                 raise RtpcoreError(
-                    f"quantization must be None or one of {', '.join(registry.seam_names('quantization_methods'))}, "
-                    f"got {o.quantization!r} (a plugin adds more with rtpcore_register_quantization_methods)"
+                    f"quantization must be None, 'none' or one of "
+                    f"{', '.join(registry.seam_names('quantization_methods'))}, got {o.quantization!r} (a plugin adds "
+                    "more with rtpcore_register_quantization_methods)"
                 )
             problem = method.device_problem(resolved_device.partition(":")[0])
             if problem is not None:

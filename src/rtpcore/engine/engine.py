@@ -173,6 +173,9 @@ class Engine:
         keeps its weight as int8 with one scale per output channel, quantized at load (the
         checkpoint stays float; embeddings and a plugin's own tensors stay float). A weight is
         off by at most half a step of its row; tests/test_int8.py states the logits bound.
+        ``"gguf"`` (the default for a GGUF checkpoint on the CPU, ``rtpcore.quantization.GgufMethod``):
+        the file's quantized weights stay in their blocks; ``"none"``: float weights whatever the
+        checkpoint holds (a GGUF file's quantized tensors dequantized at load).
 
         ``native_decode``: on the CPU, decode steps of float32 (or int8) Llama-family models
         run in ``rtpcore_native`` (``rtpcore.models.native``: one call per step), with logits

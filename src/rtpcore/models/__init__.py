@@ -49,7 +49,8 @@ def rtpcore_register_platforms(registry: Any) -> None:
 
 @hookimpl
 def rtpcore_register_quantization_methods(registry: Any) -> None:
-    from rtpcore.quantization import Fp8Method, Int8Method
+    from rtpcore.quantization import Fp8Method, GgufMethod, Int8Method
 
     registry.register_quantization_method(Fp8Method)
+    registry.register_quantization_method(GgufMethod)
     registry.register_quantization_method(Int8Method)

@@ -24,6 +24,13 @@ backend is ``native_cpu`` (or a subclass); ``--attention-backend torch`` turns i
 ``--no-native-decode``. Every other step runs the torch modules. ``LlamaModel.decode_kernel`` says which one decode
 steps use, and why not the native one when it is off (:func:`native_problem`).
 
+GGUF weights kept in their blocks (the ``gguf`` quantization method, ``rtpcore.models.gguf_linear``)
+are read in place where the build's kernels multiply GGUF blocks
+(``rtpcore.checkpoint.gguf.blocks.gguf_native``): a fused qkv or gate_up of one type as one
+operand, of several types (a Q4_K_M file's Q6_K v rows) as one operand per projection
+(``set_layer_parts``), and a token embedding in blocks dequantized row by row. Without those
+kernels such a model decodes with its torch modules.
+
 Numerics (docs/design.md §6): float32 throughout, summed in another order than torch's
 kernels, so logits differ from transformers' by float32 rounding (about 1e-6 relative),
 and greedy tokens equal transformers' except where two logits tie to that precision. The
@@ -41,6 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rtpcore.checkpoint.gguf.blocks import GGUFBlocks, gguf_native
+from rtpcore.models.gguf_linear import gguf_blocks, native_gguf_weights
 from rtpcore.models.layers import Linear
 from rtpcore.models.layers import native_kernels as kernels
 
@@ -77,7 +86,12 @@ def native_choice() -> bool:
 def native_operands(layer: Any) -> tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
     """What the native kernels multiply for an ``rtpcore.models.layers.Linear``: (weight dtype,
     weight, float32 scales or None, float32 bias or None), or None when they cannot read it
-    (a oneDNN-packed weight without a float32 copy, float16)."""
+    (a oneDNN-packed weight without a float32 copy, float16, GGUF blocks without the GGUF
+    kernels or of several types: see :func:`_row_weights`)."""
+    if getattr(layer, "gguf_parts", None) is not None:
+        if gguf_native() is None or len(layer.gguf_parts) != 1:
+            return None
+        return layer.gguf_parts[0][0], layer.weight, None, layer.bias_f32
     if layer.kernel == "int8":
         return "int8", layer.weight, layer.scales_f32, layer.bias_f32
     if layer.kernel == "packed+fp32":
@@ -97,9 +111,44 @@ def native_linear_weights(layer: Any, keep: list[torch.Tensor]) -> Any:
                                    0 if bias is None else bias.data_ptr(), layer.out_features, layer.in_features)
 
 
+def _row_weights(layer: Any, start: int, rows: int, keep: list[torch.Tensor]) -> Any:
+    """The extension's view of rows ``start:start + rows`` of a Linear (one projection of a
+    fused one): a GGUF part's byte rows, or a float / int8 weight's rows, read in place."""
+    bias = None
+    if getattr(layer, "gguf_parts", None) is not None:
+        at = 0
+        for kind, blocks in gguf_blocks(layer):
+            if at <= start and start + rows <= at + blocks.shape[0]:
+                if layer.bias_f32 is not None:
+                    bias = layer.bias_f32[start: start + rows]
+                return native_gguf_weights(kind, blocks, bias, layer.in_features, start - at, rows)
+            at += blocks.shape[0]
+        raise ValueError(f"rows {start}:{start + rows} of a GGUF layer span parts of different types")
+    dtype, weight, scale, full_bias = native_operands(layer)  # type: ignore[misc]
+    ptr = weight.data_ptr() + start * weight.stride(0) * weight.element_size()
+    scale_ptr = 0 if scale is None else scale.data_ptr() + start * scale.element_size()
+    if full_bias is not None:
+        bias = full_bias[start: start + rows]
+    keep.extend(t for t in (scale, full_bias) if t is not None)
+    return kernels().LinearWeights(ptr, dtype, scale_ptr, 0 if bias is None else bias.data_ptr(), rows,
+                                   layer.in_features)
+
+
+def _several_types(layer: Any) -> bool:
+    return len(getattr(layer, "gguf_parts", None) or ()) > 1
+
+
 def _linear_problem(name: str, layer: Any) -> str | None:
     if type(layer) is not Linear:
         return f"{name} is a {type(layer).__name__}, not a single-rank Linear"
+    parts = getattr(layer, "gguf_parts", None)
+    if parts is not None:
+        types = "+".join(kind for kind, _ in parts)
+        if gguf_native() is None:
+            return f"{name} keeps GGUF blocks ({types}) and this build of rtpcore_native has no GGUF kernels"
+        if _several_types(layer) and name.rsplit(".", 1)[-1] not in ("qkv", "gate_up"):
+            return f"{name} holds GGUF rows of several types ({types})"
+        return None
     operands = native_operands(layer)
     if operands is None:
         return (f"{name} runs the {layer.kernel!r} kernel on {layer.weight.dtype} weights (native: float32, int8, "
@@ -121,6 +170,12 @@ def native_problem(model: Any, kv_caches: Sequence[Any]) -> str | None:
         return f"the model is on {model.embed.device}, not the CPU"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"the model computes in {model.dtype} (native decode: float32 or bfloat16 models)"
+    if isinstance(model.embed, GGUFBlocks):
+        types = "+".join(model.embed.gguf_types)
+        if gguf_native() is None:
+            return f"the token embedding keeps GGUF blocks ({types}) and this build of rtpcore_native has no GGUF kernels"
+        if len(model.embed.parts) != 1:
+            return f"the token embedding holds GGUF rows of several types ({types})"
     if model.parallel is not None:
         return "the model is a tensor-parallel shard"
     problem = _linear_problem("lm_head", model.lm_head)
@@ -173,19 +228,38 @@ class NativeLlamaDecode:
         # Norm weights (and, below, the RoPE tables) in float32: a bf16 model's own are bf16.
         self._keep: list[torch.Tensor] = []
         f32 = self._f32
+        q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
         for i, (layer, window) in enumerate(zip(model.layers, cfg.sliding_windows, strict=True)):
+            if _several_types(layer.qkv) or _several_types(layer.gate_up):  # one operand per projection
+                rows = self._rows
+                self.decoder.set_layer_parts(
+                    i, f32(layer.norm1).data_ptr(), rows(layer.qkv, 0, q), rows(layer.qkv, q, kv),
+                    rows(layer.qkv, q + kv, kv), native_linear_weights(layer.o, self._keep), f32(layer.norm2).data_ptr(),
+                    rows(layer.gate_up, 0, inter), rows(layer.gate_up, inter, inter),
+                    native_linear_weights(layer.down, self._keep), window or 0,
+                )
+                continue
             self.decoder.set_layer(
                 i, f32(layer.norm1).data_ptr(), native_linear_weights(layer.qkv, self._keep),
                 native_linear_weights(layer.o, self._keep), f32(layer.norm2).data_ptr(),
                 native_linear_weights(layer.gate_up, self._keep), native_linear_weights(layer.down, self._keep),
                 window or 0,
             )
-        embed_dtype = "bfloat16" if model.embed.dtype == torch.bfloat16 else "float32"
-        self.decoder.set_head(model.embed.data_ptr(), model.embed.shape[0], embed_dtype, f32(model.norm).data_ptr(),
+        if isinstance(model.embed, GGUFBlocks):  # rows dequantized as they are looked up
+            [(embed_dtype, blocks)] = model.embed.parts
+            embed_ptr = blocks.data_ptr()
+            self._keep.append(blocks)
+        else:
+            embed_dtype = "bfloat16" if model.embed.dtype == torch.bfloat16 else "float32"
+            embed_ptr = model.embed.data_ptr()
+        self.decoder.set_head(embed_ptr, model.embed.shape[0], embed_dtype, f32(model.norm).data_ptr(),
                               native_linear_weights(model.lm_head, self._keep))
         self._pools: tuple[int, ...] = ()
         self._rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.steps = 0
+
+    def _rows(self, layer: Any, start: int, rows: int) -> Any:
+        return _row_weights(layer, start, rows, self._keep)
 
     def _f32(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as a contiguous float32 tensor kept alive with this object."""

@@ -9,16 +9,21 @@ keeps its GGUF name. Only the wanted tensors' bytes are read from the file mappi
 Each wanted tensor is turned into a float ``torch.Tensor`` by :func:`tensor_from_gguf`: F32,
 F16 and BF16 are copied as stored; every quantized type is dequantized with
 ``gguf.quants.dequantize`` (one warning per load names the types and the memory the float
-copies take). The rows llama.cpp's converter permuted are put back. The quantized kernels of
-docs/design.md §20 replace the dequantization for the types they multiply: they read
-:meth:`~rtpcore.checkpoint.gguf.reader.GGUFTensor.raw` blocks instead, through the same
-selection.
+copies take). The rows llama.cpp's converter permuted are put back.
+
+``block_types`` (what the ``gguf`` quantization method multiplies, ``GgufMethod.gguf_types``:
+the engine passes it through ``load_checkpoint(..., quantization=method)``) keeps the 2-D
+tensors of those GGML types in their blocks instead (:func:`blocks_from_gguf`): a
+:class:`~rtpcore.checkpoint.gguf.blocks.GGUFBlocks` of the tensor's shape holding the file's
+bytes as uint8 ``(rows, row bytes)``, its permuted rows put back row by row (a row is whole
+blocks). Every other tensor is read as above; a caller that passes no ``block_types`` gets
+float tensors, as before.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rtpcore.checkpoint.gguf.config import GGUFTensorName
@@ -29,7 +34,9 @@ from rtpcore.errors import CheckpointError, MissingTensorsError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["load_gguf", "renamed_tensors", "tensor_from_gguf"]
+    from rtpcore.checkpoint.gguf.blocks import GGUFBlocks
+
+__all__ = ["blocks_from_gguf", "load_gguf", "renamed_tensors", "tensor_from_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +86,25 @@ def tensor_from_gguf(tensor: GGUFTensor, permuted_heads: int | None = None) -> t
     return t
 
 
+def blocks_from_gguf(tensor: GGUFTensor, permuted_heads: int | None = None, dtype: torch.dtype | None = None,
+                     ) -> GGUFBlocks:
+    """``tensor`` (2-D, of a type in ``GGUF_BLOCK_TYPES``) kept in its blocks: a
+    :class:`GGUFBlocks` of its shape and ``dtype`` (float32 when None) holding a copy of its
+    stored bytes as uint8 ``(rows, row bytes)``, llama.cpp's Q/K row permutation undone on the
+    byte rows when ``permuted_heads`` is given (the same rows :func:`tensor_from_gguf` moves)."""
+    import numpy as np
+    import torch
+
+    from rtpcore.checkpoint.gguf.blocks import GGUFBlocks
+
+    rows, cols = tensor.shape
+    data = np.ascontiguousarray(tensor.raw()).view(np.uint8).reshape(rows, -1)
+    t = torch.from_numpy(data.copy())  # (rows, row bytes), owning its memory
+    if permuted_heads is not None:
+        t = _unpermute(t, permuted_heads, tensor)
+    return GGUFBlocks([(tensor.type_name.lower(), t)], cols, dtype or torch.float32)
+
+
 def _unpermute(t: torch.Tensor, heads: int, tensor: GGUFTensor) -> torch.Tensor:
     """Undo ``LlamaModel.permute`` of llama.cpp's converter: rows ``(heads, 2, d/2)`` were
     written as ``(heads, d/2, 2)``."""
@@ -100,10 +126,14 @@ def load_gguf(
     device: Any = "cpu",
     slices: Mapping[str, tuple[int, int, int]] | None = None,
     dtypes: Mapping[str, Any] | None = None,
+    block_types: Collection[str] = (),
 ) -> tuple[dict[str, torch.Tensor], int]:
     """The tensors ``selection`` (a :class:`~rtpcore.checkpoint.patterns.WeightSelection` over
     checkpoint names) wants, converted, and the stored bytes read. Required names the file
-    lacks are a :class:`MissingTensorsError`; shapes are checked before any data is read."""
+    lacks are a :class:`MissingTensorsError`; shapes are checked before any data is read.
+    2-D tensors of the GGML types in ``block_types`` (lower-case) stay in their blocks
+    (:func:`blocks_from_gguf`); a slice of one across its rows that does not fall on block
+    edges is dequantized."""
     named = renamed_tensors(checkpoint, tensor_names)
     wanted = [name for name in named if selection.wants(name)]
     missing = sorted(selection.required.difference(named))
@@ -118,17 +148,24 @@ def load_gguf(
         )
     _check_shapes(checkpoint, named, wanted, PatternTable(expected_shapes))
     slice_of, dtype_of = PatternTable(slices), PatternTable(dtypes)
-    _warn_dequantized(checkpoint, [named[n][0] for n in wanted])
+    kept = {n for n in wanted if _kept(named[n][0], slice_of.get(n), block_types)}
+    _warn_dequantized(checkpoint, [named[n][0] for n in wanted if n not in kept])
     out: dict[str, torch.Tensor] = {}
     nbytes = 0
     for name in wanted:
         tensor, heads = named[name]
-        t = tensor_from_gguf(tensor, heads)
+        target = dtype_of.get(name) or dtype
         nbytes += tensor.nbytes
         spec = slice_of.get(name)
+        if name in kept:
+            blocks = blocks_from_gguf(tensor, heads, None if target is None else _torch_dtype(target))
+            if spec is not None:
+                blocks = _slice_blocks(blocks, spec, name, checkpoint)
+            out[name] = blocks if str(device) == "cpu" else blocks.to(device)
+            continue
+        t = tensor_from_gguf(tensor, heads)
         if spec is not None:
             t = _slice(t, spec, name, checkpoint).contiguous()
-        target = dtype_of.get(name) or dtype
         if target is not None:
             t = t.to(_torch_dtype(target))
         if str(device) != "cpu":
@@ -162,6 +199,36 @@ def _slice(t: torch.Tensor, spec: Any, name: str, checkpoint: GGUFCheckpoint) ->
     return t.narrow(dim, start, stop - start)
 
 
+def _kept(tensor: GGUFTensor, spec: Any, block_types: Collection[str]) -> bool:
+    """Whether ``tensor`` (sliced by ``spec``) stays in its blocks."""
+    kind = tensor.type_name.lower()
+    if kind not in block_types or len(tensor.shape) != 2:
+        return False
+    if spec is None or spec[0] in (0, -2):
+        return True
+    from rtpcore.checkpoint.gguf.blocks import _block_size
+
+    block = _block_size(kind)[0]
+    return spec[1] % block == 0 and spec[2] % block == 0  # columns on block edges
+
+
+def _slice_blocks(t: GGUFBlocks, spec: Any, name: str, checkpoint: GGUFCheckpoint) -> GGUFBlocks:
+    """A slice of a weight kept in blocks: rows, or columns on block edges (:func:`_kept`)."""
+    from rtpcore.checkpoint.gguf.blocks import GGUFBlocks, _block_size, row_bytes
+
+    dim, start, stop = spec
+    if not (-2 <= dim < 2 and 0 <= start <= stop <= t.shape[dim]):
+        raise CheckpointError(f"GGUF file {str(checkpoint.path)!r}: slice (dim={dim}, {start}:{stop}) does not fit "
+                              f"tensor {name!r} of shape {list(t.shape)}", path=checkpoint.path, key=name)
+    if dim in (0, -2):
+        return t[start:stop]  # type: ignore[return-value]
+    [(kind, data)] = t.parts
+    block, size = _block_size(kind)
+    part = data[:, start // block * size: stop // block * size].contiguous()
+    assert part.shape[1] == row_bytes(kind, stop - start)
+    return GGUFBlocks([(kind, part)], stop - start, t.dtype)
+
+
 def _torch_dtype(value: Any) -> torch.dtype:
     import torch
 
@@ -183,7 +250,8 @@ def _warn_dequantized(checkpoint: GGUFCheckpoint, tensors: Sequence[GGUFTensor])
     kinds = sorted({t.type_name for t in quantized})
     logger.warning(
         "%s: %d quantized tensor(s) (%s) are dequantized to float32 at load: %.1f MB in memory instead of "
-        "%.1f MB in the file (no quantized GGUF kernels yet)",
+        "%.1f MB in the file (the gguf quantization method keeps Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and F16 "
+        "in their blocks)",
         checkpoint.path, len(quantized), ", ".join(kinds), floats / 1e6, stored / 1e6,
     )
 

@@ -350,7 +350,7 @@ def _load(
     # What the loader reads (fp8 block-quantized weights dequantized at load, for every model);
     # rtpcore.checkpoint.resolve.resolve_checkpoints fetches a Hub checkpoint's shards by the same request.
     # The quantization method (rtpcore.quantization): --quantization's, else config.json's quant_method.
-    method = _quantization_method(config, registry, hf_config)
+    method = _quantization_method(config, registry, hf_config, checkpoint, ctx.device)
     request = WeightRequest.for_model(plugin, model_config, hf_config, quantization=method)
     local_config, slices = _shard(plugin, model_type, model_config, ctx)
     # Before the weights: a bad layout fails fast.
@@ -398,12 +398,21 @@ def _gguf_names(plugin: Any, checkpoint: str, hf_config: dict[str, Any]) -> dict
     return gguf_tensor_names(plugin, checkpoint, hf_config) if is_gguf(checkpoint) else None
 
 
-def _quantization_method(config: Any, registry: Any, hf_config: dict[str, Any]) -> Any:
-    """The model's quantization method among the registered ones (None: float weights)."""
+def _quantization_method(config: Any, registry: Any, hf_config: dict[str, Any], checkpoint: str, device: Any) -> Any:
+    """The model's quantization method among the registered ones (None: float weights). A GGUF
+    checkpoint's own (``gguf``) where the engine asks for none and the method runs on the device;
+    on another device its weights are dequantized at load."""
+    from rtpcore.checkpoint.gguf import is_gguf
     from rtpcore.quantization import quantization_method
 
     classes = registry.seam_classes("quantization_methods")
-    return quantization_method(hf_config, classes, requested=getattr(config, "quantization", None))
+    requested = getattr(config, "quantization", None)
+    method = quantization_method(hf_config, classes, requested=requested, gguf=is_gguf(checkpoint))
+    problem = None if method is None else method.device_problem(torch.device(device).type)
+    if requested is None and problem is not None:
+        logger.info("GGUF weights are dequantized at load: %s", problem)
+        return None
+    return method
 
 
 def attention_backends(config: Any, registry: Any, specs: list[Any], device: Any) -> list[Any]:

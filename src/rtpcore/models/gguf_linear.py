@@ -1,0 +1,104 @@
+"""The ``gguf`` quantization method's layers: a ``Linear`` whose weight stays in GGUF blocks.
+
+``rtpcore.quantization.GgufMethod.create_weights`` calls :func:`attach` for a ``Linear`` built
+from a :class:`~rtpcore.checkpoint.gguf.blocks.GGUFBlocks` weight, and ``apply`` calls
+:func:`forward`. The layer then holds (all non-persistent buffers, no float weight):
+
+* ``weight``: uint8 ``(out, row bytes)``, the file's blocks, when every row has one GGML type;
+  else None and ``weight_0``, ``weight_1``, ... one per run of rows of one type, top first;
+* ``gguf_parts``: ``((type name, rows), ...)``, one per byte buffer (lower-case GGML names:
+  ``"q8_0"``, ``"q4_k"``, ``"f16"``);
+* ``bias`` in the model's dtype and ``bias_f32`` in float32 (or None).
+
+Two implementations of the product ``y = x @ dequant(W).T + bias``, chosen once per process
+by :func:`~rtpcore.checkpoint.gguf.blocks.gguf_native`:
+
+* **native** (``rtpcore_native._kernels`` with ``gguf_dtypes``): ``LinearWeights(ptr, type, 0,
+  bias, out, in)`` per part and ``linear(...)`` for any number of rows, the activations
+  quantized per block as llama.cpp does (its tolerance: ``tests/test_gguf_method.py``);
+* **reference** (a build without them): the blocks dequantized with the ``gguf`` package on
+  every call, then ``F.linear`` in float32. Slow -- a float copy of the weight per call -- but
+  exact: the result is bit for bit that of a float32 model loaded with the same weights
+  dequantized, which is what the tests compare the native kernels against.
+
+Either way the activations are computed in float32 and the result is cast to the input's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rtpcore.checkpoint.gguf.blocks import GGUFBlocks, dequantize_rows, gguf_native
+
+__all__ = ["attach", "forward", "gguf_blocks", "native_gguf_weights"]
+
+
+def attach(layer: Any, weight: GGUFBlocks, bias: torch.Tensor | None) -> None:
+    """Give ``layer`` (an ``rtpcore.layers.Linear`` being built) ``weight``'s blocks and ``bias``."""
+    if weight.device.type != "cpu":
+        raise ValueError(f"GGUF weights in blocks are multiplied on the CPU; this one is on {weight.device}")
+    parts = weight.parts
+    layer.gguf_parts = tuple((kind, int(data.shape[0])) for kind, data in parts)
+    if len(parts) == 1:
+        layer.register_buffer("weight", parts[0][1].contiguous(), persistent=False)
+    else:
+        layer.register_buffer("weight", None, persistent=False)
+        for i, (_, data) in enumerate(parts):
+            layer.register_buffer(f"weight_{i}", data.contiguous(), persistent=False)
+    layer.register_buffer("bias", bias, persistent=False)
+    layer.register_buffer("bias_f32", None if bias is None else bias.float().contiguous(), persistent=False)
+    layer.gguf_native = _native_weights(layer)
+
+
+def gguf_blocks(layer: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(type name, uint8 (rows, row bytes))`` of each part of a layer :func:`attach` built."""
+    if len(layer.gguf_parts) == 1:
+        return [(layer.gguf_parts[0][0], layer.weight)]
+    return [(kind, getattr(layer, f"weight_{i}")) for i, (kind, _) in enumerate(layer.gguf_parts)]
+
+
+def native_gguf_weights(kind: str, blocks: torch.Tensor, bias: torch.Tensor | None, in_features: int,
+                        row_offset: int = 0, rows: int | None = None) -> Any:
+    """The native kernels' ``LinearWeights`` of ``rows`` rows of ``blocks`` from ``row_offset``
+    (every row when None), with float32 ``bias`` of those rows or None. ``blocks`` (and ``bias``)
+    must outlive it."""
+    native = gguf_native()
+    n = blocks.shape[0] - row_offset if rows is None else rows
+    ptr = blocks.data_ptr() + row_offset * blocks.stride(0)
+    return native.LinearWeights(ptr, kind, 0, 0 if bias is None else bias.data_ptr(), n, in_features)
+
+
+def _native_weights(layer: Any) -> list[Any] | None:
+    """One native ``LinearWeights`` per part, or None without the native kernels."""
+    if gguf_native() is None:
+        return None
+    out, start = [], 0
+    bias = layer.bias_f32
+    for kind, blocks in gguf_blocks(layer):
+        rows = blocks.shape[0]
+        part_bias = None if bias is None else bias[start: start + rows]
+        out.append(native_gguf_weights(kind, blocks, part_bias, layer.in_features))
+        start += rows
+    return out
+
+
+def forward(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """``layer``'s output (..., out) for ``x`` (..., in), in ``x``'s dtype."""
+    rows = x.reshape(-1, layer.in_features).float().contiguous()  # (n, in)
+    native = layer.gguf_native
+    if native is not None and rows.shape[0] > 0:
+        kernels = gguf_native()
+        kernels.set_num_threads(torch.get_num_threads())
+        outs = []
+        for weights in native:
+            y = torch.empty(rows.shape[0], weights.out_features, dtype=torch.float32)  # (n, part rows)
+            kernels.linear(weights, rows.data_ptr(), rows.shape[0], y.data_ptr())
+            outs.append(y)
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    else:  # the reference: the weight dequantized for this call
+        w = torch.cat([dequantize_rows(kind, blocks, layer.in_features) for kind, blocks in gguf_blocks(layer)])
+        y = F.linear(rows, w, layer.bias_f32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features)
