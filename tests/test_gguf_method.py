@@ -3,7 +3,7 @@ weights stay in their blocks from the file to the kernel.
 
 The reference each test compares against is the same file with every weight dequantized to
 float32 at load (``quantization="none"``). Two implementations multiply the blocks
-(``rtpcore.models.gguf_linear``): rtpcore_native's GGUF kernels where the build has them, which
+(``rtpcore.checkpoint.gguf.linear``): rtpcore_native's GGUF kernels where the build has them, which
 quantize the activations per block of 32 to 8 bits as llama.cpp does, and otherwise the
 reference path, which dequantizes the weights per call and is exact. The bounds:
 

@@ -25,7 +25,7 @@ from rtpcore.errors import (
     RtpcoreError,
 )
 from rtpcore.layers import Linear
-from rtpcore.quantization import Fp8Method, Int8Method, quantization_method
+from rtpcore.quantization import Fp8Method, GgufMethod, Int8Method, quantization_method
 
 pytest.importorskip("transformers")
 
@@ -115,7 +115,7 @@ def fp8_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[
 def test_the_built_ins_resolve_by_quant_method_and_by_name(fp8_pair: tuple[Path, list[list[int]]]) -> None:
     registry = load_plugins(Allowlist.from_cli().resolve())
     classes = {n: registry.seam_class("quantization_methods", n) for n in registry.seam_names("quantization_methods")}
-    assert classes == {"fp8": Fp8Method, "int8": Int8Method}
+    assert classes == {"fp8": Fp8Method, "gguf": GgufMethod, "int8": Int8Method}
     hf = json.loads((fp8_pair[0] / "config.json").read_text())
     method = quantization_method(hf, classes)
     assert isinstance(method, Fp8Method) and method.config.block_size == (16, 16)
@@ -141,7 +141,7 @@ def test_a_plugin_method_chosen_by_quant_method_matches_the_built_in_it_extends(
     assert MyFp8.selected and all(n > 0 for n in MyFp8.selected)  # its scales entered the load
     # Without the plugin the checkpoint names a method nobody registered.
     with pytest.raises(CheckpointError, match=r"quant_method 'my_fp8' is not a quantization method here; "
-                                              r"known: fp8, int8"):
+                                              r"known: fp8, gguf, int8"):
         Engine.from_pretrained(q_dir, tokens_per_block=4)
 
 
@@ -158,7 +158,7 @@ def test_an_unknown_quant_method_names_the_installed_plugin_that_declares_it(
     with pytest.raises(CheckpointError) as excinfo:
         Engine.from_pretrained(q_dir, tokens_per_block=4)
     message = str(excinfo.value)
-    assert "quant_method 'my_fp8' is not a quantization method here; known: fp8, int8" in message
+    assert "quant_method 'my_fp8' is not a quantization method here; known: fp8, gguf, int8" in message
     assert "plugin 'qm_hint' of qm-hint 2.5" in message and "plugins=['qm-hint']" in message
 
 
@@ -188,7 +188,7 @@ def test_a_plugin_method_building_its_own_layers_runs_through_the_cli(
         capture_output=True, text=True, env=subprocess_env(plugin_env), timeout=600, check=False,
     )
     assert run.returncode == 1
-    assert "quantization must be None or one of fp8, int8, got 'nf4'" in run.stderr
+    assert "quantization must be None, 'none' or one of fp8, gguf, int8, got 'nf4'" in run.stderr
 
 
 @pytest.mark.parametrize(("body", "error", "rule"), [
@@ -212,5 +212,5 @@ def test_a_wrong_method_is_refused_and_nothing_registers(plugin_env: PluginEnv, 
 
 
 def test_an_unknown_quantization_is_refused_before_anything_loads(ckpt: Path) -> None:
-    with pytest.raises(RtpcoreError, match="quantization must be None or one of fp8, int8, got 'nf4'"):
+    with pytest.raises(RtpcoreError, match="quantization must be None, 'none' or one of fp8, gguf, int8, got 'nf4'"):
         Engine.from_pretrained(ckpt, quantization="nf4")

@@ -257,7 +257,7 @@ class GgufMethod(QuantizationMethod):
     (docs/design.md §20). The loader hands every 2-D tensor of a type in :attr:`gguf_types`
     (Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F16) to the model as a
     ``rtpcore.checkpoint.gguf.blocks.GGUFBlocks`` -- the file's bytes, Q/K rows un-permuted --
-    and each ``Linear`` built from one keeps the bytes (``rtpcore.models.gguf_linear``); a token
+    and each ``Linear`` built from one keeps the bytes (``rtpcore.checkpoint.gguf.linear``); a token
     embedding in blocks dequantizes the rows it looks up. F32 and BF16 tensors are floats as
     stored; other quantized types are dequantized at load, with a warning. The products run in
     rtpcore_native's GGUF kernels (activations quantized per block, as llama.cpp does), or,
@@ -294,13 +294,13 @@ class GgufMethod(QuantizationMethod):
 
         if not isinstance(weight, GGUFBlocks):  # F32/BF16 in the file, or a plugin's float tensor
             return False
-        from rtpcore.models.gguf_linear import attach
+        from rtpcore.checkpoint.gguf.linear import attach
 
         attach(layer, weight, bias)
         return True
 
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        from rtpcore.models.gguf_linear import forward
+        from rtpcore.checkpoint.gguf.linear import forward
 
         return forward(layer, x)
 

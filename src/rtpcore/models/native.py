@@ -24,7 +24,7 @@ backend is ``native_cpu`` (or a subclass); ``--attention-backend torch`` turns i
 ``--no-native-decode``. Every other step runs the torch modules. ``LlamaModel.decode_kernel`` says which one decode
 steps use, and why not the native one when it is off (:func:`native_problem`).
 
-GGUF weights kept in their blocks (the ``gguf`` quantization method, ``rtpcore.models.gguf_linear``)
+GGUF weights kept in their blocks (the ``gguf`` quantization method, ``rtpcore.checkpoint.gguf.linear``)
 are read in place where the build's kernels multiply GGUF blocks
 (``rtpcore.checkpoint.gguf.blocks.gguf_native``): a fused qkv or gate_up of one type as one
 operand, of several types (a Q4_K_M file's Q6_K v rows) as one operand per projection
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rtpcore.checkpoint.gguf.blocks import GGUFBlocks, gguf_native
-from rtpcore.models.gguf_linear import gguf_blocks, native_gguf_weights
+from rtpcore.checkpoint.gguf.linear import gguf_blocks, native_gguf_weights
 from rtpcore.models.layers import Linear
 from rtpcore.models.layers import native_kernels as kernels
 
