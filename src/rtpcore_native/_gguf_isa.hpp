@@ -40,6 +40,17 @@ RTPCORE_QINLINE U8 ld32(const void* p) {
     return v;
 }
 
+// The IEEE half at p (F16C's conversion where there is one).
+RTPCORE_QINLINE float half(const uint8_t* p) {
+#if RTPCORE_Q_SIMD
+    uint16_t h;
+    std::memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+#else
+    return gguf::f16_at(p);
+#endif
+}
+
 // 16 bytes of packed nibbles -> 32 bytes: the low nibbles, then the high ones.
 RTPCORE_QINLINE U8 nibbles(const uint8_t* p) {
 #if RTPCORE_Q_SIMD
@@ -156,7 +167,7 @@ struct Block32 {
 template <gguf::Type T>
 RTPCORE_QINLINE Block32 decode32(const uint8_t* p) {
     Block32 b;
-    b.d = gguf::f16_at(p);
+    b.d = half(p);
     if constexpr (T == gguf::Type::q8_0) {
         b.q = ld32(p + 2);
         b.c = 0.0f;
@@ -172,7 +183,7 @@ RTPCORE_QINLINE Block32 decode32(const uint8_t* p) {
         uint32_t qh;
         std::memcpy(&qh, p + 4, sizeof qh);
         b.q = nibbles(p + 8) | fifth_bits(qh);
-        b.c = gguf::f16_at(p + 2);
+        b.c = half(p + 2);
     }
     return b;
 }
@@ -189,19 +200,23 @@ struct BlockK {
 };
 
 RTPCORE_QINLINE I16 two_scales(int lo, int hi) {
+#if RTPCORE_Q_SIMD
+    return (I16)_mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
+#else
     I16 v;
     for (int i = 0; i < 8; ++i) {
         v[i] = static_cast<int16_t>(lo);
         v[i + 8] = static_cast<int16_t>(hi);
     }
     return v;
+#endif
 }
 
 template <gguf::Type T>
 RTPCORE_QINLINE void decodeK(const uint8_t* p, BlockK& b) {
     if constexpr (T == gguf::Type::q6_k) {
         const auto* sc = reinterpret_cast<const int8_t*>(p + 192);
-        b.d = b.dmin = gguf::f16_at(p + 208);
+        b.d = b.dmin = half(p + 208);
         for (int h = 0; h < 2; ++h) {
             const U8 ql0 = ld32(p + 64 * h), ql1 = ld32(p + 64 * h + 32), qh = ld32(p + 128 + 32 * h);
             b.q[4 * h + 0] = (ql0 & 0xf) | ((qh & 0x03) << 4);
@@ -210,11 +225,13 @@ RTPCORE_QINLINE void decodeK(const uint8_t* p, BlockK& b) {
             b.q[4 * h + 3] = (ql1 >> 4) | ((qh & 0xc0) >> 2);
         }
         for (int c = 0; c < 8; ++c) b.sc[c] = two_scales(sc[2 * c], sc[2 * c + 1]);
-        for (int g = 0; g < 16; ++g) b.mn[g] = static_cast<int16_t>(32 * sc[g]);
+        int16_t mn[16];
+        for (int g = 0; g < 16; ++g) mn[g] = static_cast<int16_t>(32 * sc[g]);
+        std::memcpy(&b.mn, mn, sizeof mn);
     } else {  // q4_k, q5_k
         constexpr bool five = T == gguf::Type::q5_k;
-        b.d = gguf::f16_at(p);
-        b.dmin = gguf::f16_at(p + 2);
+        b.d = half(p);
+        b.dmin = half(p + 2);
         const uint8_t* qs = p + (five ? 48 : 16);
         U8 qh{};
         if constexpr (five) qh = ld32(p + 16);
@@ -227,12 +244,14 @@ RTPCORE_QINLINE void decodeK(const uint8_t* p, BlockK& b) {
                 b.q[2 * j + 1] |= (U8)((qh & static_cast<uint8_t>(2u << (2 * j))) != 0) & 0x10;
             }
         }
+        int16_t mn[16];
         for (int j = 0; j < 8; ++j) {
             int sc, m;
             gguf::scale_min_k4(j, p + 4, sc, m);
-            b.sc[j] = two_scales(sc, sc);
-            b.mn[2 * j] = b.mn[2 * j + 1] = static_cast<int16_t>(m);
+            b.sc[j] = I16{} + static_cast<int16_t>(sc);
+            mn[2 * j] = mn[2 * j + 1] = static_cast<int16_t>(m);
         }
+        std::memcpy(&b.mn, mn, sizeof mn);
     }
 }
 

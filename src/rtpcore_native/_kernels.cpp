@@ -511,6 +511,10 @@ struct Layer {
     LinearW qkv, o;
     const float* norm2 = nullptr;
     LinearW gate_up, down;
+    // set_layer_parts: q, k, v and gate, up as separate products (a GGUF file may store them in
+    // different types), written into the fused layouts; qkv and gate_up are then unused.
+    bool parts = false;
+    LinearW q, k, v, gate, up;
     int64_t window = 0;  // 0: none
     void* k_pool = nullptr;  // (slots, Hkv, D) float32 or bfloat16
     void* v_pool = nullptr;
@@ -547,15 +551,50 @@ class LlamaDecoder {
         l.gate_up = gate_up;
         l.down = down;
         l.window = window;
+        l.parts = false;
     }
 
+    // set_layer with the projections unfused: q (H D, E), k and v (Hkv D, E), gate and up (I, E).
+    void set_layer_parts(int64_t i, uintptr_t norm1, const LinearW& q, const LinearW& k, const LinearW& v,
+                         const LinearW& o, uintptr_t norm2, const LinearW& gate, const LinearW& up, const LinearW& down,
+                         int64_t window) {
+        Layer& l = at(i);
+        expect(q, H_ * D_, E_, "q");
+        expect(k, Hkv_ * D_, E_, "k");
+        expect(v, Hkv_ * D_, E_, "v");
+        expect(o, E_, H_ * D_, "o");
+        expect(gate, I_, E_, "gate");
+        expect(up, I_, E_, "up");
+        expect(down, E_, I_, "down");
+        l.norm1 = as_ptr<const float>(norm1);
+        l.norm2 = as_ptr<const float>(norm2);
+        l.q = q;
+        l.k = k;
+        l.v = v;
+        l.o = o;
+        l.gate = gate;
+        l.up = up;
+        l.down = down;
+        l.window = window;
+        l.parts = true;
+    }
+
+    // The embedding (vocab_rows, E) is float32, bfloat16 or a GGUF type (its rows dequantized
+    // as they are looked up).
     void set_head(uintptr_t embed, int64_t vocab_rows, const std::string& embed_dtype, uintptr_t norm,
                   const LinearW& head) {
         expect(head, V_, E_, "lm_head");
-        if (embed_dtype != "float32" && embed_dtype != "bfloat16")
-            throw std::invalid_argument("embedding dtype must be 'float32' or 'bfloat16', got '" + embed_dtype + "'");
+        if (embed_dtype == "float32" || embed_dtype == "bfloat16") {
+            embed_kind_ = embed_dtype == "bfloat16" ? WeightKind::bf16 : WeightKind::f32;
+        } else {
+            gguf::Type t;
+            if (!gguf::parse(embed_dtype, t))
+                throw std::invalid_argument("embedding dtype must be 'float32', 'bfloat16' or a GGUF type (" +
+                                            gguf::names() + "), got '" + embed_dtype + "'");
+            embed_row_bytes_ = gguf::row_bytes(t, E_);
+            embed_kind_ = gguf_kind(t);
+        }
         vocab_rows_ = vocab_rows;
-        embed_bf16_ = embed_dtype == "bfloat16";
         embed_ = as_ptr<const void>(embed);
         norm_ = as_ptr<const float>(norm);
         head_ = head;
@@ -614,7 +653,10 @@ class LlamaDecoder {
         gu_.resize(B * 2 * I_);
         act_.resize(B * I_);
         for (int64_t b = 0; b < B; ++b) {
-            if (embed_bf16_) {
+            if (is_gguf(embed_kind_)) {
+                gguf::dequantize_row(gguf_type(embed_kind_), static_cast<const uint8_t*>(embed_) + ids[b] * embed_row_bytes_,
+                                     E_, &x_[b * E_]);
+            } else if (embed_kind_ == WeightKind::bf16) {
                 const uint16_t* row = static_cast<const uint16_t*>(embed_) + ids[b] * E_;
                 for (int64_t e = 0; e < E_; ++e) x_[b * E_ + e] = bf16_to_f32(row[e]);
             } else {
@@ -624,7 +666,13 @@ class LlamaDecoder {
         Pool& p = pool();
         for (Layer& l : layers_) {
             for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm1, eps_, &h_[b * E_], E_);
-            linear_parallel(l.qkv, h_.data(), B, qkv_.data(), false);
+            if (l.parts) {
+                linear_into(l.q, B, Q + 2 * KV, 0);
+                linear_into(l.k, B, Q + 2 * KV, Q);
+                linear_into(l.v, B, Q + 2 * KV, Q + KV);
+            } else {
+                linear_parallel(l.qkv, h_.data(), B, qkv_.data(), false);
+            }
             for (int64_t b = 0; b < B; ++b) {
                 float* row = &qkv_[b * (Q + 2 * KV)];
                 const float* c = cos + pos[b] * D_;
@@ -653,7 +701,12 @@ class LlamaDecoder {
             });
             linear_parallel(l.o, attn_.data(), B, x_.data(), true);
             for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm2, eps_, &h_[b * E_], E_);
-            linear_parallel(l.gate_up, h_.data(), B, gu_.data(), false);
+            if (l.parts) {
+                linear_into(l.gate, B, 2 * I_, 0, gu_);
+                linear_into(l.up, B, 2 * I_, I_, gu_);
+            } else {
+                linear_parallel(l.gate_up, h_.data(), B, gu_.data(), false);
+            }
             for (int64_t b = 0; b < B; ++b) k.silu_mul(&gu_[b * 2 * I_], &gu_[b * 2 * I_ + I_], &act_[b * I_], I_);
             linear_parallel(l.down, act_.data(), B, x_.data(), true);
         }
@@ -662,6 +715,20 @@ class LlamaDecoder {
     }
 
   private:
+    // Columns [col, col + l.N) of `dst` (B rows of `width`) = h_ @ l: the product of one unfused
+    // projection, through a scratch buffer when rows are not contiguous there (B > 1).
+    void linear_into(const LinearW& l, int64_t B, int64_t width, int64_t col, std::vector<float>& dst) {
+        if (B == 1) {
+            linear_parallel(l, h_.data(), 1, dst.data() + col, false);
+            return;
+        }
+        part_.resize(B * l.N);
+        linear_parallel(l, h_.data(), B, part_.data(), false);
+        for (int64_t b = 0; b < B; ++b)
+            std::memcpy(dst.data() + b * width + col, part_.data() + b * l.N, sizeof(float) * l.N);
+    }
+    void linear_into(const LinearW& l, int64_t B, int64_t width, int64_t col) { linear_into(l, B, width, col, qkv_); }
+
     Layer& at(int64_t i) {
         if (i < 0 || i >= static_cast<int64_t>(layers_.size()))
             throw std::out_of_range("layer " + std::to_string(i) + " of " + std::to_string(layers_.size()));
@@ -682,11 +749,12 @@ class LlamaDecoder {
     const float eps_;
     std::vector<Layer> layers_;
     const void* embed_ = nullptr;
-    bool embed_bf16_ = false;
+    WeightKind embed_kind_ = WeightKind::f32;
+    int64_t embed_row_bytes_ = 0;  // GGUF embeddings
     int64_t vocab_rows_ = 0;
     const float* norm_ = nullptr;
     LinearW head_;
-    std::vector<float> x_, h_, qkv_, attn_, gu_, act_;
+    std::vector<float> x_, h_, qkv_, attn_, gu_, act_, part_;
 };
 
 }  // namespace
@@ -761,6 +829,9 @@ PYBIND11_MODULE(_kernels, m) {
              py::arg("eps"), py::arg("num_layers"))
         .def("set_layer", &LlamaDecoder::set_layer, py::arg("index"), py::arg("norm1"), py::arg("qkv"), py::arg("o"),
              py::arg("norm2"), py::arg("gate_up"), py::arg("down"), py::arg("window"))
+        .def("set_layer_parts", &LlamaDecoder::set_layer_parts, py::arg("index"), py::arg("norm1"), py::arg("q"),
+             py::arg("k"), py::arg("v"), py::arg("o"), py::arg("norm2"), py::arg("gate"), py::arg("up"),
+             py::arg("down"), py::arg("window"))
         .def("set_head", &LlamaDecoder::set_head, py::arg("embed"), py::arg("vocab_rows"), py::arg("embed_dtype"),
              py::arg("norm"), py::arg("head"))
         .def("set_pools", &LlamaDecoder::set_pools, py::arg("index"), py::arg("k"), py::arg("v"), py::arg("slots"),
