@@ -105,15 +105,18 @@ def main() -> None:
                 dense = dequantize(dtype, w, n, k)  # torch's operand: the same weights in float32
                 for rows in ROWS:
                     x = x_all[:rows].contiguous()
-                    torch_us[rows] = best_time(lambda x=x: torch.matmul(x, dense.T), args.seconds) * 1e6
+                    torch_us[rows] = best_time(lambda x=x, dense=dense: torch.matmul(x, dense.T), args.seconds) * 1e6
                 weights = kernels.LinearWeights(w.ctypes.data, dtype, 0, 0, n, k)
                 for isa in isas:
                     kernels.set_isa(isa)
                     for rows in ROWS:
                         x = x_all[:rows].contiguous()
                         y = torch.empty(rows, n)
-                        us = best_time(lambda x=x, y=y, rows=rows: kernels.linear(weights, x.data_ptr(), rows,
-                                                                                 y.data_ptr()), args.seconds) * 1e6
+                        def call(x: torch.Tensor = x, y: torch.Tensor = y, rows: int = rows,
+                                 weights: object = weights) -> None:
+                            kernels.linear(weights, x.data_ptr(), rows, y.data_ptr())
+
+                        us = best_time(call, args.seconds) * 1e6
                         print(f"{dtype:6} {isa:12} {f'{n}x{k}':>11} {rows:>4} {us:9.1f} {w.nbytes / us / 1e3:6.1f} "
                               f"{torch_us[rows]:9.1f} {torch_us[rows] / us:6.2f}", flush=True)
     finally:
