@@ -16,12 +16,14 @@ ext_modules = [
         define_macros=[("RTPCORE_NATIVE_VERSION", f'"{VERSION}"')],
         cxx_std=17,
     ),
-    # CPU decode kernels: compiled for AVX-512, AVX2 and the baseline in one file and chosen
-    # at import (src/rtpcore_native/_kernels.cpp); -O3 for the vectorised loops.
+    # CPU decode kernels (float32, int8, bfloat16 and GGUF-quantized weights): compiled for
+    # AVX-512, AVX2 (each with and without VNNI) and the baseline in one file and chosen at
+    # import (src/rtpcore_native/_kernels.cpp); -O3 for the vectorised loops.
     Pybind11Extension(
         "rtpcore_native._kernels",
         ["src/rtpcore_native/_kernels.cpp"],
-        depends=["src/rtpcore_native/_kernels_isa.hpp"],
+        depends=["src/rtpcore_native/_kernels_isa.hpp", "src/rtpcore_native/_gguf_blocks.hpp",
+                 "src/rtpcore_native/_gguf_isa.hpp"],
         cxx_std=17,
         extra_compile_args=["-O3"],
     ),

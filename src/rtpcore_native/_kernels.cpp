@@ -48,6 +48,8 @@ namespace py = pybind11;
 #define RTPCORE_X86 1
 #endif
 
+#include "_gguf_blocks.hpp"
+
 #ifdef RTPCORE_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
@@ -61,7 +63,27 @@ namespace isa_avx512 {
 #undef RTPCORE_VBYTES
 #undef RTPCORE_MT
 }  // namespace isa_avx512
+namespace q_avx512 {
+#define RTPCORE_Q_SIMD 1
+#define RTPCORE_Q_VNNI 0
+#define RTPCORE_Q_MT 8
+#include "_gguf_isa.hpp"
+#undef RTPCORE_Q_VNNI
+#undef RTPCORE_Q_MT
+}  // namespace q_avx512
 #pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+// The quantized kernels again with AVX512-VNNI's byte dot product.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+namespace q_avx512_vnni {
+#define RTPCORE_Q_VNNI 2
+#define RTPCORE_Q_MT 8
+#include "_gguf_isa.hpp"
+#undef RTPCORE_Q_VNNI
+#undef RTPCORE_Q_MT
+}  // namespace q_avx512_vnni
 #pragma GCC pop_options
 
 #pragma GCC push_options
@@ -73,7 +95,27 @@ namespace isa_avx2 {
 #undef RTPCORE_VBYTES
 #undef RTPCORE_MT
 }  // namespace isa_avx2
+namespace q_avx2 {
+#define RTPCORE_Q_VNNI 0
+#define RTPCORE_Q_MT 4
+#include "_gguf_isa.hpp"
+#undef RTPCORE_Q_VNNI
+#undef RTPCORE_Q_MT
+}  // namespace q_avx2
 #pragma GCC pop_options
+
+// And with AVX-VNNI (the VEX-encoded byte dot product of CPUs with AVX-VNNI but maybe no AVX-512).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace q_avx2_vnni {
+#define RTPCORE_Q_VNNI 1
+#define RTPCORE_Q_MT 4
+#include "_gguf_isa.hpp"
+#undef RTPCORE_Q_VNNI
+#undef RTPCORE_Q_MT
+}  // namespace q_avx2_vnni
+#pragma GCC pop_options
+#undef RTPCORE_Q_SIMD
 #endif
 
 namespace isa_base {
@@ -83,6 +125,19 @@ namespace isa_base {
 #undef RTPCORE_VBYTES
 #undef RTPCORE_MT
 }  // namespace isa_base
+// 32-byte vectors without AVX: GCC warns at every function taking or returning one that its
+// ABI differs, which concerns only calls across objects (these helpers are static and all
+// inlined). Ignored to the end of the file: GCC reports some of them there.
+#pragma GCC diagnostic ignored "-Wpsabi"
+namespace q_base {
+#define RTPCORE_Q_SIMD 0
+#define RTPCORE_Q_VNNI 0
+#define RTPCORE_Q_MT 2
+#include "_gguf_isa.hpp"
+#undef RTPCORE_Q_SIMD
+#undef RTPCORE_Q_VNNI
+#undef RTPCORE_Q_MT
+}  // namespace q_base
 
 namespace {
 
@@ -96,6 +151,10 @@ struct Kernels {
                       bool, int64_t, int64_t);
     void (*linear_bf16)(const float*, int64_t, int64_t, const uint16_t*, const float*, float*, int64_t, bool, int64_t,
                         int64_t);
+    void (*linear_f16)(const float*, int64_t, int64_t, const gguf::f16_t*, const float*, float*, int64_t, bool,
+                       int64_t, int64_t);
+    // the quantized GGUF products by gguf::Type (q8_0 ... q6_k), over quantized activations
+    const q_base::QLinearFn* qlinear;
     void (*rms_norm)(const float*, const float*, float, float*, int64_t);
     void (*silu_mul)(const float*, const float*, float*, int64_t);
     void (*rope)(float*, int64_t, int64_t, const float*, const float*);
@@ -104,52 +163,67 @@ struct Kernels {
                       int64_t, int64_t, int64_t, float, float*, float*);
 };
 
-#define RTPCORE_KERNELS(ns, label)                                                                              \
-    Kernels{label, ns::linear_f32, ns::linear_i8, ns::linear_bf16, ns::rms_norm, ns::silu_mul, ns::rope, \
-            {ns::attend_f32, ns::attend_bf16}}
+#define RTPCORE_KERNELS(ns, qns, label)                                                                       \
+    Kernels{label,        ns::linear_f32,  ns::linear_i8, ns::linear_bf16, ns::linear_f16, qns::kQLinear, ns::rms_norm, \
+            ns::silu_mul, ns::rope,        {ns::attend_f32, ns::attend_bf16}}
 
-const Kernels kBase = RTPCORE_KERNELS(isa_base, "baseline");
+// The sets, best first: the float kernels differ by vector width, the quantized ones also by
+// the byte dot product (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd).
+const Kernels kBase = RTPCORE_KERNELS(isa_base, q_base, "baseline");
 #ifdef RTPCORE_X86
-const Kernels kAvx2 = RTPCORE_KERNELS(isa_avx2, "avx2");
-const Kernels kAvx512 = RTPCORE_KERNELS(isa_avx512, "avx512");
+const Kernels kAvx2 = RTPCORE_KERNELS(isa_avx2, q_avx2, "avx2");
+const Kernels kAvx2Vnni = RTPCORE_KERNELS(isa_avx2, q_avx2_vnni, "avx2_vnni");
+const Kernels kAvx512 = RTPCORE_KERNELS(isa_avx512, q_avx512, "avx512");
+const Kernels kAvx512Vnni = RTPCORE_KERNELS(isa_avx512, q_avx512_vnni, "avx512_vnni");
+const Kernels* const kAll[] = {&kAvx512Vnni, &kAvx512, &kAvx2Vnni, &kAvx2, &kBase};
+#else
+const Kernels* const kAll[] = {&kBase};
 #endif
 
 bool supported(const std::string& isa) {
     if (isa == "baseline") return true;
 #ifdef RTPCORE_X86
     __builtin_cpu_init();
-    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     if (isa == "avx2") return avx2;
-    if (isa == "avx512")
-        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (isa == "avx2_vnni") return avx2 && __builtin_cpu_supports("avxvnni");
+    if (isa == "avx512") return avx512;
+    if (isa == "avx512_vnni") return avx512 && __builtin_cpu_supports("avx512vnni");
 #endif
     return false;
 }
 
 const Kernels* by_name(const std::string& isa) {
-#ifdef RTPCORE_X86
-    if (isa == "avx512") return &kAvx512;
-    if (isa == "avx2") return &kAvx2;
-#endif
-    if (isa == "baseline") return &kBase;
-    throw std::invalid_argument("unknown instruction set '" + isa + "' (known: 'avx512', 'avx2', 'baseline')");
+    for (const Kernels* k : kAll)
+        if (isa == k->name) return k;
+    std::string known;
+    for (const Kernels* k : kAll) known += std::string(known.empty() ? "" : ", ") + "'" + k->name + "'";
+    throw std::invalid_argument("unknown instruction set '" + isa + "' (known: " + known + ")");
 }
 
-// The best supported set at or below ONEDNN_MAX_CPU_ISA (unset, DEFAULT, ALL or an AVX-512 /
-// AVX10 / AMX name: no cap).
+// The best supported set at or below ONEDNN_MAX_CPU_ISA, read as oneDNN reads it: unset,
+// DEFAULT, ALL, AVX512_CORE_VNNI or above (BF16, AVX10, AMX): no cap; AVX512_CORE: AVX-512
+// without VNNI; AVX2_VNNI*: AVX2 with AVX-VNNI; AVX2: AVX2; SSE41 / AVX: the baseline.
 std::string default_isa() {
     std::string cap;
     if (const char* env = std::getenv("ONEDNN_MAX_CPU_ISA")) {
         for (const char* p = env; *p; ++p) cap.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(*p))));
     }
-    bool allow512 = true, allow2 = true;
-    if (cap.rfind("AVX2", 0) == 0) {
-        allow512 = false;
+    bool allow512 = true, allow512vnni = true, allow2 = true, allow2vnni = true;
+    if (cap == "AVX512_CORE") {
+        allow512vnni = false;
+    } else if (cap.rfind("AVX2_VNNI", 0) == 0) {
+        allow512 = allow512vnni = false;
+    } else if (cap.rfind("AVX2", 0) == 0) {
+        allow512 = allow512vnni = allow2vnni = false;
     } else if (cap.rfind("SSE", 0) == 0 || cap == "AVX") {
-        allow512 = allow2 = false;
+        allow512 = allow512vnni = allow2 = allow2vnni = false;
     }
+    if (allow512vnni && supported("avx512_vnni")) return "avx512_vnni";
     if (allow512 && supported("avx512")) return "avx512";
+    if (allow2vnni && supported("avx2_vnni")) return "avx2_vnni";
     if (allow2 && supported("avx2")) return "avx2";
     return "baseline";
 }
@@ -313,23 +387,61 @@ inline uint16_t f32_to_bf16(float f) {
 
 // ---- linear layers
 
-enum class WeightKind { f32, i8, bf16 };
+// float32, int8 (one scale per output row), bfloat16, then the GGUF types in gguf::Type
+// order (f16 last): a GGUF kind is gguf_first + its gguf::Type.
+enum class WeightKind { f32, i8, bf16, gguf_first };
+
+WeightKind gguf_kind(gguf::Type t) { return static_cast<WeightKind>(static_cast<int>(WeightKind::gguf_first) + static_cast<int>(t)); }
+bool is_gguf(WeightKind k) { return static_cast<int>(k) >= static_cast<int>(WeightKind::gguf_first); }
+gguf::Type gguf_type(WeightKind k) { return static_cast<gguf::Type>(static_cast<int>(k) - static_cast<int>(WeightKind::gguf_first)); }
 
 struct LinearW {
-    const void* w = nullptr;  // (N, K) float32, int8 or bfloat16
+    const void* w = nullptr;  // (N, K) float32, int8 or bfloat16; or N rows of GGUF blocks
     WeightKind kind = WeightKind::f32;
     const float* scale = nullptr;  // (N,) int8 only
     const float* bias = nullptr;   // (N,) or null
     int64_t N = 0, K = 0;
 };
 
+// Activations quantized for the GGUF kernels: one buffer, reused by every call (calls run one
+// at a time under g_call_mutex; a decode step's products run one after another).
+gguf::QActs quantize_acts(const float* x, int64_t M, int64_t K, int block) {
+    static std::vector<int8_t> qs;
+    static std::vector<float> d, s;
+    static std::vector<int16_t> bsum;
+    qs.resize(M * K);
+    d.resize(M * (K / block));
+    s.resize(M * (K / 32));
+    bsum.resize(M * (K / 16));
+    gguf::QActs a;
+    a.block = block;
+    a.K = K;
+    a.qs = qs.data();
+    a.d = d.data();
+    a.s = s.data();
+    a.bsum = bsum.data();
+    for (int64_t m = 0; m < M; ++m) gguf::quantize_row(x + m * K, m, a);
+    return a;
+}
+
+// y (M, N) (+)= x (M, K) @ W.T (* scale) + bias over the pool, split by output rows. For a
+// quantized GGUF weight the activations are quantized first (all M rows, once), to blocks of
+// 32 or of 256 (the K types) as llama.cpp quantizes them.
 void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool accumulate) {
     const Kernels& k = kernels();
     Pool& p = pool();
+    gguf::QActs acts;
+    const bool quantized = is_gguf(l.kind) && gguf_type(l.kind) != gguf::Type::f16;
+    if (quantized) acts = quantize_acts(x, M, l.K, gguf::info(gguf_type(l.kind)).block);
     // Small products do not pay for waking the pool.
     const int64_t size = (M * l.N * l.K < (1 << 15)) ? l.N : chunk_size(l.N, p.threads(), 16);
     p.run((l.N + size - 1) / size, [&](int64_t c) {
         const int64_t n0 = c * size, n1 = n0 + size < l.N ? n0 + size : l.N;
+        if (quantized) {
+            k.qlinear[static_cast<int>(gguf_type(l.kind))](acts, M, static_cast<const uint8_t*>(l.w), l.bias, y, l.N,
+                                                          accumulate, n0, n1);
+            return;
+        }
         switch (l.kind) {
             case WeightKind::i8:
                 k.linear_i8(x, M, l.K, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
@@ -339,6 +451,9 @@ void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool
                 break;
             case WeightKind::f32:
                 k.linear_f32(x, M, l.K, static_cast<const float*>(l.w), l.bias, y, l.N, accumulate, n0, n1);
+                break;
+            default:  // f16
+                k.linear_f16(x, M, l.K, static_cast<const gguf::f16_t*>(l.w), l.bias, y, l.N, accumulate, n0, n1);
                 break;
         }
     });
@@ -353,10 +468,22 @@ WeightKind weight_kind(const std::string& dtype) {
     if (dtype == "float32") return WeightKind::f32;
     if (dtype == "int8") return WeightKind::i8;
     if (dtype == "bfloat16") return WeightKind::bf16;
-    throw std::invalid_argument("weight dtype must be 'float32', 'int8' or 'bfloat16', got '" + dtype + "'");
+    gguf::Type t;
+    if (gguf::parse(dtype, t)) return gguf_kind(t);
+    throw std::invalid_argument("weight dtype must be 'float32', 'int8', 'bfloat16' or a GGUF type (" + gguf::names() +
+                                "), got '" + dtype + "'");
 }
 
-const char* kind_name(WeightKind k) {
+// The GGUF kind named `dtype`; std::invalid_argument listing them otherwise.
+WeightKind weight_kind_gguf(const std::string& dtype) {
+    gguf::Type t;
+    if (!gguf::parse(dtype, t))
+        throw std::invalid_argument("GGUF dtype must be one of " + gguf::names() + ", got '" + dtype + "'");
+    return gguf_kind(t);
+}
+
+std::string kind_name(WeightKind k) {
+    if (is_gguf(k)) return gguf::info(gguf_type(k)).name;
     return k == WeightKind::i8 ? "int8" : k == WeightKind::bf16 ? "bfloat16" : "float32";
 }
 
@@ -366,6 +493,7 @@ LinearW make_linear(uintptr_t w, const std::string& dtype, uintptr_t scale, uint
     if (N <= 0 || K <= 0) throw std::invalid_argument("linear shape must be positive, got (" + std::to_string(N) + ", " + std::to_string(K) + ")");
     if (kind == WeightKind::i8 && !scale) throw std::invalid_argument("an int8 linear needs its per-row scales");
     if (kind != WeightKind::i8 && scale) throw std::invalid_argument("only an int8 linear takes scales");
+    if (is_gguf(kind)) gguf::row_bytes(gguf_type(kind), K);  // throws for a K that is no whole number of blocks
     LinearW l;
     l.w = as_ptr<const void>(w);
     l.kind = kind;
@@ -383,6 +511,10 @@ struct Layer {
     LinearW qkv, o;
     const float* norm2 = nullptr;
     LinearW gate_up, down;
+    // set_layer_parts: q, k, v and gate, up as separate products (a GGUF file may store them in
+    // different types), written into the fused layouts; qkv and gate_up are then unused.
+    bool parts = false;
+    LinearW q, k, v, gate, up;
     int64_t window = 0;  // 0: none
     void* k_pool = nullptr;  // (slots, Hkv, D) float32 or bfloat16
     void* v_pool = nullptr;
@@ -419,15 +551,50 @@ class LlamaDecoder {
         l.gate_up = gate_up;
         l.down = down;
         l.window = window;
+        l.parts = false;
     }
 
+    // set_layer with the projections unfused: q (H D, E), k and v (Hkv D, E), gate and up (I, E).
+    void set_layer_parts(int64_t i, uintptr_t norm1, const LinearW& q, const LinearW& k, const LinearW& v,
+                         const LinearW& o, uintptr_t norm2, const LinearW& gate, const LinearW& up, const LinearW& down,
+                         int64_t window) {
+        Layer& l = at(i);
+        expect(q, H_ * D_, E_, "q");
+        expect(k, Hkv_ * D_, E_, "k");
+        expect(v, Hkv_ * D_, E_, "v");
+        expect(o, E_, H_ * D_, "o");
+        expect(gate, I_, E_, "gate");
+        expect(up, I_, E_, "up");
+        expect(down, E_, I_, "down");
+        l.norm1 = as_ptr<const float>(norm1);
+        l.norm2 = as_ptr<const float>(norm2);
+        l.q = q;
+        l.k = k;
+        l.v = v;
+        l.o = o;
+        l.gate = gate;
+        l.up = up;
+        l.down = down;
+        l.window = window;
+        l.parts = true;
+    }
+
+    // The embedding (vocab_rows, E) is float32, bfloat16 or a GGUF type (its rows dequantized
+    // as they are looked up).
     void set_head(uintptr_t embed, int64_t vocab_rows, const std::string& embed_dtype, uintptr_t norm,
                   const LinearW& head) {
         expect(head, V_, E_, "lm_head");
-        if (embed_dtype != "float32" && embed_dtype != "bfloat16")
-            throw std::invalid_argument("embedding dtype must be 'float32' or 'bfloat16', got '" + embed_dtype + "'");
+        if (embed_dtype == "float32" || embed_dtype == "bfloat16") {
+            embed_kind_ = embed_dtype == "bfloat16" ? WeightKind::bf16 : WeightKind::f32;
+        } else {
+            gguf::Type t;
+            if (!gguf::parse(embed_dtype, t))
+                throw std::invalid_argument("embedding dtype must be 'float32', 'bfloat16' or a GGUF type (" +
+                                            gguf::names() + "), got '" + embed_dtype + "'");
+            embed_row_bytes_ = gguf::row_bytes(t, E_);
+            embed_kind_ = gguf_kind(t);
+        }
         vocab_rows_ = vocab_rows;
-        embed_bf16_ = embed_dtype == "bfloat16";
         embed_ = as_ptr<const void>(embed);
         norm_ = as_ptr<const float>(norm);
         head_ = head;
@@ -486,7 +653,10 @@ class LlamaDecoder {
         gu_.resize(B * 2 * I_);
         act_.resize(B * I_);
         for (int64_t b = 0; b < B; ++b) {
-            if (embed_bf16_) {
+            if (is_gguf(embed_kind_)) {
+                gguf::dequantize_row(gguf_type(embed_kind_), static_cast<const uint8_t*>(embed_) + ids[b] * embed_row_bytes_,
+                                     E_, &x_[b * E_]);
+            } else if (embed_kind_ == WeightKind::bf16) {
                 const uint16_t* row = static_cast<const uint16_t*>(embed_) + ids[b] * E_;
                 for (int64_t e = 0; e < E_; ++e) x_[b * E_ + e] = bf16_to_f32(row[e]);
             } else {
@@ -496,7 +666,13 @@ class LlamaDecoder {
         Pool& p = pool();
         for (Layer& l : layers_) {
             for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm1, eps_, &h_[b * E_], E_);
-            linear_parallel(l.qkv, h_.data(), B, qkv_.data(), false);
+            if (l.parts) {
+                linear_into(l.q, B, Q + 2 * KV, 0);
+                linear_into(l.k, B, Q + 2 * KV, Q);
+                linear_into(l.v, B, Q + 2 * KV, Q + KV);
+            } else {
+                linear_parallel(l.qkv, h_.data(), B, qkv_.data(), false);
+            }
             for (int64_t b = 0; b < B; ++b) {
                 float* row = &qkv_[b * (Q + 2 * KV)];
                 const float* c = cos + pos[b] * D_;
@@ -525,7 +701,12 @@ class LlamaDecoder {
             });
             linear_parallel(l.o, attn_.data(), B, x_.data(), true);
             for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm2, eps_, &h_[b * E_], E_);
-            linear_parallel(l.gate_up, h_.data(), B, gu_.data(), false);
+            if (l.parts) {
+                linear_into(l.gate, B, 2 * I_, 0, gu_);
+                linear_into(l.up, B, 2 * I_, I_, gu_);
+            } else {
+                linear_parallel(l.gate_up, h_.data(), B, gu_.data(), false);
+            }
             for (int64_t b = 0; b < B; ++b) k.silu_mul(&gu_[b * 2 * I_], &gu_[b * 2 * I_ + I_], &act_[b * I_], I_);
             linear_parallel(l.down, act_.data(), B, x_.data(), true);
         }
@@ -534,6 +715,20 @@ class LlamaDecoder {
     }
 
   private:
+    // Columns [col, col + l.N) of `dst` (B rows of `width`) = h_ @ l: the product of one unfused
+    // projection, through a scratch buffer when rows are not contiguous there (B > 1).
+    void linear_into(const LinearW& l, int64_t B, int64_t width, int64_t col, std::vector<float>& dst) {
+        if (B == 1) {
+            linear_parallel(l, h_.data(), 1, dst.data() + col, false);
+            return;
+        }
+        part_.resize(B * l.N);
+        linear_parallel(l, h_.data(), B, part_.data(), false);
+        for (int64_t b = 0; b < B; ++b)
+            std::memcpy(dst.data() + b * width + col, part_.data() + b * l.N, sizeof(float) * l.N);
+    }
+    void linear_into(const LinearW& l, int64_t B, int64_t width, int64_t col) { linear_into(l, B, width, col, qkv_); }
+
     Layer& at(int64_t i) {
         if (i < 0 || i >= static_cast<int64_t>(layers_.size()))
             throw std::out_of_range("layer " + std::to_string(i) + " of " + std::to_string(layers_.size()));
@@ -554,11 +749,12 @@ class LlamaDecoder {
     const float eps_;
     std::vector<Layer> layers_;
     const void* embed_ = nullptr;
-    bool embed_bf16_ = false;
+    WeightKind embed_kind_ = WeightKind::f32;
+    int64_t embed_row_bytes_ = 0;  // GGUF embeddings
     int64_t vocab_rows_ = 0;
     const float* norm_ = nullptr;
     LinearW head_;
-    std::vector<float> x_, h_, qkv_, attn_, gu_, act_;
+    std::vector<float> x_, h_, qkv_, attn_, gu_, act_, part_;
 };
 
 }  // namespace
@@ -570,8 +766,8 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("default_isa", &default_isa, "The best supported instruction set at or below ONEDNN_MAX_CPU_ISA.");
     m.def("supported_isas", [] {
         std::vector<std::string> out;
-        for (const char* n : {"avx512", "avx2", "baseline"})
-            if (supported(n)) out.emplace_back(n);
+        for (const Kernels* k : kAll)
+            if (supported(k->name)) out.emplace_back(k->name);
         return out;
     }, "The instruction sets this CPU (and OS) can run, best first.");
     m.def("set_isa", [](const std::string& isa) {
@@ -579,7 +775,7 @@ PYBIND11_MODULE(_kernels, m) {
         if (!supported(isa)) throw std::invalid_argument("this CPU cannot run the '" + isa + "' kernels");
         std::lock_guard<std::mutex> lock(g_call_mutex);
         g_kernels = k;
-    }, py::arg("isa"), "Use the named instruction set's kernels ('avx512', 'avx2', 'baseline').");
+    }, py::arg("isa"), "Use the named instruction set's kernels (one of supported_isas()).");
     m.def("set_num_threads", [](int n) {
         if (n < 1) throw std::invalid_argument("threads must be >= 1, got " + std::to_string(n));
         std::lock_guard<std::mutex> lock(g_call_mutex);
@@ -592,7 +788,7 @@ PYBIND11_MODULE(_kernels, m) {
              py::arg("out_features"), py::arg("in_features"))
         .def_readonly("out_features", &LinearW::N)
         .def_readonly("in_features", &LinearW::K)
-        .def_property_readonly("dtype", [](const LinearW& l) { return std::string(kind_name(l.kind)); });
+        .def_property_readonly("dtype", [](const LinearW& l) { return kind_name(l.kind); });
 
     m.def("linear", [](const LinearW& l, uintptr_t x, int64_t rows, uintptr_t y, bool accumulate) {
         if (rows <= 0) throw std::invalid_argument("linear needs at least one row, got " + std::to_string(rows));
@@ -602,12 +798,40 @@ PYBIND11_MODULE(_kernels, m) {
     }, py::arg("weights"), py::arg("x"), py::arg("rows"), py::arg("y"), py::arg("accumulate") = false,
        "y (rows, N) (+)= x (rows, K) @ W.T (* scale) + bias, float32.");
 
+    m.def("gguf_dtypes", [] {
+        std::vector<std::string> out;
+        for (const gguf::TypeInfo& t : gguf::kTypes) out.emplace_back(t.name);
+        return out;
+    }, "The GGUF weight types LinearWeights and gguf_dequantize_rows take.");
+    m.def("gguf_row_bytes", [](const std::string& dtype, int64_t K) {
+        return gguf::row_bytes(gguf_type(weight_kind_gguf(dtype)), K);
+    }, py::arg("dtype"), py::arg("K"), "Bytes of one row of K weights of a GGUF type; ValueError unless K is a "
+       "positive multiple of its block size.");
+    m.def("gguf_dequantize_rows", [](const std::string& dtype, uintptr_t weight, int64_t K, uintptr_t row_ids,
+                                     int64_t n, uintptr_t out) {
+        const gguf::Type t = gguf_type(weight_kind_gguf(dtype));
+        const int64_t bytes = gguf::row_bytes(t, K);
+        if (!weight || (n > 0 && (!row_ids || !out))) throw std::invalid_argument("gguf_dequantize_rows: null pointer");
+        if (n < 0) throw std::invalid_argument("gguf_dequantize_rows: n must be >= 0, got " + std::to_string(n));
+        const auto* ids = as_ptr<const int64_t>(row_ids);
+        for (int64_t i = 0; i < n; ++i)
+            if (ids[i] < 0) throw std::out_of_range("gguf_dequantize_rows: row id " + std::to_string(ids[i]) + " < 0");
+        py::gil_scoped_release release;
+        for (int64_t i = 0; i < n; ++i)
+            gguf::dequantize_row(t, as_ptr<const uint8_t>(weight) + ids[i] * bytes, K, as_ptr<float>(out) + i * K);
+    }, py::arg("dtype"), py::arg("weight"), py::arg("K"), py::arg("row_ids"), py::arg("n"), py::arg("out"),
+       "out (n, K) float32 = the rows row_ids (n,) int64 of the GGUF matrix at weight (the embedding lookup of a "
+       "quantized token_embd; the caller keeps ids below its row count).");
+
     py::class_<LlamaDecoder>(m, "LlamaDecoder")
         .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t>(), py::arg("hidden"),
              py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"), py::arg("vocab"),
              py::arg("eps"), py::arg("num_layers"))
         .def("set_layer", &LlamaDecoder::set_layer, py::arg("index"), py::arg("norm1"), py::arg("qkv"), py::arg("o"),
              py::arg("norm2"), py::arg("gate_up"), py::arg("down"), py::arg("window"))
+        .def("set_layer_parts", &LlamaDecoder::set_layer_parts, py::arg("index"), py::arg("norm1"), py::arg("q"),
+             py::arg("k"), py::arg("v"), py::arg("o"), py::arg("norm2"), py::arg("gate"), py::arg("up"),
+             py::arg("down"), py::arg("window"))
         .def("set_head", &LlamaDecoder::set_head, py::arg("embed"), py::arg("vocab_rows"), py::arg("embed_dtype"),
              py::arg("norm"), py::arg("head"))
         .def("set_pools", &LlamaDecoder::set_pools, py::arg("index"), py::arg("k"), py::arg("v"), py::arg("slots"),

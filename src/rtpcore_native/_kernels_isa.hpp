@@ -7,7 +7,7 @@
 //
 // Every function here runs single-threaded over the range it is given; _kernels.cpp splits
 // the work over its thread pool. Shapes: M activation rows, K inputs, N outputs; W is (N, K),
-// float32 or int8 with one float32 scale per output row.
+// float32, bfloat16, IEEE half, or int8 with one float32 scale per output row.
 
 typedef float V __attribute__((vector_size(RTPCORE_VBYTES)));
 typedef int32_t I __attribute__((vector_size(RTPCORE_VBYTES)));
@@ -47,7 +47,20 @@ static inline V load(const uint16_t* p) {
     return v;
 #endif
 }
+// IEEE half lanes widened to float32 (F16C / AVX-512F; the baseline converts one by one).
+static inline V load(const gguf::f16_t* p) {
+#if RTPCORE_VBYTES == 64
+    return (V)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif RTPCORE_VBYTES == 32
+    return (V)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    V v;
+    for (int i = 0; i < kLanes; ++i) v[i] = gguf::f16_to_f32(p[i].bits);
+    return v;
+#endif
+}
 static inline float to_f32(float x) { return x; }
+static inline float to_f32(gguf::f16_t x) { return gguf::f16_to_f32(x.bits); }
 static inline float to_f32(int8_t x) { return static_cast<float>(x); }
 static inline float to_f32(uint16_t x) {
     uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -284,5 +297,10 @@ static void attend_bf16(const float* q, int64_t G, int64_t D, const void* kc, co
 
 static void linear_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, float* y,
                         int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    linear_range(x, M, K, w, nullptr, bias, y, N, accumulate, n0, n1);
+}
+
+static void linear_f16(const float* x, int64_t M, int64_t K, const gguf::f16_t* w, const float* bias, float* y,
+                       int64_t N, bool accumulate, int64_t n0, int64_t n1) {
     linear_range(x, M, K, w, nullptr, bias, y, N, accumulate, n0, n1);
 }

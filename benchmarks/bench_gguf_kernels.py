@@ -1,0 +1,127 @@
+"""Micro-benchmark of the native GGUF matrix kernels (``rtpcore_native._kernels``, DESIGN §20).
+
+For every GGUF weight type and every instruction set this CPU supports: the time of one
+``linear`` call ``y (rows, N) = x (rows, K) @ dequant(W).T`` and the GB/s of weight bytes it
+reads, at rows = 1 (decode), 8 (a batch) and 64 (a prefill chunk), for a 576 x 1536 matrix
+(SmolLM2-135M's down projection) and a 1024 x 4096 one; the baseline is torch's float32
+matmul on the dequantized weights, measured in the same run (ratio = torch time / ours, so
+above 1 is faster than torch). The CPU (model name, avx2 / avx512f / avx512_vnni / avx_vnni)
+heads the output.
+
+    python benchmarks/bench_gguf_kernels.py [--threads 2] [--seconds 0.2] [--isa avx2 ...] [--dtype q4_k ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from rtpcore_native import _kernels as kernels
+
+SHAPES = [(576, 1536), (1024, 4096)]  # (N out, K in)
+ROWS = [1, 8, 64]
+
+
+def cpu_line() -> str:
+    """The CPU's model name and the vector flags that choose our kernels, from /proc/cpuinfo."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    have = " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni"))
+    return f"{model}; {have}"
+
+
+def random_blocks(dtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, row bytes) uint8: valid random GGUF blocks (random integers, scales in [1e-3, 1e-2])."""
+    row = kernels.gguf_row_bytes(dtype, k)
+    if dtype == "f16":
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    out = rng.integers(0, 256, (n, row), dtype=np.uint8)
+    size = row // (k // (256 if dtype.endswith("_k") else 32))
+    blocks = out.reshape(-1, size)
+    halves = [size - 2] if dtype == "q6_k" else [0, 2] if dtype in ("q5_1", "q4_k", "q5_k") else [0]
+    for at in halves:
+        blocks[:, at : at + 2] = rng.uniform(1e-3, 1e-2, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return out
+
+
+def dequantize(dtype: str, w: np.ndarray, n: int, k: int) -> torch.Tensor:
+    out = torch.empty(n, k)
+    ids = torch.arange(n, dtype=torch.int64)
+    kernels.gguf_dequantize_rows(dtype, w.ctypes.data, k, ids.data_ptr(), n, out.data_ptr())
+    return out
+
+
+def best_time(fn: Callable[[], object], seconds: float) -> float:
+    """Seconds per call: the best of 5 rounds of about ``seconds / 5`` each."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    reps = max(1, int(seconds / 5 / once))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=0.2, help="time per measurement")
+    parser.add_argument("--isa", nargs="*", default=None, help="instruction sets (default: all supported)")
+    parser.add_argument("--dtype", nargs="*", default=None, help="GGUF types (default: all)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels.set_num_threads(args.threads)
+    isas = args.isa or kernels.supported_isas()
+    dtypes = args.dtype or kernels.gguf_dtypes()
+    rng = np.random.default_rng(0)
+    print(f"CPU: {cpu_line()}")
+    print(f"threads: {args.threads}; default instruction set: {kernels.default_isa()}; torch {torch.__version__}")
+    print(f"{'dtype':6} {'isa':12} {'N x K':>11} {'rows':>4} {'us/call':>9} {'GB/s':>6} "
+          f"{'torch us':>9} {'ratio':>6}")
+    try:
+        for n, k in SHAPES:
+            x_all = torch.randn(max(ROWS), k)
+            for dtype in dtypes:
+                torch_us = {}
+                w = random_blocks(dtype, n, k, rng)
+                dense = dequantize(dtype, w, n, k)  # torch's operand: the same weights in float32
+                for rows in ROWS:
+                    x = x_all[:rows].contiguous()
+                    torch_us[rows] = best_time(lambda x=x, dense=dense: torch.matmul(x, dense.T), args.seconds) * 1e6
+                weights = kernels.LinearWeights(w.ctypes.data, dtype, 0, 0, n, k)
+                for isa in isas:
+                    kernels.set_isa(isa)
+                    for rows in ROWS:
+                        x = x_all[:rows].contiguous()
+                        y = torch.empty(rows, n)
+                        def call(x: torch.Tensor = x, y: torch.Tensor = y, rows: int = rows,
+                                 weights: object = weights) -> None:
+                            kernels.linear(weights, x.data_ptr(), rows, y.data_ptr())
+
+                        us = best_time(call, args.seconds) * 1e6
+                        print(f"{dtype:6} {isa:12} {f'{n}x{k}':>11} {rows:>4} {us:9.1f} {w.nbytes / us / 1e3:6.1f} "
+                              f"{torch_us[rows]:9.1f} {torch_us[rows] / us:6.2f}", flush=True)
+    finally:
+        kernels.set_isa(kernels.default_isa())
+
+
+if __name__ == "__main__":
+    main()
