@@ -297,7 +297,7 @@ def test_the_built_in_plugin_passes_its_seam_checks(cache: Path) -> None:
     assert statuses(results) == {
         "attention_backend[native_cpu]": "ok", "attention_backend[torch]": "ok",
         "quantization_method[fp8]": "ok", "quantization_method[int8]": "ok",
-        "quantization_method[gguf]": "skip",  # the kit writes no GGUF copy yet (tests/test_gguf_method.py checks it)
+        "quantization_method[gguf]": "ok",
         "reasoning_parser[deepseek_r1]": "ok", "reasoning_parser[qwen3]": "ok",
         "platform[cpu]": "ok", "platform[cuda]": cuda,
     }, {k: r.detail for k, r in results.items()}
@@ -307,7 +307,8 @@ def test_the_built_in_plugin_passes_its_seam_checks(cache: Path) -> None:
     assert "from an fp8 copy (blocks of 16 x 16), kernel plain, within float32 rounding" in \
         results["quantization_method[fp8]"].detail
     assert "from the float checkpoint, kernel int8" in results["quantization_method[int8]"].detail
-    assert "'gguf' multiplies the weights of a GGUF checkpoint" in results["quantization_method[gguf]"].detail
+    assert "from a GGUF file in Q8_0, kernel gguf, within 8-bit activations per block of 32" in \
+        results["quantization_method[gguf]"].detail
     if cuda == "skip":
         assert results["platform[cuda]"].detail == "platform 'cuda' is unavailable here: is_available() returned False"
 

@@ -201,10 +201,9 @@ def quantization_method(ctx: KitContext, name: str) -> str | None:
     classes = ctx.registry.seam_classes("quantization_methods")
     refused = []
     with tempfile.TemporaryDirectory(prefix="rtpcore-kit-") as tmp:
-        for source, (path, reference) in _sources(checkpoint, floats, Path(tmp)):
-            hf_config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        for source, (path, reference, hf_config) in _sources(checkpoint, floats, Path(tmp)):
             try:
-                method = resolve(hf_config, classes, requested=name)
+                method = resolve(hf_config, classes, requested=name, gguf=path.suffix == ".gguf")
             except CheckpointError as exc:
                 refused.append(f"{source}: {exc}")
                 continue
@@ -240,15 +239,18 @@ def _projections(checkpoint: Path) -> dict[str, Any]:
     return found
 
 
-def _sources(checkpoint: Path, floats: dict[str, Any], tmp: Path) -> Iterator[tuple[str, tuple[Path, dict[str, Any]]]]:
-    """The checkpoints a method may read, with the float weights each holds: the demo itself,
-    then an fp8 block-quantized copy of its projections (reference: the dequantized values)."""
+def _sources(checkpoint: Path, floats: dict[str, Any],
+             tmp: Path) -> Iterator[tuple[str, tuple[Path, dict[str, Any], dict[str, Any]]]]:
+    """The checkpoints a method may read, with the float weights each holds and its config.json:
+    the demo itself, then an fp8 block-quantized copy of its projections, then a GGUF file of
+    them in Q8_0 (references: the dequantized values)."""
     import torch
     from safetensors.torch import save_file
 
     from rtpcore.checkpoint import quantize_fp8_blocks
 
-    yield "the float checkpoint", (checkpoint, floats)
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    yield "the float checkpoint", (checkpoint, floats, config)
     tensors, reference = {}, {}
     bo, bi = _FP8_BLOCK
     for key, weight in floats.items():
@@ -260,11 +262,40 @@ def _sources(checkpoint: Path, floats: dict[str, Any], tmp: Path) -> Iterator[tu
     path = tmp / "fp8"
     path.mkdir()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(_FP8_BLOCK),
-                                     "activation_scheme": "dynamic", "fmt": "e4m3"}
-    (path / "config.json").write_text(json.dumps(config), encoding="utf-8")
-    yield f"an fp8 copy (blocks of {bo} x {bi})", (path, reference)
+    fp8 = {**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": list(_FP8_BLOCK),
+                                             "activation_scheme": "dynamic", "fmt": "e4m3"}}
+    (path / "config.json").write_text(json.dumps(fp8), encoding="utf-8")
+    yield f"an fp8 copy (blocks of {bo} x {bi})", (path, reference, fp8)
+    yield from _gguf_source(floats, tmp, config)
+
+
+def _gguf_source(floats: dict[str, Any], tmp: Path,
+                 config: dict[str, Any]) -> Iterator[tuple[str, tuple[Path, dict[str, Any], dict[str, Any]]]]:
+    """A GGUF file of the projections in Q8_0 (those whose width is a multiple of 32), under
+    their checkpoint names; nothing where the gguf package is missing."""
+    try:
+        import gguf
+        from gguf.quants import dequantize, quantize
+    except ImportError:
+        return
+    import torch
+
+    kept = {k: w for k, w in floats.items() if w.shape[1] % 32 == 0}
+    if not kept:
+        return
+    path = tmp / "projections.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    reference = {}
+    for key, weight in kept.items():
+        blocks = quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
+        writer.add_tensor(key, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        reference[key] = torch.from_numpy(dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).copy()).reshape(
+            weight.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    yield "a GGUF file in Q8_0", (path, reference, config)
 
 
 def _check_layers(method: Any, path: Path, reference: dict[str, Any], source: str, device: Any) -> str:
@@ -298,7 +329,8 @@ def _check_layers(method: Any, path: Path, reference: dict[str, Any], source: st
         b_ref = torch.zeros(out_f) if bias is None else bias
         rows = x.reshape(-1, in_f)
         own = layer.kernel == (method.kernel or method.name)  # create_weights built it: apply computes it
-        family = ("int8" if isinstance(method, Int8Method) else "e4m3") if own else "float"
+        family = "float" if not own else "int8" if isinstance(method, Int8Method) else \
+            "gguf" if getattr(method, "gguf_types", ()) else "e4m3"
         w_bound, bound, rule = _bounds(family, w_ref, rows)
         rules.add(rule)
         _within(where, "the effective weight (the layer's output for unit rows)", w_eff, w_ref, w_bound, rule)
@@ -312,13 +344,21 @@ def _check_layers(method: Any, path: Path, reference: dict[str, Any], source: st
 def _bounds(family: str, w_ref: Any, rows: Any) -> tuple[Any, Any, str]:
     """``(per weight (out, in), per output (n, out), the rule in words)`` of a method family:
     ``float`` (the layer kept rtpcore's float kernels: the loaded weight is the checkpoint's,
-    dequantized), ``int8`` (half a step of the row) or ``e4m3`` (weights and activations)."""
+    dequantized), ``int8`` (half a step of the row), ``gguf`` (8-bit activations per block) or
+    ``e4m3`` (weights and activations)."""
     amax = w_ref.abs().amax(dim=1, keepdim=True)  # (out, 1)
     magnitude = rows.abs() @ w_ref.abs().T  # (n, out): sum |x||w|
     if family == "float":
         w_bound = 2.0**-22 * w_ref.abs()
         bound = rows.abs() @ w_bound.T
         rule = "float32 rounding (dequantized at load, float kernels)"
+    elif family == "gguf":  # the blocks as stored; activations quantized per block of 32 to 8 bits
+        w_bound = 2.0**-9 * w_ref.abs()  # a unit row's block scale is stored as float16
+        n, k = rows.shape
+        x_amax = rows.abs().reshape(n, k // 32, 32).amax(dim=-1)  # (n, blocks)
+        w_sums = w_ref.abs().reshape(w_ref.shape[0], k // 32, 32).sum(dim=-1)  # (out, blocks)
+        bound = x_amax @ w_sums.T / 254.0 + 2.0**-9 * magnitude
+        rule = "8-bit activations per block of 32 (amax / 254 per value), weights as stored"
     elif family == "int8":
         w_bound = (amax / 254.0).expand_as(w_ref) * (1 + 1e-5)
         bound = rows.abs() @ w_bound.T
