@@ -1,0 +1,279 @@
+"""rtpcore on GGUF files against llama.cpp on the same files, in the same run (docs/design.md §20).
+
+    python benchmarks/bench_gguf.py [--llamacpp DIR] [--types f32,q8_0,q4_k_m] [--new-tokens 64]
+
+The model is SmolLM2-135M's shape with seeded random weights and a SentencePiece tokenizer
+(benchmarks/_smollm2.py), converted by llama.cpp's own converter and quantizer:
+``../shared/tools/setup_llamacpp.sh DIR CKPT`` (run here when DIR has no files yet; ~15 min the
+first time) builds llama-cpp-python from its sdist with this CPU's flags, ``llama-bench``,
+``llama-server`` and ``llama-quantize``, and writes DIR/smollm2-135m-{f32,f16,bf16,q8_0,q4_k_m,q6_k}.gguf.
+
+Rows, per file, each engine in a process of its own (two thread pools in one process halve
+either's speed), 2 threads each:
+
+* decode: batch-1 tokens per second after a 16-token prompt (rtpcore: (time of N+1 new tokens -
+  time of 1) / N; llama.cpp: the better of ``llama-bench``'s tg and llama-cpp-python's generate loop);
+* prefill: a 512-token prompt's tokens per second (llama-bench pp512);
+* batch 8: aggregate decode tokens per second of 8 prompts at once (llama-server, 8 slots,
+  continuous batching, 8 concurrent /completion requests);
+* memory: resident set size after loading and generating (VmHWM), and the load time.
+
+Plus rtpcore's float32 safetensors checkpoint (the same weights) against llama.cpp's F32 file.
+The ratios are rtpcore / llama.cpp (above 1: rtpcore is faster, or for memory uses more). The CPU
+and its features are printed first: figures from one CPU kind do not carry to another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SETUP = ROOT.parent / "shared" / "tools" / "setup_llamacpp.sh"
+THREADS = 2
+PROMPT = 16  # tokens before a decode measurement
+PREFILL = 512
+BATCH = 8
+
+# ---- rtpcore, in a child process -------------------------------------------------------------
+
+RTPCORE_CHILD = r"""
+import json, os, sys, time
+import torch
+torch.set_num_threads(int(sys.argv[2]))
+from rtpcore import Engine, SamplingParams
+spec = json.loads(sys.argv[1])
+t = time.perf_counter()
+engine = Engine.from_pretrained(spec["path"], max_model_len=2048, enable_prefix_caching=False,
+                                max_num_batched_tokens=1024, **spec.get("options", {}))
+load = time.perf_counter() - t
+def prompt(n, salt):
+    return [3 + (97 * i + 31 * salt) % 7000 for i in range(n)]
+def run(prompts, new):
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return time.perf_counter() - t
+new = spec["new"]
+out = {"load_s": load}
+one = [prompt(spec["prompt"], 0)]
+run(one, 4)  # warm-up
+best = lambda f: min(f() for _ in range(spec["repeats"]))
+t1 = best(lambda: run(one, 1)); tn = best(lambda: run(one, new + 1))
+out["decode_tps"] = new / max(tn - t1, 1e-9)
+long = [prompt(spec["prefill"], 1)]
+out["prefill_tps"] = spec["prefill"] / best(lambda: run(long, 1))
+batch = [prompt(spec["prompt"], s) for s in range(spec["batch"])]
+b1 = best(lambda: run(batch, 1)); bn = best(lambda: run(batch, new + 1))
+out["batch_tps"] = spec["batch"] * new / max(bn - b1, 1e-9)
+kernels = {getattr(m, "kernel", None) for m in engine.model.modules()} - {None}
+out["kernels"] = sorted(kernels)
+out["attention_calls"] = dict(engine.stats().attention_calls)  # native_cpu: the native decode step
+with open("/proc/self/status") as f:
+    status = dict(line.split(":", 1) for line in f if ":" in line)
+out["rss_mib"] = int(status["VmHWM"].split()[0]) / 1024
+engine.close()
+print(json.dumps(out))
+"""
+
+
+def rtpcore_row(path: Path, new: int, repeats: int, **options: Any) -> dict[str, Any]:
+    spec = {"path": str(path), "new": new, "prompt": PROMPT, "prefill": PREFILL, "batch": BATCH,
+            "repeats": repeats, "options": options}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    proc = subprocess.run([sys.executable, "-c", RTPCORE_CHILD, json.dumps(spec), str(THREADS)],
+                          capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"rtpcore on {path.name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- llama.cpp -------------------------------------------------------------------------------
+
+LLAMA_CPP_PYTHON_CHILD = r"""
+import json, sys, time
+from llama_cpp import Llama
+spec = json.loads(sys.argv[1])
+t = time.perf_counter()
+llm = Llama(model_path=spec["path"], n_threads=spec["threads"], n_threads_batch=spec["threads"], n_ctx=2048,
+            n_batch=512, verbose=False)
+load = time.perf_counter() - t
+prompt = [3 + (97 * i) % 7000 for i in range(spec["prompt"])]
+def gen(n):
+    llm.reset()
+    t = time.perf_counter()
+    count = 0
+    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        count += 1
+        if count == n:
+            break
+    return time.perf_counter() - t
+gen(4)
+t1 = min(gen(1) for _ in range(spec["repeats"])); tn = min(gen(spec["new"] + 1) for _ in range(spec["repeats"]))
+with open("/proc/self/status") as f:
+    status = dict(line.split(":", 1) for line in f if ":" in line)
+print(json.dumps({"decode_tps": spec["new"] / (tn - t1), "load_s": load,
+                  "rss_mib": int(status["VmHWM"].split()[0]) / 1024}))
+"""
+
+
+def llama_bench(llamacpp: Path, gguf: Path, new: int) -> dict[str, float]:
+    proc = subprocess.run([str(llamacpp / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(THREADS),
+                           "-p", str(PREFILL), "-n", str(new), "-r", "3", "-o", "json"],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {}
+    out = {}
+    for row in json.loads(proc.stdout):
+        if row.get("n_prompt") == PREFILL and not row.get("n_gen"):
+            out["prefill_tps"] = row["avg_ts"]
+        elif row.get("n_gen") == new and not row.get("n_prompt"):
+            out["decode_tps"] = row["avg_ts"]
+    return out
+
+
+def llama_cpp_python(llamacpp: Path, gguf: Path, new: int, repeats: int) -> dict[str, Any]:
+    python = llamacpp / "venv" / "bin" / "python"
+    spec = {"path": str(gguf), "threads": THREADS, "prompt": PROMPT, "new": new, "repeats": repeats}
+    proc = subprocess.run([str(python), "-c", LLAMA_CPP_PYTHON_CHILD, json.dumps(spec)], capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-500:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def llama_server_batch(llamacpp: Path, gguf: Path, new: int) -> dict[str, Any]:
+    """Aggregate decode tok/s of BATCH concurrent requests on llama-server (BATCH slots)."""
+    port = _free_port()
+    server = subprocess.Popen([str(llamacpp / "bin" / "llama-server"), "-m", str(gguf), "-t", str(THREADS),
+                               "-np", str(BATCH), "-c", str(BATCH * 256), "--port", str(port), "--host", "127.0.0.1",
+                               "-cb"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+
+        def one(salt: int, n: int, out: list[float]) -> None:
+            prompt = [3 + (97 * i + 31 * salt) % 7000 for i in range(PROMPT)]
+            body = json.dumps({"prompt": prompt, "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                               "cache_prompt": False}).encode()
+            req = urllib.request.Request(f"{base}/completion", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                json.loads(r.read())
+            out.append(time.perf_counter())
+
+        def wave(n: int) -> float:
+            ends: list[float] = []
+            threads = [threading.Thread(target=one, args=(s, n, ends)) for s in range(BATCH)]
+            t = time.perf_counter()
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            return max(ends) - t
+
+        wave(2)
+        t1 = min(wave(1) for _ in range(2))
+        tn = min(wave(new + 1) for _ in range(2))
+        with open(f"/proc/{server.pid}/status") as f:
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        return {"batch_tps": BATCH * new / (tn - t1), "rss_mib": int(status["VmHWM"].split()[0]) / 1024}
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+def cpu_line() -> str:
+    info = Path("/proc/cpuinfo").read_text()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile") if f in flags]
+    import rtpcore_native._kernels as kernels
+
+    return f"{model}; {', '.join(have)}; {os.cpu_count()} CPUs; rtpcore kernels: {kernels.isa()}"
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llamacpp", type=Path, default=Path(os.environ.get("LLAMACPP_DIR", "/work/llamacpp")),
+                        help="setup_llamacpp.sh's DIR (default: $LLAMACPP_DIR or /work/llamacpp)")
+    parser.add_argument("--types", default="f32,q8_0,q4_k_m", help="GGUF files to run (default: %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-server", action="store_true", help="no llama-server batch row")
+    parser.add_argument("--ckpt", type=Path, default=None,
+                        help="where benchmarks/_smollm2.py's checkpoint is (made there if missing; default: DIR/ckpt)")
+    args = parser.parse_args()
+
+    sys.path.insert(0, str(HERE))
+    from _smollm2 import make_checkpoint
+
+    ckpt = make_checkpoint(args.ckpt or args.llamacpp / "ckpt")
+    name = ckpt.name.lower()
+    if not all((args.llamacpp / f"{name}-{t}.gguf").is_file() for t in args.types.split(",")):
+        subprocess.run(["bash", str(SETUP), str(args.llamacpp), str(ckpt)], check=True)
+    print(f"CPU: {cpu_line()}")
+    print(f"threads {THREADS} per engine; {args.new_tokens} new tokens; prompt {PROMPT}; prefill {PREFILL}; "
+          f"batch {BATCH}; load average {os.getloadavg()[0]:.2f}")
+    rows = []
+    for t in args.types.split(","):
+        gguf = args.llamacpp / f"{name}-{t}.gguf"
+        ours = rtpcore_row(gguf, args.new_tokens, args.repeats)
+        bench = llama_bench(args.llamacpp, gguf, args.new_tokens)
+        py = llama_cpp_python(args.llamacpp, gguf, args.new_tokens, args.repeats)
+        server = {} if args.skip_server else llama_server_batch(args.llamacpp, gguf, args.new_tokens)
+        peer_decode = max(bench.get("decode_tps", 0), py.get("decode_tps", 0)) or None
+        rows.append((t, ours, bench, py, server, peer_decode))
+        print(f"\n{t}: rtpcore {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in ours.items()})}")
+        print(f"   llama-bench {bench}; llama-cpp-python {py}; llama-server {server}")
+        print(f"   decode {ratio(ours['decode_tps'], peer_decode)}, prefill {ratio(ours['prefill_tps'], bench.get('prefill_tps'))}, "
+              f"batch {BATCH} {ratio(ours['batch_tps'], server.get('batch_tps'))}, memory "
+              f"{ratio(ours['rss_mib'], py.get('rss_mib'))} (rtpcore / llama-cpp-python), load "
+              f"{ours['load_s']:.2f} s vs {py.get('load_s', float('nan')):.2f} s")
+    if "f32" in args.types.split(","):
+        st = rtpcore_row(ckpt, args.new_tokens, args.repeats, dtype="float32")
+        f32 = next(r for r in rows if r[0] == "f32")
+        print(f"\nsafetensors float32: rtpcore decode {st['decode_tps']:.1f} tok/s, {ratio(st['decode_tps'], f32[5])} "
+              f"of llama.cpp F32's {f32[5]:.1f}; prefill {ratio(st['prefill_tps'], f32[2].get('prefill_tps'))}")
+    print("\n| file | decode tok/s rtpcore / llama.cpp | prefill 512 | batch 8 | RSS MiB rtpcore / llama.cpp |")
+    print("|---|---|---|---|---|")
+    for t, ours, bench, py, server, peer in rows:
+        print(f"| {t} | {ours['decode_tps']:.1f} / {peer or 0:.1f} ({ratio(ours['decode_tps'], peer)}) | "
+              f"{ours['prefill_tps']:.0f} / {bench.get('prefill_tps', 0):.0f} ({ratio(ours['prefill_tps'], bench.get('prefill_tps'))}) | "
+              f"{ours['batch_tps']:.1f} / {server.get('batch_tps', 0):.1f} ({ratio(ours['batch_tps'], server.get('batch_tps'))}) | "
+              f"{ours['rss_mib']:.0f} / {py.get('rss_mib', 0):.0f} |")
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory():
+        main()
