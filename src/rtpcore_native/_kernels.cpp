@@ -516,6 +516,9 @@ struct Layer {
     bool parts = false;
     LinearW q, k, v, gate, up;
     int64_t window = 0;  // 0: none
+    // set_qk_norm (Qwen3): RMSNorm weights (D,) applied to each query and key head before RoPE.
+    const float* q_norm = nullptr;
+    const float* k_norm = nullptr;
     void* k_pool = nullptr;  // (slots, Hkv, D) float32 or bfloat16
     void* v_pool = nullptr;
     bool pool_bf16 = false;
@@ -577,6 +580,15 @@ class LlamaDecoder {
         l.down = down;
         l.window = window;
         l.parts = true;
+    }
+
+    // Per-head RMSNorm of the queries and keys before RoPE (Qwen3): q_norm, k_norm (D,) float32;
+    // 0 for both switches it off again.
+    void set_qk_norm(int64_t i, uintptr_t q_norm, uintptr_t k_norm) {
+        if ((q_norm == 0) != (k_norm == 0)) throw std::invalid_argument("q_norm and k_norm are set together");
+        Layer& l = at(i);
+        l.q_norm = as_ptr<const float>(q_norm);
+        l.k_norm = as_ptr<const float>(k_norm);
     }
 
     // The embedding (vocab_rows, E) is float32, bfloat16 or a GGUF type (its rows dequantized
@@ -677,6 +689,11 @@ class LlamaDecoder {
                 float* row = &qkv_[b * (Q + 2 * KV)];
                 const float* c = cos + pos[b] * D_;
                 const float* s = sin + pos[b] * D_;
+                if (l.q_norm) {  // in place: rms_norm reads x[k] before writing out[k]
+                    for (int64_t h = 0; h < H_; ++h) k.rms_norm(row + h * D_, l.q_norm, eps_, row + h * D_, D_);
+                    for (int64_t h = 0; h < Hkv_; ++h)
+                        k.rms_norm(row + Q + h * D_, l.k_norm, eps_, row + Q + h * D_, D_);
+                }
                 k.rope(row, H_ + Hkv_, D_, c, s);  // q and k are adjacent
                 if (l.pool_bf16) {
                     uint16_t* kd = static_cast<uint16_t*>(l.k_pool) + slots[b] * KV;
@@ -832,6 +849,7 @@ PYBIND11_MODULE(_kernels, m) {
         .def("set_layer_parts", &LlamaDecoder::set_layer_parts, py::arg("index"), py::arg("norm1"), py::arg("q"),
              py::arg("k"), py::arg("v"), py::arg("o"), py::arg("norm2"), py::arg("gate"), py::arg("up"),
              py::arg("down"), py::arg("window"))
+        .def("set_qk_norm", &LlamaDecoder::set_qk_norm, py::arg("index"), py::arg("q_norm"), py::arg("k_norm"))
         .def("set_head", &LlamaDecoder::set_head, py::arg("embed"), py::arg("vocab_rows"), py::arg("embed_dtype"),
              py::arg("norm"), py::arg("head"))
         .def("set_pools", &LlamaDecoder::set_pools, py::arg("index"), py::arg("k"), py::arg("v"), py::arg("slots"),
