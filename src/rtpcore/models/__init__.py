@@ -19,7 +19,7 @@ def rtpcore_register_models(registry: Any) -> None:
     registry.register(
         "rtpcore.models.llama:LlamaPlugin",
         model_type="llama",
-        architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+        architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
     )
 
 

@@ -1,8 +1,10 @@
-"""The built-in Llama family: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``.
+"""The built-in Llama family: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+``Qwen3ForCausalLM``.
 
 Grouped-query attention, RoPE (default and ``llama3`` scaling), RMSNorm,
-SwiGLU, tied or untied embeddings, optional q/k/v (and o) biases, and
-Mistral/Qwen2 sliding windows. The q/k/v and gate/up projections are fused
+SwiGLU, tied or untied embeddings, optional q/k/v (and o) biases, Qwen3's
+per-head RMSNorm of queries and keys before RoPE, and Mistral/Qwen2/Qwen3
+sliding windows. The q/k/v and gate/up projections are fused
 into one matrix each when the model is built (``rtpcore.models.llama_modules``
 holds the torch code; this module imports no torch at import time).
 
@@ -31,10 +33,12 @@ class LlamaPlugin(ModelPlugin):
 
     forward_contract = 2  # rtpcore.models.forward_batch: unpadded steps, chunked prefill
     model_type = "llama"
-    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-    transformers_class = "LlamaForCausalLM"  # the reference of the kit's hf_parity (its demo checkpoint)
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    # The reference of the kit's hf_parity on the demo checkpoint (a Llama); the other
+    # architectures are checked against their own transformers classes in tests/.
+    transformers_class = "LlamaForCausalLM"
     # GGUF files (docs/design.md §20): llama.cpp writes "llama" for Llama and Mistral.
-    gguf_architectures = ("llama", "mistral", "qwen2")
+    gguf_architectures = ("llama", "mistral", "qwen2", "qwen3")
 
     @classmethod
     def config_from_hf(cls, hf_config: Mapping[str, Any]) -> LlamaConfig:
@@ -77,6 +81,8 @@ class LlamaPlugin(ModelPlugin):
         }
         if not config.tie_word_embeddings:
             shapes["lm_head.weight"] = (config.vocab_size, e)
+        if config.qk_norm:
+            shapes.update({a + "q_norm.weight": (config.head_dim,), a + "k_norm.weight": (config.head_dim,)})
         if config.qkv_bias:
             shapes.update({a + "q_proj.bias": (q,), a + "k_proj.bias": (kv,), a + "v_proj.bias": (kv,)})
         if config.o_bias:

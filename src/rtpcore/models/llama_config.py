@@ -17,6 +17,7 @@ from rtpcore.errors import ConfigFieldError
 __all__ = ["LlamaConfig", "rope_inv_freq"]
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
+_QWEN = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # model_type -> architecture
 
 
 @attrs.frozen
@@ -40,6 +41,7 @@ class LlamaConfig:
     mlp_bias: bool
     sliding_windows: tuple[int | None, ...]  # one per layer; None = full attention
     eos_token_ids: tuple[int, ...]
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (weights (D,)) before RoPE
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
@@ -63,8 +65,8 @@ class LlamaConfig:
         if head_dim % 2:
             raise cf.config_error("head_dim", head_dim, "must be even (rotary embeddings rotate pairs)")
         theta, rope = _rope(hf)
-        archs = cf.optional_str_list(hf, "architectures") or ()
-        is_qwen2 = cf.optional_str(hf, "model_type", None) == "qwen2" or "Qwen2ForCausalLM" in archs
+        qwen = _qwen_version(hf)
+        is_qwen2 = qwen == "qwen2"  # q/k/v biases always, no o bias; Qwen3: all four per attention_bias
         bias = cf.optional_bool(hf, "attention_bias", False)
         return cls(
             vocab_size=cf.require_int(hf, "vocab_size"),
@@ -82,8 +84,9 @@ class LlamaConfig:
             qkv_bias=bias or is_qwen2,
             o_bias=bias and not is_qwen2,
             mlp_bias=cf.optional_bool(hf, "mlp_bias", False),
-            sliding_windows=_sliding_windows(hf, layers),
+            sliding_windows=_sliding_windows(hf, layers, qwen is not None),
             eos_token_ids=cf.token_ids(hf, "eos_token_id"),
+            qk_norm=qwen == "qwen3",
         )
 
     @property
@@ -127,15 +130,28 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any]]:
     return theta, rope
 
 
-def _sliding_windows(hf: Mapping[str, Any], layers: int) -> tuple[int | None, ...]:
-    """Per-layer sliding window, following Mistral (all layers) and Qwen2 (``layer_types``)."""
+def _qwen_version(hf: Mapping[str, Any]) -> str | None:
+    """"qwen2" or "qwen3" for those models (by ``model_type``, else ``architectures``), else None."""
+    model_type = cf.optional_str(hf, "model_type", None)
+    if model_type in _QWEN:
+        return model_type
+    archs = cf.optional_str_list(hf, "architectures") or ()
+    return next((name for name, arch in _QWEN.items() if arch in archs), None)
+
+
+def _sliding_windows(hf: Mapping[str, Any], layers: int, qwen: bool = False) -> tuple[int | None, ...]:
+    """Per-layer sliding window, following Mistral (all layers) and Qwen2/Qwen3 (only with
+    ``use_sliding_window``, as transformers reads them: the layers ``layer_types`` names, else
+    those from ``max_window_layers`` on)."""
     window = cf.optional_int(hf, "sliding_window", None, null_ok=True)
+    if qwen and not cf.optional_bool(hf, "use_sliding_window", False):
+        window = None
     if window is None:
         return (None,) * layers
     types = cf.optional_str_list(hf, "layer_types", length=layers, choices=_LAYER_TYPES)
     if types is not None:
         return tuple(window if t == "sliding_attention" else None for t in types)
-    if "use_sliding_window" in hf:  # Qwen2 without layer_types
+    if "use_sliding_window" in hf:  # Qwen2/Qwen3 without layer_types
         first = layers
         if cf.optional_bool(hf, "use_sliding_window", False):
             first = cf.optional_int(hf, "max_window_layers", layers, minimum=0)

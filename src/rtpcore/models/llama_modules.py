@@ -65,6 +65,11 @@ class LlamaLayer(nn.Module):
         self.norm1 = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
         self.norm2 = nn.Parameter(w[prefix + "post_attention_layernorm.weight"], requires_grad=False)
         self.qkv = _fused(w, [a + "q_proj", a + "k_proj", a + "v_proj"])  # E -> q + 2 kv
+        # Qwen3: q_norm for every query head, then k_norm for every KV head, normed together.
+        self.qk_norm: nn.Parameter | None = None
+        if config.qk_norm:
+            heads = [w[a + "q_norm.weight"].expand(self.heads, -1), w[a + "k_norm.weight"].expand(self.kv_heads, -1)]
+            self.qk_norm = nn.Parameter(torch.cat(heads), requires_grad=False)  # (H + Hkv, D)
         # Row-parallel when sharded: partial sums all-reduced, bias added once.
         self.o = row_parallel(Linear, w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), parallel)  # q -> E
         self.gate_up = _fused(w, [m + "gate_proj", m + "up_proj"])  # E -> 2 I
@@ -82,7 +87,10 @@ class LlamaLayer(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(rms_norm(x, self.norm1, self.eps))  # (T, q + 2 kv)
-        qk = rotate(qkv[:, : self.qk_size].view(t, self.heads + self.kv_heads, self.head_dim), cos, sin)
+        qk = qkv[:, : self.qk_size].view(t, self.heads + self.kv_heads, self.head_dim)  # (T, H + Hkv, D)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, self.eps)
+        qk = rotate(qk, cos, sin)
         q, k = qk.split((self.heads, self.kv_heads), dim=1)  # (T, H, D), (T, Hkv, D)
         cache.write(batch.slots, k, qkv[:, self.qk_size :].view(t, self.kv_heads, self.head_dim))
         out = paged_attention(q, cache, batch, scale=self.scale, window=window, masks=masks)  # (T, H, D)

@@ -11,6 +11,9 @@ over float32 weights or the int8 weights of ``quantization="int8"`` (widened in 
 one scale per output row), attention read in place from the paged pools through the block
 tables, and a thread pool of the extension's own sized by torch's thread count.
 
+Qwen3's per-head RMSNorm of queries and keys before RoPE runs in the step too
+(``LlamaDecoder.set_qk_norm``).
+
 It serves steps where every sequence decodes one token and the model returns every row's
 logits (no speculative verification, no hidden states for a draft), on one rank on the CPU,
 with unquantized float32 or bfloat16 KV pools, for float32 models and for bfloat16 ones
@@ -245,6 +248,10 @@ class NativeLlamaDecode:
                 native_linear_weights(layer.gate_up, self._keep), native_linear_weights(layer.down, self._keep),
                 window or 0,
             )
+        for i, layer in enumerate(model.layers):
+            if layer.qk_norm is not None:  # Qwen3: rows 0 (a query head's) and H (a KV head's)
+                qk_norm = f32(layer.qk_norm)
+                self.decoder.set_qk_norm(i, qk_norm[0].data_ptr(), qk_norm[layer.heads].data_ptr())
         if isinstance(model.embed, GGUFBlocks):  # rows dequantized as they are looked up
             [(embed_dtype, blocks)] = model.embed.parts
             embed_ptr = blocks.data_ptr()
