@@ -1,7 +1,7 @@
 """GGUF files for the tests, written from tiny transformers checkpoints the way llama.cpp's
 ``convert_hf_to_gguf.py`` writes them (with the ``gguf`` package's ``GGUFWriter``): the
-``<arch>.*`` hyper-parameters, tensors renamed (``blk.N.attn_q.weight``), Q and K rows
-permuted for the ``llama`` architecture (``LlamaModel.permute``), norms and biases kept in
+``<arch>.*`` hyper-parameters, tensors renamed (``blk.N.attn_q.weight``, Qwen3's
+``blk.N.attn_q_norm.weight``), Q and K rows permuted for the ``llama`` architecture (``LlamaModel.permute``), norms and biases kept in
 F32, 2-D weights in the file type asked for, and the tokenizer as ``tokenizer.ggml.*`` keys
 (byte-level BPE as ``gpt2``, a SentencePiece-style BPE as ``llama`` with its scores).
 """
@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+         "Qwen3ForCausalLM": "qwen3"}
 FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32, "Q4_0": 2, "Q5_0": 8, "Q5_1": 9}
 
 _LAYER = {
@@ -28,6 +29,8 @@ _LAYER = {
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",

@@ -32,6 +32,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}),
     "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 12, "head_dim": 16}),
+    # q/k norms; head_dim 24 with 4 heads: q is 96 wide, hidden 64 (tests/test_qwen3.py)
+    "qwen3-head-dim": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 24}),
 }
 PROMPTS = [[5, 9, 33, 7, 81], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100]]
 
