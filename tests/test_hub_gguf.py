@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,10 @@ def repos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     one = root / "one"
     one.mkdir()
     (one / Q8).write_bytes((many / Q8).read_bytes())
-    return {"many": many, "one": one}
+    configured = root / "configured"  # the original config.json beside the GGUF files, no safetensors
+    shutil.copytree(many, configured)
+    shutil.copy(root / "st" / "config.json", configured / "config.json")
+    return {"many": many, "one": one, "configured": configured}
 
 
 def generate(path: str | Path, **options: Any) -> list[list[int]]:
@@ -194,6 +198,20 @@ def test_several_gguf_models_and_no_config_ask_for_a_name(hub: FakeHub, online: 
         "pass one as --gguf-file NAME (gguf_file=NAME)"
     )
     assert hub.downloads() == []
+
+
+def test_config_json_and_gguf_files_without_safetensors_ask_for_a_name(hub: FakeHub, online: Path) -> None:
+    """A repository with the original config.json beside GGUF files: without a name the
+    safetensors are looked for, and the error lists the GGUF models and names --gguf-file."""
+    with pytest.raises(CheckpointError) as excinfo:
+        Engine.from_pretrained("org/configured")
+    commit = hub.repos["org/configured"]["main"].commit
+    assert str(excinfo.value) == (
+        f"Hugging Face Hub model org/configured (commit {commit}): it has neither "
+        f"'model.safetensors.index.json' nor 'model.safetensors'; its GGUF models: {MODELS}: pass one as "
+        "--gguf-file NAME (gguf_file=NAME)"
+    )
+    assert not [f for f in hub.downloads() if f.endswith(".gguf")]
 
 
 # --- a local folder, and bad names ----------------------------------------------------------------

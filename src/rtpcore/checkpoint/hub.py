@@ -230,9 +230,12 @@ class _Download:
         index_file = self.fetch(INDEX_NAME, optional=True)
         if index_file is None:
             if self.fetch(SINGLE_FILE, optional=True) is None:
-                raise self.failure(
-                    f"it has neither {INDEX_NAME!r} nor {SINGLE_FILE!r} (only safetensors checkpoints are supported)"
+                models = gguf_models(self.listing() or ())
+                hint = (
+                    f"; its GGUF models: {describe_models(models)}: pass one as --gguf-file NAME (gguf_file=NAME)"
+                    if models else " (only safetensors checkpoints are supported, or a GGUF file named by gguf_file)"
                 )
+                raise self.failure(f"it has neither {INDEX_NAME!r} nor {SINGLE_FILE!r}{hint}")
             return
         index = build_index(index_file)
         needed = shards_needed(index, requests)
