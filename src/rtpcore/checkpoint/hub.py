@@ -13,7 +13,9 @@ returns the snapshot folder, which the rest of rtpcore reads as any checkpoint f
     tokenizer, generation files      those of EXTRA_FILES the repository has
 
 A draft of one layer, or the MTP layer of a model whose other shards are cached, fetches the
-shards it reads and no other.
+shards it reads and no other. ``huggingface_hub`` applies its own environment: ``HF_ENDPOINT``,
+``HF_HOME`` / ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` as it reads them when first imported,
+``HF_TOKEN`` at every request. Offline, everything comes from the cache or fails by name.
 
 A GGUF repository (docs/design.md §20) usually holds several quantizations and no config.json:
 the file carries the config, the tokenizer and the chat template. ``gguf_file=NAME`` fetches
@@ -21,10 +23,8 @@ that file alone (every part of a split set, named by any part), and the checkpoi
 path in the snapshot folder (the first part's). Without it, a repository that has no
 config.json but exactly one GGUF model (a file or a split set) gets that model; several are an
 error listing them. The repository's files are listed (``huggingface_hub``'s
-``list_repo_files``; offline, those cached of the revision) only for these cases and to name
-the GGUF files a missing ``NAME`` could have been. ``huggingface_hub`` applies its own environment: ``HF_ENDPOINT``,
-``HF_HOME`` / ``HF_HUB_CACHE`` and ``HF_HUB_OFFLINE`` as it reads them when first imported,
-``HF_TOKEN`` at every request. Offline, everything comes from the cache or fails by name.
+``list_repo_files``; offline, those cached of the revision) only when config.json, the
+safetensors or ``NAME`` are missing, to find or name the GGUF models it holds.
 
 Every failure is a :class:`~rtpcore.errors.CheckpointError` naming the id, the file and the
 Hub's answer (the library's exception chained, for ``--debug``); an id that is neither a
