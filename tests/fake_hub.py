@@ -7,6 +7,8 @@ reads the commit from ``X-Repo-Commit``, the blob's name from ``ETag`` and the s
 ``RepoNotFound``, ``RevisionNotFound`` or ``EntryNotFound`` (the last with the commit, so
 that the library can remember the file's absence), which the library turns into its
 exception classes; a private repository answers 401 to a request without its token.
+``list_repo_files`` asks ``GET /api/models/{repo}/tree/{revision}?recursive=True``: the
+answer is one page, a JSON list of ``{"type": "file", "path", "size", "oid"}``.
 
     with FakeHub() as hub:
         commit = hub.add("org/tiny", folder)              # revision "main"
@@ -14,6 +16,7 @@ exception classes; a private repository answers 401 to a request without its tok
         with hub_environment(HF_ENDPOINT=hub.url, HF_HOME=str(home)):
             ...                                           # huggingface_hub talks to it
         hub.downloads("org/tiny")                          # files fetched with GET, in order
+        hub.listings("org/tiny")                           # revisions whose file list was asked
 
 :func:`hub_environment` sets environment variables and re-reads ``huggingface_hub.constants``,
 which the library computes from the environment once, at import.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -89,6 +93,14 @@ class FakeHub:
                 if r.method == "GET" and r.filename is not None and repo_id in (None, r.repo_id)
             ]
 
+    def listings(self, repo_id: str | None = None) -> list[str | None]:
+        """The revisions whose file list was asked (of ``repo_id``, when given), in order."""
+        with self._lock:
+            return [
+                r.revision for r in self.requests
+                if r.filename is None and r.path.startswith("/api/models/") and repo_id in (None, r.repo_id)
+            ]
+
     def clear(self) -> None:
         with self._lock:
             self.requests.clear()
@@ -124,25 +136,28 @@ class FakeHub:
 
     # -- answers ---------------------------------------------------------------------------
 
-    def answer(self, method: str, raw_path: str, headers: Any) -> tuple[int, dict[str, str], Path | None]:
-        """(status, headers, file to send) for one request, recorded."""
+    def answer(self, method: str, raw_path: str, headers: Any) -> tuple[int, dict[str, str], Path | bytes | None]:
+        """(status, headers, file or bytes to send) for one request, recorded."""
         path = urlsplit(raw_path).path
         parts = path.lstrip("/").split("/")
         auth = headers.get("Authorization")
+        if len(parts) == 6 and parts[:2] == ["api", "models"] and parts[4] == "tree":
+            repo_id, revision = f"{parts[2]}/{parts[3]}", unquote(parts[5])
+            self._record(Request(method, repo_id, revision, None, path, auth))
+            found = self._revision(repo_id, revision, auth)
+            if not isinstance(found, _Revision):
+                return *found, None
+            return 200, {"Content-Type": "application/json"}, json.dumps(_tree(found.folder)).encode()
         if len(parts) < 5 or parts[2] != "resolve":
             self._record(Request(method, None, None, None, path, auth))
             return 404, {"X-Error-Message": "not served by FakeHub"}, None
         repo_id, revision = f"{parts[0]}/{parts[1]}", unquote(parts[3])
         filename = unquote("/".join(parts[4:]))
         self._record(Request(method, repo_id, revision, filename, path, auth))
-        revisions = self.repos.get(repo_id)
-        token = self.tokens.get(repo_id)
-        if revisions is None or (token is not None and auth != f"Bearer {token}"):
-            status = 404 if revisions is None else 401  # the Hub hides a private repository as well
-            return status, {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}, None
-        rev = revisions.get(revision) or next((r for r in revisions.values() if r.commit == revision), None)
-        if rev is None:
-            return 404, {"X-Error-Code": "RevisionNotFound", "X-Error-Message": f"Invalid rev id: {revision}"}, None
+        found = self._revision(repo_id, revision, auth)
+        if not isinstance(found, _Revision):
+            return *found, None
+        rev = found
         file = rev.folder / filename
         if not file.is_file():
             return 404, {
@@ -156,6 +171,18 @@ class FakeHub:
             "Content-Type": "application/octet-stream",
             "Accept-Ranges": "bytes",
         }, file
+
+    def _revision(self, repo_id: str, revision: str, auth: str | None) -> _Revision | tuple[int, dict[str, str]]:
+        """The revision asked for, or the Hub's error answer (status, headers)."""
+        revisions = self.repos.get(repo_id)
+        token = self.tokens.get(repo_id)
+        if revisions is None or (token is not None and auth != f"Bearer {token}"):
+            status = 404 if revisions is None else 401  # the Hub hides a private repository as well
+            return status, {"X-Error-Code": "RepoNotFound", "X-Error-Message": "Repository not found"}
+        rev = revisions.get(revision) or next((r for r in revisions.values() if r.commit == revision), None)
+        if rev is None:
+            return 404, {"X-Error-Code": "RevisionNotFound", "X-Error-Message": f"Invalid rev id: {revision}"}
+        return rev
 
     def _record(self, request: Request) -> None:
         with self._lock:
@@ -172,14 +199,18 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
         def _respond(self, *, body: bool) -> None:
             status, headers, file = hub.answer(self.command, self.path, self.headers)
-            data = file.read_bytes() if file is not None and body else b""
+            if isinstance(file, bytes):  # a listing
+                headers = {**headers, "Content-Length": str(len(file))}
+                data, file = (file if body else b""), None
+            else:
+                data = file.read_bytes() if file is not None and body else b""
             start = _range_start(self.headers.get("Range")) if body and file is not None else None
             if start is not None:  # a resumed download: the rest of the file
                 status, data = 206, data[start:]
                 size = int(headers["Content-Length"])
                 headers = {**headers, "Content-Range": f"bytes {start}-{size - 1}/{size}"}
                 headers["Content-Length"] = str(len(data))
-            elif file is None:
+            elif file is None and "Content-Length" not in headers:
                 headers = {**headers, "Content-Length": "0"}
             self.send_response(status)
             for key, value in headers.items():
@@ -192,6 +223,15 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+def _tree(folder: Path) -> list[dict[str, Any]]:
+    """The Hub's tree listing of ``folder``, recursive: its files."""
+    return [
+        {"type": "file", "path": f.relative_to(folder).as_posix(), "size": f.stat().st_size,
+         "oid": hashlib.sha1(f.read_bytes()).hexdigest()}
+        for f in sorted(p for p in folder.rglob("*") if p.is_file())
+    ]
 
 
 def _range_start(value: str | None) -> int | None:

@@ -357,7 +357,7 @@ def test_a_repository_without_safetensors_names_what_was_looked_for(hub: FakeHub
     commit = hub.repos["org/no-weights"]["main"].commit
     assert str(excinfo.value) == (
         f"Hugging Face Hub model org/no-weights (commit {commit}): it has neither {INDEX!r} nor "
-        "'model.safetensors' (only safetensors checkpoints are supported)"
+        "'model.safetensors' (only safetensors checkpoints are supported, or a GGUF file named by gguf_file)"
     )
 
 

@@ -1,6 +1,7 @@
 """Which local folders an engine reads: a checkpoint path as it is, or a Hugging Face Hub id
 fetched into the Hub cache with only the shards the model's plugin declares
-(:mod:`rtpcore.checkpoint.hub`). Runs once, in the process that builds the engine, before any
+(:mod:`rtpcore.checkpoint.hub`); with ``gguf_file``, the path of that GGUF file in the folder
+or fetched alone from the Hub id's repository. Runs once, in the process that builds the engine, before any
 rank starts: every rank then reads local folders."""
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ def mtp_plugin(plugin: Any, model_type: str, model_config: Any, checkpoint: str)
 
 
 def resolve_checkpoints(
-    path: str | os.PathLike[str], draft_model: str | None, *, plan: Any, model_type: str | None = None
+    path: str | os.PathLike[str],
+    draft_model: str | None,
+    *,
+    plan: Any,
+    model_type: str | None = None,
+    gguf_file: str | None = None,
 ) -> tuple[str, str | None]:
     """The local folders of an engine's checkpoint and draft (``"mtp"`` and None stay as
-    they are). A Hub id (``org/name[@revision]``, :mod:`rtpcore.checkpoint.hub`) is fetched
+    they are). ``gguf_file`` names the checkpoint's GGUF file within the folder or Hub
+    repository ``path`` (:func:`~rtpcore.checkpoint.hub.resolve_checkpoint`): its local path
+    is returned, and nothing else of the repository is fetched. A Hub id (``org/name[@revision]``, :mod:`rtpcore.checkpoint.hub`) is fetched
     into the Hub cache with only the shards holding what the ranks will read: the plan's
     plugins are loaded, and each model's :class:`~rtpcore.checkpoint.request.WeightRequest` is
     the one each rank passes to the loader in ``rtpcore.engine.worker.rank``: the target's, its
@@ -40,7 +48,7 @@ def resolve_checkpoints(
 
     draft_is_id = draft_model not in (None, "mtp") and hub_id(draft_model) is not None
     if hub_id(path) is None and not draft_is_id:
-        return os.fspath(path), draft_model
+        return resolve_checkpoint(path, gguf_file=gguf_file), draft_model
     registry = load_plugins(plan)  # once per process: the ranks' EngineShard finds it loaded
 
     def method(hf: dict[str, Any]) -> Any:
@@ -65,7 +73,7 @@ def resolve_checkpoints(
         plugin = registry.get(registry.infer_model_type(hf))
         return [WeightRequest.for_model(plugin, plugin.config_from_hf(hf), hf, quantization=method(hf))]
 
-    local = resolve_checkpoint(path, weights=target)
+    local = resolve_checkpoint(path, weights=target, gguf_file=gguf_file)
     if draft_model is None or draft_model == "mtp":
         return local, draft_model
     return local, resolve_checkpoint(draft_model, weights=draft)

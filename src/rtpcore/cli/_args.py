@@ -90,8 +90,9 @@ def device_arg(text: str) -> str:
 def add_model_arguments(p: argparse.ArgumentParser, command: str) -> None:
     """CHECKPOINT or ``--demo NAME``, the allowlist flags, and the engine options ``command``
     takes (:func:`add_engine_arguments`)."""
-    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, safetensors, tokenizer.json); "
-                   "give it or --demo")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint directory (config.json, safetensors, tokenizer.json), "
+                   "a .gguf file (or a folder holding one, or a split set's part), or a Hugging Face Hub id "
+                   "org/name[@revision]; give it or --demo")
     p.add_argument("--demo", metavar="NAME", help="use the demo model of this model type (random weights, "
                    "built on first use under $XDG_CACHE_HOME/rtpcore/demo)")
     add_allowlist_arguments(p)
@@ -165,7 +166,9 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
 
     A Hub id (``org/name[@revision]``, not an existing path) as CHECKPOINT or ``--draft-model``
     is fetched here (:func:`rtpcore.checkpoint.resolve.resolve_checkpoints`: only the shards the engine
-    reads): the folder returned, and the draft among the keywords, are its snapshot folders."""
+    reads): the folder returned, and the draft among the keywords, are its snapshot folders. With
+    ``--gguf-file NAME`` the path returned is that GGUF file's (in the folder, or fetched alone)
+    and the keywords' ``gguf_file`` is None: the path names the file."""
     if (args.checkpoint is None) == (args.demo is None):
         parser.error("give exactly one of CHECKPOINT or --demo NAME")
     if args.num_speculative_tokens and args.draft_model is None:
@@ -185,13 +188,13 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         path = demo_checkpoint(args.demo, plugins=plugins, external_model_packages=allow.external_model_packages)
     else:
         path = Path(args.checkpoint)
-    draft = args.draft_model
-    if hub_id(args.checkpoint) is not None or hub_id(draft) is not None:
+    draft, gguf_file = args.draft_model, getattr(args, "gguf_file", None)
+    if hub_id(args.checkpoint) is not None or hub_id(draft) is not None or gguf_file is not None:
         from rtpcore.checkpoint.resolve import resolve_checkpoints
 
         checkpoint = args.checkpoint if args.demo is None else path  # an id stays a str: a Path is a folder
-        local, draft = resolve_checkpoints(checkpoint, draft, plan=allow.resolve())
-        path = Path(local)
+        local, draft = resolve_checkpoints(checkpoint, draft, plan=allow.resolve(), gguf_file=gguf_file)
+        path, gguf_file = Path(local), None
     return path, {
         **engine_options(args),
         "plugins": plugins,
@@ -199,4 +202,5 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
         "allow_plugin_patches": allow.allow_plugin_patches,
         "device": device,
         "draft_model": draft,
+        "gguf_file": gguf_file,
     }

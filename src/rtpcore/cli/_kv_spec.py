@@ -27,7 +27,14 @@ def add_parser(subparsers: Any) -> None:
         "block) a checkpoint gets, and how many blocks fit in --memory. Reads config.json only.",
     )
     parser.add_argument(
-        "checkpoint", metavar="CHECKPOINT", help="checkpoint directory (or its config.json), or a .gguf file"
+        "checkpoint", metavar="CHECKPOINT", help="checkpoint directory (or its config.json), a .gguf file, or a "
+        "Hugging Face Hub id org/name[@revision]"
+    )
+    parser.add_argument(
+        "--gguf-file",
+        metavar="NAME",
+        help="the GGUF file to read within CHECKPOINT, a Hub id's repository (fetched alone) or a folder holding "
+        "several .gguf files (default: none: the checkpoint's config.json, else its only GGUF model)",
     )
     add_allowlist_arguments(parser)
     parser.add_argument(
@@ -82,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
     allowlist = Allowlist.from_args(args)
     registry = load_plugins(allowlist.resolve())
     # A Hub id: config.json only. A GGUF file: its metadata, read by the plugin serving its architecture.
-    hf_config = read_hf_config(resolve_checkpoint(args.checkpoint, extras=()), registry)
+    hf_config = read_hf_config(resolve_checkpoint(args.checkpoint, extras=(), gguf_file=args.gguf_file), registry)
     model_type = args.model_type or registry.infer_model_type(hf_config)
     plugin = registry.get(model_type)
     config = plugin.config_from_hf(hf_config)

@@ -94,6 +94,11 @@ class EngineOptions:
 
     model_type: str | None = option(
         None, "the registered model type to build; None: inferred from config.json (docs/design.md §4)")
+    gguf_file: str | None = option(None, "the GGUF file to load within the checkpoint's folder or Hub repository",
+        CliFlag("the GGUF file to load within CHECKPOINT, a Hub id's repository (fetched alone, with the other "
+                "parts of a split set, named by any part) or a folder holding several .gguf files, e.g. "
+                "model-Q4_K_M.gguf (default: none: the checkpoint's config.json, else its only GGUF model)",
+                metavar="NAME"))
     allow_plugin_patches: tuple[str, ...] = option(
         (), "plugins (entry point or distribution names) whose changes to rtpcore are accepted, logged, "
         "instead of refused (docs/design.md §18; --allow-plugin-patches)", converter=tuple)
@@ -228,7 +233,8 @@ class EngineConfig(EngineOptions):
         DeviceError here, before anything loads) and the allowlist (imports no plugin). A Hub id
         as ``path`` or ``draft_model`` is fetched here, once, into the Hub cache
         (:func:`~rtpcore.checkpoint.resolve.resolve_checkpoints`: it loads the plan's plugins to
-        learn which shards), so the config carries local folders to every rank."""
+        learn which shards), so the config carries local folders to every rank; with ``gguf_file``,
+        ``checkpoint`` is that GGUF file's local path (the first part's, for a split set)."""
         EngineOptions.check_names(options, "EngineConfig.create")
         o = EngineOptions(**options)
 
@@ -248,6 +254,10 @@ class EngineConfig(EngineOptions):
         _positive_int("tensor_parallel_size", o.tensor_parallel_size)
         _tristate("fp32_batched_linear", o.fp32_batched_linear)
         draft, k = _speculative_options(o.draft_model, o.num_speculative_tokens)
+        if o.gguf_file is not None:  # a bad name, or a file as the checkpoint, fails before any plugin loads
+            from rtpcore.checkpoint.gguf.reader import check_gguf_name
+
+            check_gguf_name(path, o.gguf_file)
         if isinstance(plugins, str) or isinstance(external_model_packages, str):
             raise RtpcoreError("plugins and external_model_packages take a sequence of strings, not one string")
         # Under env:// rendezvous (torchrun) the ranks may sit on other machines: this process
@@ -305,8 +315,9 @@ class EngineConfig(EngineOptions):
             or not 0.0 < o.gpu_memory_utilization <= 1.0
         ):
             raise RtpcoreError(f"gpu_memory_utilization must be in (0, 1], got {o.gpu_memory_utilization!r}")
-        # A Hub id (org/name[@revision]) becomes its snapshot folder, holding the shards the ranks read.
-        path, draft = resolve_checkpoints(path, draft, plan=plan, model_type=o.model_type)
+        # A Hub id (org/name[@revision]) becomes its snapshot folder, holding the shards the ranks read;
+        # with gguf_file, the path of that file (in the folder, or fetched alone into the Hub cache).
+        path, draft = resolve_checkpoints(path, draft, plan=plan, model_type=o.model_type, gguf_file=o.gguf_file)
         dtype = _resolve_dtype(o.dtype, resolved_device, path, registry)
         if dtype not in platform.supported_dtypes:
             raise RtpcoreError(f"dtype {dtype!r} is not one platform {platform_name!r} runs: "

@@ -149,6 +149,12 @@ class Engine:
         :class:`~rtpcore.engine.config.EngineOptions` with its default (``inspect.signature``
         lists them all; an unknown name is a TypeError). The ones that need a word:
 
+        ``gguf_file``: the GGUF file to load within ``path``, a Hub id's repository (that file
+        alone is fetched, every part of a split set named by any part: the file carries the
+        config, tokenizer and template) or a local folder holding several ``.gguf`` files.
+        Without it, a Hub repository that has no config.json but exactly one GGUF model gets
+        that model; several are a CheckpointError listing them (``rtpcore.checkpoint.hub``).
+
         ``draft_model``: speculative decoding with a draft checkpoint (any model type the
         loaded plugins serve, inferred from its config.json) or ``"mtp"`` (the target's own
         multi-token-prediction layers, when its plugin offers them); it proposes

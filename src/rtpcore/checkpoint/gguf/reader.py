@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import functools
 import os
+import posixpath
 import re
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Iterable, Mapping
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from attrs import field, frozen
@@ -37,9 +38,14 @@ from rtpcore.errors import CheckpointError
 __all__ = [
     "GGUFCheckpoint",
     "GGUFTensor",
+    "check_gguf_name",
+    "describe_models",
+    "gguf_file_in",
     "gguf_files",
+    "gguf_models",
     "is_gguf",
     "open_gguf",
+    "split_parts",
 ]
 
 _SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -167,6 +173,73 @@ def gguf_files(path: str | os.PathLike[str]) -> list[Path]:
     if not p.exists():
         raise _fail(p, "does not exist")
     return _parts(p)
+
+
+def split_parts(name: str) -> list[str]:
+    """Every part's name of the split set ``name`` belongs to, in order (``sub/m-00002-of-00003.gguf``:
+    ``sub/m-00001-of-00003.gguf`` ... ``sub/m-00003-of-00003.gguf``), or ``[name]`` for a single file."""
+    folder, base = posixpath.split(name)
+    m = _SPLIT_RE.match(base)
+    if m is None:
+        return [name]
+    count = int(m["count"])
+    return [posixpath.join(folder, f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def gguf_models(names: Iterable[str]) -> list[str]:
+    """The GGUF models among file names (a repository's or a folder's), sorted: each ``.gguf``
+    file, and each split set once, as its first part's name (what ``gguf_file`` takes)."""
+    return sorted({split_parts(n)[0] for n in names if n.endswith(".gguf")})
+
+
+def describe_models(models: list[str]) -> str:
+    """``models`` (:func:`gguf_models`) for a message: ``a.gguf, b-00001-of-00002.gguf (2 parts)``."""
+    return ", ".join(m + (f" ({len(split_parts(m))} parts)" if len(split_parts(m)) > 1 else "") for m in models)
+
+
+def check_gguf_name(checkpoint: str | os.PathLike[str], name: object) -> str:
+    """``name`` if it can name a GGUF file within the checkpoint ``checkpoint`` (a Hub id's
+    repository or a folder): a relative path ending in ``.gguf``, not leaving the folder, and
+    ``checkpoint`` no file itself; else a CheckpointError naming both."""
+    ref = os.fspath(checkpoint)
+    if not isinstance(name, str) or not name.endswith(".gguf"):
+        raise CheckpointError(
+            f"gguf_file must name a .gguf file within the checkpoint {ref!r} (a Hub repository or a folder), "
+            f"got {name!r}",
+            path=ref,
+        )
+    parts = PurePosixPath(name).parts
+    if name.startswith("/") or "\\" in name or ".." in parts:
+        raise CheckpointError(
+            f"gguf_file {name!r} must be a file's name (or relative path, with /) within the checkpoint {ref!r}",
+            path=ref,
+        )
+    if os.path.isfile(ref):
+        raise CheckpointError(
+            f"gguf_file={name!r} picks a file within a Hub repository or a folder, but the checkpoint {ref!r} "
+            "is a file itself: pass the file alone, or its folder with gguf_file",
+            path=ref,
+        )
+    return name
+
+
+def gguf_file_in(folder: str | os.PathLike[str], name: str) -> Path:
+    """The GGUF checkpoint ``name`` (a ``.gguf`` file, or any part of a split set) in the local
+    ``folder``: ``folder / name`` when it and every part of its set are there, else a
+    CheckpointError naming the folder, the file and the folder's GGUF models."""
+    root = Path(folder)
+    check_gguf_name(root, name)
+    if not root.is_dir():
+        raise CheckpointError(
+            f"checkpoint {str(root)!r} (with gguf_file={name!r}) is not a folder: no such path", path=root
+        )
+    missing = [part for part in split_parts(name) if not (root / part).is_file()]
+    if missing:
+        models = gguf_models(p.relative_to(root).as_posix() for p in root.rglob("*.gguf") if p.is_file())
+        held = f"it holds {describe_models(models)}" if models else "it holds no .gguf file"
+        what = f"file {name!r}" if missing == [name] else f"part {missing[0]!r} of the split set {name!r}"
+        raise CheckpointError(f"checkpoint directory {str(root)!r} has no {what}; {held}", path=root / missing[0])
+    return root / name
 
 
 def _set_name(file: Path) -> str:
