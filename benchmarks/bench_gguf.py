@@ -46,6 +46,11 @@ THREADS = 2
 PROMPT = 16  # tokens before a decode measurement
 PREFILL = 512
 BATCH = 8
+# rtpcore's KV pool: room for the batch rows and the prefill prompt with their new tokens (the CPU
+# default, max_batch_size sequences of max_model_len tokens up to a quarter of the memory, would
+# measure the pool, not the model). llama.cpp's contexts: n_ctx 2048 (llama-cpp-python), 8 x 256
+# (llama-server).
+KV_BYTES = 256 << 20
 
 # ---- rtpcore, in a child process -------------------------------------------------------------
 
@@ -57,7 +62,8 @@ from rtpcore import Engine, SamplingParams
 spec = json.loads(sys.argv[1])
 t = time.perf_counter()
 engine = Engine.from_pretrained(spec["path"], max_model_len=2048, enable_prefix_caching=False,
-                                max_num_batched_tokens=1024, **spec.get("options", {}))
+                                max_num_batched_tokens=1024, max_batch_size=spec["batch"],
+                                kv_cache_memory=spec["kv_bytes"], **spec.get("options", {}))
 load = time.perf_counter() - t
 def prompt(n, salt):
     return [3 + (97 * i + 31 * salt) % 7000 for i in range(n)]
@@ -91,7 +97,7 @@ print(json.dumps(out))
 
 def rtpcore_row(path: Path, new: int, repeats: int, **options: Any) -> dict[str, Any]:
     spec = {"path": str(path), "new": new, "prompt": PROMPT, "prefill": PREFILL, "batch": BATCH,
-            "repeats": repeats, "options": options}
+            "repeats": repeats, "options": options, "kv_bytes": KV_BYTES}
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
     proc = subprocess.run([sys.executable, "-c", RTPCORE_CHILD, json.dumps(spec), str(THREADS)],
                           capture_output=True, text=True, env=env, check=False)

@@ -29,6 +29,7 @@ typedef int16_t I16 __attribute__((vector_size(32)));
 typedef int32_t I32 __attribute__((vector_size(32)));
 typedef float F32 __attribute__((vector_size(32)));
 constexpr int kQMT = RTPCORE_Q_MT;
+constexpr int64_t kPrefetchRows = 8;  // weight rows read ahead (see tile)
 
 // Every helper is inlined: none passes a 32-byte vector in a call (whose ABI without AVX
 // differs, and GCC would say so).
@@ -324,6 +325,15 @@ static void tile(const gguf::QActs& a, int64_t m0, const uint8_t* w, int64_t row
                  int64_t N, bool accumulate, int64_t n0, int64_t n1) {
     float out[kQMT];
     for (int64_t n = n0; n < n1; ++n) {
+#if RTPCORE_Q_SIMD
+        // The weight row kPrefetchRows ahead, into L1: the hardware prefetcher stops at each 4 KiB
+        // page, and a decode step reads every weight once from memory (measured on a Q8_0 decode
+        // step of SmolLM2's shape, 2 threads: 15.8 -> 9.0 ms).
+        if (n + kPrefetchRows < n1) {
+            const char* ahead = reinterpret_cast<const char*>(w + (n + kPrefetchRows) * row_bytes);
+            for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        }
+#endif
         if constexpr (gguf::info(T).block == 32)
             dot_rows32<T, MT>(a, m0, w + n * row_bytes, out);
         else
