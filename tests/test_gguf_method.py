@@ -249,3 +249,25 @@ def test_blocks_follow_the_operations_a_model_builds_with(caplog: pytest.LogCapt
     assert torch.equal(out, dense.t() @ torch.ones(16))
     assert [r.getMessage() for r in caplog.records if "aten.t" in r.getMessage()][:1]
     assert len([r for r in caplog.records if "aten.t" in r.getMessage()]) <= 1
+
+
+def test_many_rows_take_the_dequantized_weight_and_torchs_gemm() -> None:
+    """From GEMM_ROWS rows (a prefill chunk) the native path multiplies the weight dequantized into a
+    scratch buffer: float32 activations, so the product equals F.linear of the dequantized weight
+    within float32 rounding, for a weight of several types too; fewer rows keep the block kernels."""
+    from rtpcore.checkpoint.gguf.linear import GEMM_ROWS
+
+    q, qd = _blocks("q8_0", 24, 64, 3)
+    v, vd = _blocks("q4_0", 8, 64, 4)
+    dense = torch.cat([qd, vd])
+    bias = torch.randn(32)
+    with weight_quantization(GgufMethod()):
+        layer = Linear(torch.cat([q, v]), bias)
+    x = torch.randn(GEMM_ROWS + 5, 64)
+    want = torch.nn.functional.linear(x, dense, bias)
+    got = layer(x)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    if NATIVE:  # a few rows: 8-bit activations, not exact
+        few = layer(x[:4])
+        assert not torch.equal(few, want[:4])
+        assert (few - want[:4]).abs().max().item() <= 0.02 * want.abs().max().item()
