@@ -46,11 +46,11 @@ THREADS = 2
 PROMPT = 16  # tokens before a decode measurement
 PREFILL = 512
 BATCH = 8
-# rtpcore's KV pool: room for the batch rows and the prefill prompt with their new tokens (the CPU
-# default, max_batch_size sequences of max_model_len tokens up to a quarter of the memory, would
-# measure the pool, not the model). llama.cpp's contexts: n_ctx 2048 (llama-cpp-python), 8 x 256
-# (llama-server).
-KV_BYTES = 256 << 20
+# rtpcore's KV pool: 48 MiB, 1088 tokens of float32 keys and values (max_model_len 1024), room for
+# the batch rows and the prefill prompt with their new tokens (the CPU default, max_batch_size
+# sequences of max_model_len tokens up to a quarter of the memory, would measure the pool, not the
+# model). llama.cpp's: n_ctx 2048 of float16 (llama-cpp-python, 47 MiB), 8 x 256 (llama-server).
+KV_BYTES = 48 << 20
 
 # ---- rtpcore, in a child process -------------------------------------------------------------
 
@@ -61,7 +61,7 @@ torch.set_num_threads(int(sys.argv[2]))
 from rtpcore import Engine, SamplingParams
 spec = json.loads(sys.argv[1])
 t = time.perf_counter()
-engine = Engine.from_pretrained(spec["path"], max_model_len=2048, enable_prefix_caching=False,
+engine = Engine.from_pretrained(spec["path"], max_model_len=1024, enable_prefix_caching=False,
                                 max_num_batched_tokens=1024, max_batch_size=spec["batch"],
                                 kv_cache_memory=spec["kv_bytes"], **spec.get("options", {}))
 load = time.perf_counter() - t

@@ -45,6 +45,7 @@ __all__ = [
     "gguf_models",
     "is_gguf",
     "open_gguf",
+    "release_gguf_files",
     "split_parts",
 ]
 
@@ -278,6 +279,14 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
             raise _fail(f, f"cannot be read ({e.strerror})") from None
         stamp.append((str(f), st.st_size, st.st_mtime_ns))
     return _open_cached(str(path), tuple(stamp))
+
+
+def release_gguf_files() -> None:
+    """Close the files :func:`open_gguf` keeps open: their mapped pages, read once for the weights
+    the loader copied out, would otherwise count in the process's resident memory for as long as
+    it runs. The next :func:`open_gguf` maps the file again (the tokenizer and template read only
+    its metadata)."""
+    _open_cached.cache_clear()
 
 
 @functools.lru_cache(maxsize=4)

@@ -27,7 +27,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rtpcore.checkpoint.gguf.config import GGUFTensorName
-from rtpcore.checkpoint.gguf.reader import GGUFCheckpoint, GGUFTensor, _fail
+from rtpcore.checkpoint.gguf.reader import GGUFCheckpoint, GGUFTensor, _fail, release_gguf_files
 from rtpcore.checkpoint.patterns import PatternTable
 from rtpcore.errors import CheckpointError, MissingTensorsError
 
@@ -171,6 +171,7 @@ def load_gguf(
         if str(device) != "cpu":
             t = t.to(device)
         out[name] = t
+    release_gguf_files()  # the weights are copied out: the mapped pages need not stay resident
     return out, nbytes
 
 
