@@ -73,7 +73,6 @@ def _load_tokenizer(path: Path, demo: bool) -> Any | None:
     from rtpcore.engine.text.tokenizer import Tokenizer, has_tokenizer
 
     if has_tokenizer(path):
-
         return Tokenizer.from_pretrained(path)
     if demo:
         from rtpcore.testing.demo import ByteTokenizer

@@ -59,9 +59,8 @@ def import_cost(ctx: KitContext, subject: None) -> str | None:
 
 
 def no_patches(ctx: KitContext, subject: None) -> str | None:
-    models = [m for m in ctx.subjects("models")]
     probe = _run_probe("patches", {"plugins": list(ctx.plugins), "allow": list(ctx.allow_patches),
-                                   "models": models, "device": ctx.device,
+                                   "models": ctx.subjects("models"), "device": ctx.device,
                                    "cache_dir": None if ctx.cache_dir is None else str(ctx.cache_dir)})
     if probe.get("error"):
         raise fail("no_patches", f"loading {ctx.item} in a fresh process failed: {probe['error']}")
