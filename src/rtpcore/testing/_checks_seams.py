@@ -272,13 +272,11 @@ def _sources(checkpoint: Path, floats: dict[str, Any],
 def _gguf_source(floats: dict[str, Any], tmp: Path,
                  config: dict[str, Any]) -> Iterator[tuple[str, tuple[Path, dict[str, Any], dict[str, Any]]]]:
     """A GGUF file of the projections in Q8_0 (those whose width is a multiple of 32), under
-    their checkpoint names; nothing where the gguf package is missing."""
-    try:
-        import gguf
-        from gguf.quants import dequantize, quantize
-    except ImportError:
-        return
+    their checkpoint names."""
+    import gguf
     import torch
+    from gguf.quants import dequantize, quantize
+
 
     kept = {k: w for k, w in floats.items() if w.shape[1] % 32 == 0}
     if not kept:
