@@ -237,6 +237,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-server", action="store_true", help="no llama-server batch row")
+    parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "llama-1024x16"],
+                        help="the checkpoint's shape (benchmarks/_smollm2.py; default: %(default)s)")
     parser.add_argument("--ckpt", type=Path, default=None,
                         help="where benchmarks/_smollm2.py's checkpoint is (made there if missing; default: DIR/ckpt)")
     args = parser.parse_args()
@@ -244,7 +246,7 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from _smollm2 import make_checkpoint
 
-    ckpt = make_checkpoint(args.ckpt or args.llamacpp / "ckpt")
+    ckpt = make_checkpoint(args.ckpt or args.llamacpp / "ckpt", args.model)
     name = ckpt.name.lower()
     if not all((args.llamacpp / f"{name}-{t}.gguf").is_file() for t in args.types.split(",")):
         subprocess.run(["bash", str(SETUP), str(args.llamacpp), str(ckpt)], check=True)
