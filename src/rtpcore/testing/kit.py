@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 
 from rtpcore.errors import RtpcoreError
+from rtpcore.plugins.loading import BUILTIN_PLUGIN
 
 __all__ = [
     "CHECKS",
@@ -50,7 +51,7 @@ __all__ = [
 ]
 
 #: The item that names rtpcore's built-in plugin (its models, backends, methods, parsers, platforms).
-BUILTIN_ITEM = "rtpcore.models"
+BUILTIN_ITEM = BUILTIN_PLUGIN
 
 
 class CheckFailed(AssertionError):
@@ -156,10 +157,6 @@ RULES: dict[str, str] = {c.name: c.rule for c in _TABLE}
 _BY_NAME = {c.name: c for c in _TABLE}
 
 
-def rule(check: str) -> str:
-    return RULES[check]
-
-
 def fail(check: str, seen: str) -> CheckFailed:
     """The failure of ``check``: its rule, and what was seen."""
     return CheckFailed(RULES[check], seen)
@@ -179,7 +176,7 @@ class KitContext:
                  cache_dir: Path | None = None, checkpoints: Mapping[str, str | os.PathLike[str]] | None = None,
                  prompts: Sequence[Sequence[int]] | None = None) -> None:
         from rtpcore.plugins.allowlist import Allowlist
-        from rtpcore.plugins.loading import BUILTIN_PLUGIN, load_report
+        from rtpcore.plugins.loading import load_report
 
         if device not in ("cpu", "cuda"):
             raise RtpcoreError(f"device {device!r}: the kit runs on 'cpu' or 'cuda'")
