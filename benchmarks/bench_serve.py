@@ -1,11 +1,12 @@
 """Serving throughput and latency of ``rtpcore serve`` against ``transformers serve
 --continuous-batching`` on the same checkpoint, driven by the real ``openai`` client.
 
-    python benchmarks/bench_serve.py [--scenario steady|load|both|multiturn] [--quick]
+    python benchmarks/bench_serve.py [--scenario steady|load|both|multiturn|llamacpp] [--quick]
         [--clients N] [--skip-transformers]
       steady:    [--tokens 64] [--rounds 3] [--max-batch-size 16]
       load:      [--prompt-tokens 64:768] [--output-tokens 256:512] [--arrival-rate 4]
                  [--kv-fraction 0.25] [--max-batch-size N] [--max-num-batched-tokens N] [--seed 0]
+      llamacpp:  --llamacpp DIR [--gguf-model smollm2-135m] [--gguf-types f32,q8_0] [--prompt-words 64:512]
       multiturn: [--turns 4] [--turn-tokens 64] [--system-tokens 1500] [--max-batch-size N]
                  [--max-num-batched-tokens N] [--seed 0]
 
@@ -63,6 +64,26 @@ turn 1 and of turns 2..N, the mean fraction of the prompt tokens of turns 2..N t
 response reports cached (``usage.prompt_tokens_details.cached_tokens``; none reported counts as
 0), turns completed, then the ratios rtpcore/rtpcore-nocache and rtpcore/transformers and the
 targets (TTFT p50 of turns 2..N <= 0.3x rtpcore-nocache's, tokens/s >= 1.5x rtpcore-nocache).
+
+``--scenario llamacpp`` (``--clients`` 32) compares ``rtpcore serve`` with llama.cpp's
+``llama-server`` on the same GGUF files: ``--llamacpp DIR`` is what
+``../shared/tools/setup_llamacpp.sh DIR CKPT`` built (``DIR/bin/llama-server`` and
+``DIR/<model>-<type>.gguf``; ``--gguf-model``, default ``smollm2-135m``, the checkpoint
+benchmarks/_smollm2.py writes), one pair of servers per ``--gguf-types`` (default
+``f32,q8_0``). Each round is ``--clients`` concurrent streaming completions (``/v1/completions``:
+the file has no chat template) of ``--tokens`` (default 128) tokens with ``ignore_eos``, over
+seeded prompts of 64-512 words (``--prompt-words``), new prompts every round, so neither
+server's prompt cache serves a round from an earlier one; one warm-up round, then ``--rounds``
+(default 2) timed ones. llama-server runs with ``-t 2 -tb 2`` (its threads = this machine's 2
+cores), ``--parallel`` = ``--clients`` slots of 2048 tokens each and continuous batching;
+rtpcore with its defaults (``--max-batch-size`` and ``--max-num-batched-tokens`` passed only
+when given). Per type: the steady table's columns, ratios rtpcore/llama-server, whether both
+counted the same prompt tokens, and the targets (tokens/s >= 1.2x, p50 TTFT and p50 time
+between tokens <= 1.0x llama-server's).
+
+``--profile DIR`` (steady, llamacpp) samples each rtpcore server with py-spy through its timed
+rounds and prints where its threads spent their samples (innermost frames, rtpcore functions):
+the measurement to read before changing the serving loop.
 
 ``--quick`` shrinks everything (a handful of clients, short prompts and completions; multiturn:
 3 conversations x 2 turns of 8 tokens over a 200-token system prompt) to check that the script
@@ -372,17 +393,71 @@ def serving(server: Server, args: argparse.Namespace, what: str) -> Iterator[Non
     warn_no_cb(server)
 
 
+@contextlib.contextmanager
+def profiled(server: Server, args: argparse.Namespace) -> Iterator[None]:
+    """With ``--profile DIR``, py-spy samples an rtpcore server (every thread, 100/s, without
+    pausing it) while the block runs: collapsed stacks in DIR/<name>.txt and a summary printed
+    after (where the server's threads spent their samples, by innermost frame and by rtpcore
+    function). Without it, or for another server, nothing happens."""
+    if args.profile is None or not server.name.startswith("rtpcore") or server.proc is None:
+        yield
+        return
+    args.profile.mkdir(parents=True, exist_ok=True)
+    out = args.profile / f"{server.name}.txt"
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(server.proc.pid), "--rate", "100", "--format", "raw",
+                            "--nonblocking", "--threads", "--output", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        _, err = spy.communicate(timeout=60)
+    if not out.is_file():
+        print(f"  profile: py-spy wrote nothing ({err.decode(errors='replace').strip()[-300:]})", flush=True)
+        return
+    print(profile_summary(out), flush=True)
+
+
+def profile_summary(path: Path, top: int = 12) -> str:
+    """The top innermost frames and the top rtpcore functions (inclusive) of py-spy's raw output."""
+    leaf: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    threads: dict[str, int] = {}
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        total += count
+        threads[frames[0]] = threads.get(frames[0], 0) + count
+        leaf[frames[-1]] = leaf.get(frames[-1], 0) + count
+        for name in {f.split(" (")[0] + " (" + f.split(" (")[-1].split(":")[0] + ")" for f in frames[1:]
+                     if "rtpcore" in f}:
+            inclusive[name] = inclusive.get(name, 0) + count
+    if not total:
+        return f"  profile: {path}: no samples"
+
+    def rows(d: dict[str, int]) -> list[str]:
+        return [f"    {n / total:6.1%}  {name}" for name, n in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return "\n".join([f"  profile of {path.stem}: {total} samples ({path})", "  by thread:", *rows(threads),
+                      "  innermost frames:", *rows(leaf), "  rtpcore functions (inclusive):", *rows(inclusive)])
+
+
 def bench(server: Server, args: argparse.Namespace) -> Result:
     """Start ``server``, one warm-up round, ``args.rounds`` timed rounds; always stops it."""
     check_missing(server)
     walls, samples = [], []
     with serving(server, args, "a round"):
         asyncio.run(one_round(server, args.clients, args.tokens, args.round_timeout))  # warm-up
-        for _ in range(args.rounds):
-            wall, got = asyncio.run(one_round(server, args.clients, args.tokens, args.round_timeout))
-            walls.append(wall)
-            samples.extend(got)
-            print(f"  {server.name}: round of {args.clients} x {args.tokens} tokens in {wall:.2f} s", flush=True)
+        with profiled(server, args):
+            for _ in range(args.rounds):
+                wall, got = asyncio.run(one_round(server, args.clients, args.tokens, args.round_timeout))
+                walls.append(wall)
+                samples.extend(got)
+                print(f"  {server.name}: round of {args.clients} x {args.tokens} tokens in {wall:.2f} s", flush=True)
     tbts = [x for x in (s.tbt for s in samples) if x is not None]
     return Result(
         tok_s=sum(s.tokens for s in samples) / sum(walls),
@@ -699,6 +774,147 @@ def run_load(ckpt: Path, tmp: Path, args: argparse.Namespace) -> dict[str, LoadR
     return results
 
 
+# ---------------------------------------------------------------- llama-server on the same GGUF file
+
+LLAMACPP_SLOT_TOKENS = 2048  # llama-server's context per slot (-c = slots x this): SmolLM2's whole context
+
+
+def llama_server(llamacpp: Path, gguf: Path, tmp: Path, slots: int, name: str) -> Server:
+    """llama.cpp's ``llama-server`` on ``gguf``: 2 threads (this machine's cores), ``slots``
+    parallel sequences with continuous batching."""
+    exe = llamacpp / "bin" / "llama-server"
+    port = free_port()
+    argv = [str(exe), "-m", str(gguf), "-t", "2", "-tb", "2", "--parallel", str(slots),
+            "-c", str(slots * LLAMACPP_SLOT_TOKENS), "--cont-batching", "--host", HOST, "--port", str(port),
+            "--alias", "bench"]
+    return Server(name, argv, port, tmp / f"{name}.log", model="bench")
+
+
+def word_prompts(count: int, words: tuple[int, int], seed: int) -> list[str]:
+    """``count`` seeded prompts of pseudo-words, lengths spread uniformly over ``words``."""
+    rng = random.Random(seed)
+    text = " ".join(corpus(seed=seed + 1, lines=4000)).split()
+    prompts = []
+    for _ in range(count):
+        n = rng.randint(*words)
+        at = rng.randrange(0, len(text) - n)
+        prompts.append(" ".join(text[at:at + n]))
+    return prompts
+
+
+async def completion_request(client: Any, server: Server, prompt: str, tokens: int) -> Sample:
+    """One streaming completion of ``prompt``; a server that reports no usage has its tokens
+    counted as text chunks (llama-server streams one token per chunk)."""
+    sample = Sample(start=time.perf_counter())
+    stream = await client.completions.create(
+        model=server.model, prompt=prompt, stream=True, max_tokens=tokens, temperature=0.0,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            sample.text_times.append(now)
+            sample.text += chunk.choices[0].text
+        if chunk.usage is not None:
+            sample.tokens = chunk.usage.completion_tokens
+            sample.prompt_tokens = chunk.usage.prompt_tokens
+    if not sample.text_times:
+        raise ServerFailed(f"{server.name}: a completion streamed no text")
+    if not sample.tokens:
+        sample.tokens = len(sample.text_times)
+    return sample
+
+
+async def completion_round(server: Server, prompts: list[str], tokens: int, timeout: float) -> tuple[float, list[Sample]]:
+    import httpx
+    from openai import AsyncOpenAI
+
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=len(prompts) + 4), trust_env=False)
+    async with AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0,
+                           timeout=timeout, http_client=http) as client:
+        t = time.perf_counter()
+        samples = await asyncio.wait_for(
+            asyncio.gather(*(completion_request(client, server, p, tokens) for p in prompts)), timeout)
+        return time.perf_counter() - t, list(samples)
+
+
+def bench_completions(server: Server, rounds: list[list[str]], args: argparse.Namespace) -> tuple[Result, list[int]]:
+    """Start ``server``; the first round of prompts warms it up, the others are timed; always
+    stops it. Returns the result and the prompt tokens it counted per timed request."""
+    walls, samples = [], []
+    with serving(server, args, "a round"):
+        asyncio.run(completion_round(server, rounds[0], args.tokens, args.round_timeout))
+        with profiled(server, args):
+            for prompts in rounds[1:]:
+                wall, got = asyncio.run(completion_round(server, prompts, args.tokens, args.round_timeout))
+                walls.append(wall)
+                samples.extend(got)
+                print(f"  {server.name}: round of {len(prompts)} x {args.tokens} tokens in {wall:.2f} s",
+                      flush=True)
+    tbts = [x for x in (s.tbt for s in samples) if x is not None]
+    result = Result(
+        tok_s=sum(s.tokens for s in samples) / sum(walls),
+        ttft_p50=percentile([s.ttft for s in samples], 0.5),
+        ttft_p99=percentile([s.ttft for s in samples], 0.99),
+        tbt_p50=percentile(tbts, 0.5) if tbts else float("nan"),
+        exact=all(s.tokens == args.tokens for s in samples),
+    )
+    return result, [s.prompt_tokens for s in samples]
+
+
+def llamacpp_table(results: dict[str, Result | str], counted: dict[str, list[int]], types: list[str]) -> str:
+    rows = ["| engine | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | TBT p50 (ms) | exact tokens |",
+            "|---|---:|---:|---:|---:|---|"]
+    targets = ["Targets (per type):"]
+    for t in types:
+        rt, lc = results.get(f"rtpcore[{t}]"), results.get(f"llama-server[{t}]")
+        rows += table({k: v for k, v in results.items() if k.endswith(f"[{t}]")}).splitlines()[2:]
+        if isinstance(rt, Result) and isinstance(lc, Result):
+            tok, ttft, tbt = rt.tok_s / lc.tok_s, rt.ttft_p50 / lc.ttft_p50, rt.tbt_p50 / lc.tbt_p50
+            rows.append(f"| rtpcore / llama-server [{t}] | {tok:.2f}x | {ttft:.2f}x | {rt.ttft_p99 / lc.ttft_p99:.2f}x "
+                        f"| {tbt:.2f}x | |")
+            same = counted.get(f"rtpcore[{t}]") == counted.get(f"llama-server[{t}]")
+            targets += [target_line(f"{t}: output tokens/s >= 1.2x llama-server", tok, tok >= 1.2),
+                        target_line(f"{t}: p50 TTFT <= 1.0x llama-server's", ttft, ttft <= 1.0),
+                        target_line(f"{t}: p50 time between tokens <= 1.0x llama-server's", tbt, tbt <= 1.0),
+                        f"  {t}: both servers counted the same prompt tokens: {'yes' if same else 'no'}"]
+    return "\n".join([*rows, "", *targets])
+
+
+def run_llamacpp(tmp: Path, args: argparse.Namespace) -> tuple[str, bool]:
+    files = {t: args.llamacpp / f"{args.gguf_model}-{t}.gguf" for t in args.gguf_types}
+    missing = [str(f) for f in files.values() if not f.is_file()]
+    if not (args.llamacpp / "bin" / "llama-server").is_file():
+        missing.insert(0, str(args.llamacpp / "bin" / "llama-server"))
+    if missing:
+        raise SystemExit(f"--llamacpp {args.llamacpp}: missing {', '.join(missing)} "
+                         "(../shared/tools/setup_llamacpp.sh DIR CKPT builds them)")
+    rounds = [word_prompts(args.clients, args.prompt_words, args.seed + r) for r in range(args.rounds + 1)]
+    extra = []
+    if args.max_batch_size is not None:
+        extra += ["--max-batch-size", str(args.max_batch_size)]
+    if args.max_num_batched_tokens is not None:
+        extra += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    print(f"llamacpp: {args.clients} concurrent streaming completions x {args.tokens} tokens, prompts of "
+          f"{args.prompt_words[0]}-{args.prompt_words[1]} words, 1 warm-up + {args.rounds} timed rounds; "
+          f"llama-server -t 2 -tb 2 --parallel {args.clients} -c {args.clients * LLAMACPP_SLOT_TOKENS} --cont-batching; "
+          f"rtpcore serve --dtype float32 {' '.join(extra) or '(its defaults)'}", flush=True)
+    results: dict[str, Result | str] = {}
+    counted: dict[str, list[int]] = {}
+    for t, gguf in files.items():
+        for server in (rtpcore_server(gguf, tmp, None, extra, name=f"rtpcore[{t}]"),
+                       llama_server(args.llamacpp, gguf, tmp, args.clients, f"llama-server[{t}]")):
+            try:
+                results[server.name], counted[server.name] = bench_completions(server, rounds, args)
+            except ServerFailed as exc:
+                print(f"{server.name} FAILED: {exc}", file=sys.stderr, flush=True)
+                results[server.name] = exc.summary()
+    head = (f"llama.cpp peer: {args.clients} streams x {args.tokens} tokens, {args.gguf_model} GGUF "
+            f"({', '.join(args.gguf_types)})")
+    return f"{head}\n\n{llamacpp_table(results, counted, args.gguf_types)}", all(
+        isinstance(r, Result) for r in results.values())
+
+
 # ---------------------------------------------------------------- multi-turn scenario
 
 USER_TOKENS = (16, 48)  # multiturn: each user message's tokens, rendered as a one-message conversation
@@ -924,11 +1140,11 @@ QUICK: dict[str, Any] = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", choices=("steady", "load", "both", "multiturn"), default="steady",
+    parser.add_argument("--scenario", choices=("steady", "load", "both", "multiturn", "llamacpp"), default="steady",
                         help="steady: rounds of equal concurrent requests (default); load: Poisson arrivals of "
                         "mixed prompt and completion lengths with a quarter-size rtpcore KV pool; both: steady then "
                         "load; multiturn: concurrent conversations over a shared system prompt, prefix caching on "
-                        "against off")
+                        "against off; llamacpp: rtpcore serve against llama-server on the same GGUF files")
     parser.add_argument("--quick", action="store_true",
                         help="a few clients, short prompts and completions: checks that the script runs")
     parser.add_argument("--clients", type=int, default=None,
@@ -957,6 +1173,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="multiturn: the shared system prompt's tokens, ChatML-rendered (default 1500)")
     parser.add_argument("--seed", type=int, default=0,
                         help="load: seed of lengths, max_tokens and arrivals; multiturn: of the messages")
+    parser.add_argument("--llamacpp", type=Path, default=None, metavar="DIR",
+                        help="llamacpp: what ../shared/tools/setup_llamacpp.sh DIR CKPT built")
+    parser.add_argument("--gguf-model", default="smollm2-135m",
+                        help="llamacpp: the GGUF files DIR/<model>-<type>.gguf (default smollm2-135m)")
+    parser.add_argument("--gguf-types", type=lambda v: v.split(","), default=["f32", "q8_0"],
+                        help="llamacpp: comma-separated GGUF types (default f32,q8_0)")
+    parser.add_argument("--prompt-words", type=parse_range, default=None, metavar="MIN:MAX",
+                        help="llamacpp: prompt lengths in words (default 64:512)")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help="steady, llamacpp: py-spy samples each rtpcore server through its timed rounds "
+                        "(DIR/<name>.txt, a summary printed); needs py-spy")
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--skip-transformers", action="store_true", help="benchmark rtpcore serve alone")
     parser.add_argument("--start-timeout", type=float, default=180, help="seconds for a server to answer /health")
@@ -972,6 +1199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     steady_clients = pick(args.clients, 16, QUICK["steady_clients"])
     load_clients = pick(args.clients, 64, QUICK["load_clients"])
+    given_tokens, given_rounds = args.tokens, args.rounds
     args.tokens = pick(args.tokens, 64, QUICK["tokens"])
     args.rounds = pick(args.rounds, 3, QUICK["rounds"])
     args.prompt_tokens = pick(args.prompt_tokens, (64, 768), QUICK["prompt_tokens"])
@@ -990,6 +1218,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--turns must be >= 2 (turns 2.. are what the cache serves); --clients, --turn-tokens and "
                      "--system-tokens >= 1")
     scenarios = ["steady", "load"] if args.scenario == "both" else [args.scenario]
+    if args.scenario == "llamacpp" and args.llamacpp is None:
+        parser.error("--scenario llamacpp needs --llamacpp DIR")
 
     import torch
 
@@ -997,6 +1227,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads in this process; "
           f"servers run one at a time, each with torch's default thread count"
           f"{'; --quick (validation settings, not a measurement)' if quick else ''}")
+    if args.scenario == "llamacpp":
+        args.clients = pick(args.clients, 32, QUICK["steady_clients"])
+        args.tokens = pick(given_tokens, 128, QUICK["tokens"])
+        args.rounds = pick(given_rounds, 2, QUICK["rounds"])
+        args.prompt_words = pick(args.prompt_words, (64, 512), (16, 48))
+        args.round_timeout = args.round_timeout or 1200
+        with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp_name:
+            text, ok = run_llamacpp(Path(tmp_name), args)
+        print(text)
+        return 0 if ok else 1
     with tempfile.TemporaryDirectory(prefix="bench_serve_") as tmp_name:
         tmp = Path(tmp_name)
         ckpt = tmp / "llama-56m"
