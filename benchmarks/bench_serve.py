@@ -803,8 +803,9 @@ def word_prompts(count: int, words: tuple[int, int], seed: int) -> list[str]:
 
 
 async def completion_request(client: Any, server: Server, prompt: str, tokens: int) -> Sample:
-    """One streaming completion of ``prompt``; a server that reports no usage has its tokens
-    counted as text chunks (llama-server streams one token per chunk)."""
+    """One streaming completion of ``prompt``: times of the chunks that carry tokens (text, or
+    none yet but not the final chunk); a server that reports no usage has its tokens counted as
+    such chunks."""
     sample = Sample(start=time.perf_counter())
     stream = await client.completions.create(
         model=server.model, prompt=prompt, stream=True, max_tokens=tokens, temperature=0.0,
@@ -812,14 +813,16 @@ async def completion_request(client: Any, server: Server, prompt: str, tokens: i
     )
     async for chunk in stream:
         now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].text:
+        # a token's chunk: llama-server streams one per token, with "" for a token whose text is
+        # not complete yet (a partial UTF-8 sequence, a control token)
+        if chunk.choices and (chunk.choices[0].text or chunk.choices[0].finish_reason is None):
             sample.text_times.append(now)
-            sample.text += chunk.choices[0].text
+            sample.text += chunk.choices[0].text or ""
         if chunk.usage is not None:
             sample.tokens = chunk.usage.completion_tokens
             sample.prompt_tokens = chunk.usage.prompt_tokens
     if not sample.text_times:
-        raise ServerFailed(f"{server.name}: a completion streamed no text")
+        raise ServerFailed(f"{server.name}: a completion streamed no tokens")
     if not sample.tokens:
         sample.tokens = len(sample.text_times)
     return sample
