@@ -11,6 +11,14 @@ quantized type stores a row as blocks (Q8_0: 32 weights in 34 bytes). The ``gguf
 ``GGUFReader`` parses the header and memory-maps the file: nothing here reads tensor data,
 which stays in the mapping until :mod:`rtpcore.checkpoint.gguf.weights` asks for it.
 
+The mapping is read-only and shared (``PROT_READ``, ``MAP_SHARED``): the weights kept in their
+blocks are torch views of it (:meth:`GGUFCheckpoint.mapped_rows`), so their pages are the page
+cache's -- counted once however many processes map the file, dropped under memory pressure and
+read back from the file. Each view keeps its file's mapping alive; the mapping is unmapped when
+the last view and the last :class:`GGUFCheckpoint` of the file are gone. Nothing may write through
+a view (a write faults): only rtpcore's kernels read them. A file changed in place while mapped
+changes the weights (truncated: the process faults) -- as with llama.cpp's ``mmap``.
+
 A split set (``name-00001-of-00003.gguf`` ...) is written by ``llama-gguf-split``: every part
 holds some tensors, the first the model's metadata (``split.count`` says how many parts). Any
 part's name, or the folder, opens the whole set; a missing part is an error naming it.
@@ -100,6 +108,7 @@ class GGUFCheckpoint:
     metadata: Mapping[str, Any]
     tensors: Mapping[str, GGUFTensor]
     readers: tuple[Any, ...] = field(repr=False, eq=False)  # the gguf.GGUFReader of each part: they hold the maps
+    _mapped: dict[Path, Any] = field(factory=dict, init=False, repr=False, eq=False)  # file -> uint8 torch view
 
     @property
     def architecture(self) -> str:
@@ -131,6 +140,35 @@ class GGUFCheckpoint:
     @property
     def tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def mapped_rows(self, tensor: GGUFTensor) -> Any:
+        """``tensor``'s stored bytes as a uint8 torch tensor ``(rows, bytes per row)`` (a 1-D
+        tensor: ``(1, nbytes)``) viewing the read-only file mapping: no byte is copied or read
+        here. Every tensor of one file views one storage (the whole file), so the views of
+        tensors stored back to back can be joined without a copy. The view keeps the mapping
+        alive; nothing may write through it."""
+        import warnings
+
+        import torch
+
+        base = self._mapped.get(tensor.file)
+        if base is None:
+            reader = self.readers[self.files.index(tensor.file)]
+            with warnings.catch_warnings():
+                # torch has no read-only tensors and warns that a write through this one would
+                # reach the buffer: here it would fault (PROT_READ), and nothing writes.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+                base = torch.frombuffer(reader.data, dtype=torch.uint8)
+            self._mapped[tensor.file] = base
+        rows = _count(tensor.shape[:-1]) if len(tensor.shape) > 1 else 1
+        return base[tensor.offset: tensor.offset + tensor.nbytes].view(rows, tensor.nbytes // max(rows, 1))
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _is_kind(value: Any, kind: type | tuple[type, ...]) -> bool:
@@ -282,10 +320,10 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
 
 
 def release_gguf_files() -> None:
-    """Close the files :func:`open_gguf` keeps open: their mapped pages, read once for the weights
-    the loader copied out, would otherwise count in the process's resident memory for as long as
-    it runs. The next :func:`open_gguf` maps the file again (the tokenizer and template read only
-    its metadata)."""
+    """Drop the checkpoints :func:`open_gguf` keeps open (an engine does when it closes): a file
+    stays mapped while a checkpoint of it is kept or a weight loaded from it views its bytes
+    (:meth:`GGUFCheckpoint.mapped_rows`), and is unmapped when neither is left. The next
+    :func:`open_gguf` maps the file again."""
     _open_cached.cache_clear()
 
 
