@@ -183,7 +183,7 @@ class GGUFBlocks(torch.Tensor):
         return (_rebuild, (self.parts, self.shape[1], self.dtype))
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # The operations a model builds with are answered here, before torch's dispatcher: its first
         # call into a Python subclass's __torch_dispatch__ imports torch.distributed.tensor (about a
         # second). Everything else takes the dispatcher (__torch_dispatch__ below), results unwrapped.
