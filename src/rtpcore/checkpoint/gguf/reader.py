@@ -107,7 +107,9 @@ class GGUFCheckpoint:
     files: tuple[Path, ...]
     metadata: Mapping[str, Any]
     tensors: Mapping[str, GGUFTensor]
-    readers: tuple[Any, ...] = field(repr=False, eq=False)  # the gguf.GGUFReader of each part: they hold the maps
+    # Each part's read-only np.memmap (the package's GGUFReader.data); the readers themselves, with a
+    # numpy view per vocabulary entry, are dropped once the header is read.
+    maps: tuple[Any, ...] = field(repr=False, eq=False)
     _mapped: dict[Path, Any] = field(factory=dict, init=False, repr=False, eq=False)  # file -> uint8 torch view
 
     @property
@@ -153,12 +155,12 @@ class GGUFCheckpoint:
 
         base = self._mapped.get(tensor.file)
         if base is None:
-            reader = self.readers[self.files.index(tensor.file)]
+            mapping = self.maps[self.files.index(tensor.file)]
             with warnings.catch_warnings():
                 # torch has no read-only tensors and warns that a write through this one would
                 # reach the buffer: here it would fault (PROT_READ), and nothing writes.
                 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-                base = torch.frombuffer(reader.data, dtype=torch.uint8)
+                base = torch.frombuffer(mapping, dtype=torch.uint8)
             self._mapped[tensor.file] = base
         rows = _count(tensor.shape[:-1]) if len(tensor.shape) > 1 else 1
         return base[tensor.offset: tensor.offset + tensor.nbytes].view(rows, tensor.nbytes // max(rows, 1))
@@ -343,19 +345,60 @@ def _open_cached(path: str, stamp: tuple[tuple[str, int, int], ...]) -> GGUFChec
                 raise _fail(file, f"tensor {t.name!r} is also in {tensors[t.name].file.name!r}", t.name)
             tensors[t.name] = t
     return GGUFCheckpoint(
-        path=Path(path), files=tuple(files), metadata=metadata, tensors=tensors, readers=tuple(readers)
+        path=Path(path), files=tuple(files), metadata=metadata, tensors=tensors, maps=tuple(r.data for r in readers)
     )
 
 
 def _reader(file: Path) -> Any:
     """The file's ``GGUFReader``, every failure a CheckpointError naming the file (and the
     tensor, for an unknown type or data past the end of the file)."""
-    from gguf import GGUFReader
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
 
     # GGUFReader._build_tensors (private) is where the package turns tensor infos into arrays: the
-    # infos are checked first. tests/test_gguf.py::test_the_private_reader_hook_still_exists fails
-    # loudly when a gguf release renames it or changes its arguments.
+    # infos are checked first. GGUFReader._get (private) reads every value of the header as a slice
+    # of the file's np.memmap: a memmap slice runs numpy's Python-level memmap hooks, 4 of them per
+    # entry of a 49,152-token vocabulary (1-4 s and 130 MiB of views on SmolLM2's file); slices of
+    # a plain ndarray over the same mapping cost a fraction (the fix upstream proposes,
+    # ggml-org/llama.cpp#13378). tests/test_gguf.py::test_the_private_reader_hooks_still_exist fails
+    # loudly when a gguf release renames them or changes their arguments.
     class _CheckedReader(GGUFReader):
+        _plain: Any = None
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            if self._plain is None:
+                self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            dt = np.dtype(dtype)
+            arr = self._plain[offset: offset + dt.itemsize * count].view(dt)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+            # An array of scalars or strings read without the package's recursion per entry, into
+            # the same parts (one per entry; a string's length then its bytes) and data indices.
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+            types = [GGUFValueType.ARRAY] + ([itype] if n else [])
+            parts: list[Any] = [raw_itype, alen]
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is not None:
+                values = self._get(offs, nptype, n)
+                if len(values) != n:
+                    raise IndexError(f"array of {n} entries runs past the end of the file")
+                parts += [values[i: i + 1] for i in range(n)]
+                return 12 + int(values.nbytes), parts, list(range(2, 2 + n)), types
+            if itype != GGUFValueType.STRING:
+                return super()._get_field_parts(orig_offs, raw_type)
+            for _ in range(n):
+                slen = self._get(offs, np.uint64)
+                text = self._get(offs + 8, np.uint8, int(slen[0]))
+                parts += (slen, text)
+                offs += 8 + int(slen[0])
+            return offs - orig_offs, parts, list(range(3, len(parts), 2)), types
+
         def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
             _check_tensor_infos(file, len(self.data), start_offs, fields)
             super()._build_tensors(start_offs, fields)
