@@ -111,6 +111,7 @@ class GGUFCheckpoint:
     # numpy view per vocabulary entry, are dropped once the header is read.
     maps: tuple[Any, ...] = field(repr=False, eq=False)
     _mapped: dict[Path, Any] = field(factory=dict, init=False, repr=False, eq=False)  # file -> uint8 torch view
+    _private: dict[Path, Any] = field(factory=dict, init=False, repr=False, eq=False)  # file -> copy-on-write one
 
     @property
     def architecture(self) -> str:
@@ -164,6 +165,22 @@ class GGUFCheckpoint:
             self._mapped[tensor.file] = base
         rows = _count(tensor.shape[:-1]) if len(tensor.shape) > 1 else 1
         return base[tensor.offset: tensor.offset + tensor.nbytes].view(rows, tensor.nbytes // max(rows, 1))
+
+    def mapped_floats(self, tensor: GGUFTensor) -> Any:
+        """``tensor`` (F32, F16 or BF16) as a torch tensor of its dtype and shape viewing a
+        copy-on-write mapping of its file (one per file, besides the read-only one): its pages are
+        the page cache's until written, and a write -- a model is free to change its float weights
+        in place -- makes the page private to the process, never reaching the file."""
+        import numpy as np
+        import torch
+
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(tensor.type_name)
+        if dtype is None:
+            raise ValueError(f"tensor {tensor.name!r} is {tensor.type_name}, not F32, F16 or BF16")
+        base = self._private.get(tensor.file)
+        if base is None:
+            base = self._private[tensor.file] = torch.frombuffer(np.memmap(tensor.file, mode="c"), dtype=torch.uint8)
+        return base[tensor.offset: tensor.offset + tensor.nbytes].view(dtype).view(tensor.shape)
 
 
 def _count(shape: tuple[int, ...]) -> int:

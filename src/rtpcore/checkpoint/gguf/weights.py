@@ -27,7 +27,10 @@ the mapping: the Q/K rows llama.cpp's converter permuted are pieces of the mappi
 original order (each a strided view, a row is whole blocks), and a fused projection
 (``torch.cat`` of q, k and v) joins them into one fresh buffer; a fused projection of tensors the
 file stores back to back (gate then up) stays a view. Float tensors (norms, biases, an F32 or
-BF16 file's weights) are copied: they are small, or the model computes on them as floats.
+BF16 file's weights) stored in the dtype the model wants view a copy-on-write mapping of the
+file instead (``GGUFCheckpoint.mapped_floats``): a model may write its float weights in place,
+and such a write makes a private copy of the page it touches; converted or permuted, they are
+copied.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rtpcore.checkpoint.gguf.config import GGUFTensorName
-from rtpcore.checkpoint.gguf.reader import GGUFCheckpoint, GGUFTensor, _fail
+from rtpcore.checkpoint.gguf.reader import GGUFCheckpoint, GGUFTensor, _fail, release_gguf_files
 from rtpcore.checkpoint.patterns import PatternTable
 from rtpcore.errors import CheckpointError, MissingTensorsError
 
@@ -68,13 +71,17 @@ def renamed_tensors(
     return out
 
 
-def tensor_from_gguf(tensor: GGUFTensor, permuted_heads: int | None = None) -> torch.Tensor:
-    """``tensor`` as a float32 (or, stored so, float16/bfloat16) torch tensor that owns its
-    memory, dequantized when quantized, with llama.cpp's Q/K row permutation undone when
-    ``permuted_heads`` is given."""
+def tensor_from_gguf(tensor: GGUFTensor, permuted_heads: int | None = None,
+                     checkpoint: GGUFCheckpoint | None = None) -> torch.Tensor:
+    """``tensor`` as a float32 (or, stored so, float16/bfloat16) torch tensor, dequantized when
+    quantized, with llama.cpp's Q/K row permutation undone when ``permuted_heads`` is given. A
+    float tensor of the ``checkpoint`` it comes from, not permuted, views a copy-on-write
+    mapping of the file (``GGUFCheckpoint.mapped_floats``); anything else owns its memory."""
     import numpy as np
     import torch
 
+    if checkpoint is not None and permuted_heads is None and tensor.type_name in ("F32", "F16", "BF16"):
+        return checkpoint.mapped_floats(tensor)
     raw = tensor.raw()
     if tensor.type_name == "BF16":  # numpy has no bfloat16: the reader gives the raw bytes
         t = torch.from_numpy(np.ascontiguousarray(raw).view(np.int16).copy()).view(torch.bfloat16)
@@ -187,14 +194,18 @@ def load_gguf(
                 blocks = _slice_blocks(blocks, spec, name, checkpoint)
             out[name] = blocks if str(device) == "cpu" else blocks.to(device)
             continue
-        t = tensor_from_gguf(tensor, heads)
+        t = tensor_from_gguf(tensor, heads, checkpoint)
         if spec is not None:
             t = _slice(t, spec, name, checkpoint).contiguous()
         if target is not None:
-            t = t.to(_torch_dtype(target))
+            t = t.to(_torch_dtype(target))  # the view itself when stored in the target dtype
         if str(device) != "cpu":
             t = t.to(device)
         out[name] = t
+    # The checkpoint is let go: weights kept in blocks hold the mapping through their views, and
+    # pages read for float copies (an F32 or BF16 file's weights) would otherwise count resident
+    # for as long as it stayed open. The tokenizer's reading opens the file again (headers only).
+    release_gguf_files()
     return out, nbytes
 
 
