@@ -1,7 +1,8 @@
 """GGUF weights kept in their blocks view the file mapping (docs/design.md §20): loading copies
 nothing it can use as stored, the pages are the page cache's (file-backed, shared), nothing writes
 to them, the mapping lives as long as a weight views it, and a model on views computes exactly what
-the same model on copies of the bytes computes.
+the same model on copies of the bytes computes. Float weights view a copy-on-write mapping: a write
+stays in the process. The header reads as the package's own reader reads it (tests/test_gguf.py).
 
 Memory is read from ``/proc/self/status`` (``RssFile``: resident pages of mapped files, ``RssAnon``:
 the process's own) and ``/proc/self/maps``: Linux only.

@@ -14,10 +14,17 @@ which stays in the mapping until :mod:`rtpcore.checkpoint.gguf.weights` asks for
 The mapping is read-only and shared (``PROT_READ``, ``MAP_SHARED``): the weights kept in their
 blocks are torch views of it (:meth:`GGUFCheckpoint.mapped_rows`), so their pages are the page
 cache's -- counted once however many processes map the file, dropped under memory pressure and
-read back from the file. Each view keeps its file's mapping alive; the mapping is unmapped when
-the last view and the last :class:`GGUFCheckpoint` of the file are gone. Nothing may write through
-a view (a write faults): only rtpcore's kernels read them. A file changed in place while mapped
-changes the weights (truncated: the process faults) -- as with llama.cpp's ``mmap``.
+read back from the file. Nothing may write through such a view (a write faults): only rtpcore's
+kernels read them. Float tensors view a second, copy-on-write mapping of the file
+(:meth:`GGUFCheckpoint.mapped_floats`; ``MAP_PRIVATE``): a model may change its float weights in
+place, which makes the pages written private. Each view keeps its mapping alive; a mapping is
+unmapped when the last view and the last :class:`GGUFCheckpoint` of the file are gone. A file
+changed in place while mapped changes the weights (truncated: the process faults) -- as with
+llama.cpp's ``mmap``.
+
+The header is read by ``GGUFReader`` with two of its private methods replaced (``_get``,
+``_get_field_parts``: see :func:`_reader`), reading it from a plain array over the mapping:
+the package's own reading of a 49,152-entry vocabulary takes seconds.
 
 A split set (``name-00001-of-00003.gguf`` ...) is written by ``llama-gguf-split``: every part
 holds some tensors, the first the model's metadata (``split.count`` says how many parts). Any
@@ -339,9 +346,10 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
 
 
 def release_gguf_files() -> None:
-    """Drop the checkpoints :func:`open_gguf` keeps open (an engine does when it closes): a file
-    stays mapped while a checkpoint of it is kept or a weight loaded from it views its bytes
-    (:meth:`GGUFCheckpoint.mapped_rows`), and is unmapped when neither is left. The next
+    """Drop the checkpoints :func:`open_gguf` keeps open (the loader does once the weights are
+    loaded, an engine when it closes): a file stays mapped while a checkpoint of it is kept or a
+    weight loaded from it views its bytes (:meth:`GGUFCheckpoint.mapped_rows`,
+    :meth:`GGUFCheckpoint.mapped_floats`), and is unmapped when neither is left. The next
     :func:`open_gguf` maps the file again."""
     _open_cached.cache_clear()
 
