@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -175,7 +176,7 @@ def test_building_and_running_a_gguf_model_stays_out_of_torchs_dispatcher(tmp_pa
     torch.distributed.tensor (about a second of the load)."""
     _, path = convert(tmp_path, "llama-tied", "Q8_0")
     proc = subprocess.run([sys.executable, "-c", BUILD_CHILD, str(path)], capture_output=True, text=True,
-                          env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, check=False)
+                          env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     if seen["before"]:
