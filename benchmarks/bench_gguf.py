@@ -16,7 +16,12 @@ either's speed), 2 threads each:
 * prefill: a 512-token prompt's tokens per second (llama-bench pp512);
 * batch 8: aggregate decode tokens per second of 8 prompts at once (llama-server, 8 slots,
   continuous batching, 8 concurrent /completion requests);
-* memory: resident set size after loading and generating (VmHWM), and the load time.
+* memory: the resident set after loading and generating (steady: VmRSS, its file-backed part
+  RssFile -- a GGUF file's mapped pages -- beside it) and its peak (VmHWM); and the load time
+  (``Engine.from_pretrained`` / ``Llama(...)``, the libraries already imported).
+
+``--load-only`` measures only the load and the memory (after a 4-token generation, so the weights
+are paged in), in a few seconds a file.
 
 Plus rtpcore's float32 safetensors checkpoint (the same weights) against llama.cpp's F32 file.
 The ratios are rtpcore / llama.cpp (above 1: rtpcore is faster, or for memory uses more). The CPU
@@ -54,7 +59,15 @@ KV_BYTES = 48 << 20
 
 # ---- rtpcore, in a child process -------------------------------------------------------------
 
-RTPCORE_CHILD = r"""
+MEMORY = r"""
+def memory():
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f if ":" in line)
+    mib = lambda key: int(status[key].split()[0]) / 1024
+    return {"rss_mib": mib("VmRSS"), "peak_mib": mib("VmHWM"), "file_mib": mib("RssFile"), "anon_mib": mib("RssAnon")}
+"""
+
+RTPCORE_CHILD = MEMORY + r"""
 import json, os, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[2]))
@@ -73,9 +86,13 @@ def run(prompts, new):
     engine.generate([{"prompt_token_ids": p} for p in prompts], params)
     return time.perf_counter() - t
 new = spec["new"]
-out = {"load_s": load}
+out = {"load_s": load, "loaded": memory()}
 one = [prompt(spec["prompt"], 0)]
 run(one, 4)  # warm-up
+if spec.get("load_only"):
+    print(json.dumps({**out, **memory()}))
+    engine.close()
+    sys.exit(0)
 best = lambda f: min(f() for _ in range(spec["repeats"]))
 t1 = best(lambda: run(one, 1)); tn = best(lambda: run(one, new + 1))
 out["decode_tps"] = new / max(tn - t1, 1e-9)
@@ -87,17 +104,15 @@ out["batch_tps"] = spec["batch"] * new / max(bn - b1, 1e-9)
 kernels = {getattr(m, "kernel", None) for m in engine.model.modules()} - {None}
 out["kernels"] = sorted(kernels)
 out["attention_calls"] = dict(engine.stats().attention_calls)  # native_cpu: the native decode step
-with open("/proc/self/status") as f:
-    status = dict(line.split(":", 1) for line in f if ":" in line)
-out["rss_mib"] = int(status["VmHWM"].split()[0]) / 1024
+out.update(memory())
 engine.close()
 print(json.dumps(out))
 """
 
 
-def rtpcore_row(path: Path, new: int, repeats: int, **options: Any) -> dict[str, Any]:
+def rtpcore_row(path: Path, new: int, repeats: int, load_only: bool = False, **options: Any) -> dict[str, Any]:
     spec = {"path": str(path), "new": new, "prompt": PROMPT, "prefill": PREFILL, "batch": BATCH,
-            "repeats": repeats, "options": options, "kv_bytes": KV_BYTES}
+            "repeats": repeats, "options": options, "kv_bytes": KV_BYTES, "load_only": load_only}
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
     proc = subprocess.run([sys.executable, "-c", RTPCORE_CHILD, json.dumps(spec), str(THREADS)],
                           capture_output=True, text=True, env=env, check=False)
@@ -108,7 +123,7 @@ def rtpcore_row(path: Path, new: int, repeats: int, **options: Any) -> dict[str,
 
 # ---- llama.cpp -------------------------------------------------------------------------------
 
-LLAMA_CPP_PYTHON_CHILD = r"""
+LLAMA_CPP_PYTHON_CHILD = MEMORY + r"""
 import json, sys, time
 from llama_cpp import Llama
 spec = json.loads(sys.argv[1])
@@ -127,11 +142,11 @@ def gen(n):
             break
     return time.perf_counter() - t
 gen(4)
+if spec.get("load_only"):
+    print(json.dumps({"load_s": load, **memory()}))
+    sys.exit(0)
 t1 = min(gen(1) for _ in range(spec["repeats"])); tn = min(gen(spec["new"] + 1) for _ in range(spec["repeats"]))
-with open("/proc/self/status") as f:
-    status = dict(line.split(":", 1) for line in f if ":" in line)
-print(json.dumps({"decode_tps": spec["new"] / (tn - t1), "load_s": load,
-                  "rss_mib": int(status["VmHWM"].split()[0]) / 1024}))
+print(json.dumps({"decode_tps": spec["new"] / (tn - t1), "load_s": load, **memory()}))
 """
 
 
@@ -150,9 +165,10 @@ def llama_bench(llamacpp: Path, gguf: Path, new: int) -> dict[str, float]:
     return out
 
 
-def llama_cpp_python(llamacpp: Path, gguf: Path, new: int, repeats: int) -> dict[str, Any]:
+def llama_cpp_python(llamacpp: Path, gguf: Path, new: int, repeats: int, load_only: bool = False) -> dict[str, Any]:
     python = llamacpp / "venv" / "bin" / "python"
-    spec = {"path": str(gguf), "threads": THREADS, "prompt": PROMPT, "new": new, "repeats": repeats}
+    spec = {"path": str(gguf), "threads": THREADS, "prompt": PROMPT, "new": new, "repeats": repeats,
+            "load_only": load_only}
     proc = subprocess.run([str(python), "-c", LLAMA_CPP_PYTHON_CHILD, json.dumps(spec)], capture_output=True,
                           text=True, check=False)
     if proc.returncode != 0:
@@ -237,6 +253,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-server", action="store_true", help="no llama-server batch row")
+    parser.add_argument("--load-only", action="store_true",
+                        help="only the load time and memory of both engines (after a 4-token generation)")
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "llama-1024x16"],
                         help="the checkpoint's shape (benchmarks/_smollm2.py; default: %(default)s)")
     parser.add_argument("--ckpt", type=Path, default=None,
@@ -256,30 +274,54 @@ def main() -> None:
     rows = []
     for t in args.types.split(","):
         gguf = args.llamacpp / f"{name}-{t}.gguf"
-        ours = rtpcore_row(gguf, args.new_tokens, args.repeats)
+        ours = rtpcore_row(gguf, args.new_tokens, args.repeats, load_only=args.load_only)
+        py = llama_cpp_python(args.llamacpp, gguf, args.new_tokens, args.repeats, load_only=args.load_only)
+        if args.load_only:
+            rows.append((t, gguf.stat().st_size / 2**20, ours, py))
+            print(f"\n{t}: rtpcore {_rounded(ours)}\n   llama-cpp-python {_rounded(py)}")
+            continue
         bench = llama_bench(args.llamacpp, gguf, args.new_tokens)
-        py = llama_cpp_python(args.llamacpp, gguf, args.new_tokens, args.repeats)
         server = {} if args.skip_server else llama_server_batch(args.llamacpp, gguf, args.new_tokens)
         peer_decode = max(bench.get("decode_tps", 0), py.get("decode_tps", 0)) or None
         rows.append((t, ours, bench, py, server, peer_decode))
-        print(f"\n{t}: rtpcore {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in ours.items()})}")
-        print(f"   llama-bench {bench}; llama-cpp-python {py}; llama-server {server}")
+        print(f"\n{t}: rtpcore {_rounded(ours)}")
+        print(f"   llama-bench {bench}; llama-cpp-python {_rounded(py)}; llama-server {server}")
         print(f"   decode {ratio(ours['decode_tps'], peer_decode)}, prefill {ratio(ours['prefill_tps'], bench.get('prefill_tps'))}, "
-              f"batch {BATCH} {ratio(ours['batch_tps'], server.get('batch_tps'))}, memory "
+              f"batch {BATCH} {ratio(ours['batch_tps'], server.get('batch_tps'))}, steady memory "
               f"{ratio(ours['rss_mib'], py.get('rss_mib'))} (rtpcore / llama-cpp-python), load "
               f"{ours['load_s']:.2f} s vs {py.get('load_s', float('nan')):.2f} s")
+    if args.load_only:
+        _load_table(rows)
+        return
     if "f32" in args.types.split(","):
         st = rtpcore_row(ckpt, args.new_tokens, args.repeats, dtype="float32")
         f32 = next(r for r in rows if r[0] == "f32")
         print(f"\nsafetensors float32: rtpcore decode {st['decode_tps']:.1f} tok/s, {ratio(st['decode_tps'], f32[5])} "
               f"of llama.cpp F32's {f32[5]:.1f}; prefill {ratio(st['prefill_tps'], f32[2].get('prefill_tps'))}")
-    print("\n| file | decode tok/s rtpcore / llama.cpp | prefill 512 | batch 8 | RSS MiB rtpcore / llama.cpp |")
-    print("|---|---|---|---|---|")
+    print("\n| file | decode tok/s rtpcore / llama.cpp | prefill 512 | batch 8 | RSS MiB steady / peak, rtpcore | "
+          "llama.cpp | load s rtpcore / llama.cpp |")
+    print("|---|---|---|---|---|---|---|")
     for t, ours, bench, py, server, peer in rows:
         print(f"| {t} | {ours['decode_tps']:.1f} / {peer or 0:.1f} ({ratio(ours['decode_tps'], peer)}) | "
               f"{ours['prefill_tps']:.0f} / {bench.get('prefill_tps', 0):.0f} ({ratio(ours['prefill_tps'], bench.get('prefill_tps'))}) | "
               f"{ours['batch_tps']:.1f} / {server.get('batch_tps', 0):.1f} ({ratio(ours['batch_tps'], server.get('batch_tps'))}) | "
-              f"{ours['rss_mib']:.0f} / {py.get('rss_mib', 0):.0f} |")
+              f"{ours['rss_mib']:.0f} / {ours['peak_mib']:.0f} | {py.get('rss_mib', 0):.0f} / {py.get('peak_mib', 0):.0f} | "
+              f"{ours['load_s']:.2f} / {py.get('load_s', float('nan')):.2f} |")
+
+
+def _rounded(row: dict[str, Any]) -> str:
+    return json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()})
+
+
+def _load_table(rows: list[Any]) -> None:
+    """--load-only's table: load time and memory after a short generation, both engines."""
+    print("\n| file | MiB | load s rtpcore / llama.cpp | steady RSS MiB rtpcore (file-backed) / llama.cpp | "
+          "peak RSS MiB rtpcore / llama.cpp |")
+    print("|---|---|---|---|---|")
+    for t, size, ours, py in rows:
+        print(f"| {t} | {size:.0f} | {ours['load_s']:.2f} / {py.get('load_s', float('nan')):.2f} | "
+              f"{ours['rss_mib']:.0f} ({ours['file_mib']:.0f}) / {py.get('rss_mib', 0):.0f} | "
+              f"{ours['peak_mib']:.0f} / {py.get('peak_mib', 0):.0f} |")
 
 
 if __name__ == "__main__":

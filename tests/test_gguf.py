@@ -319,12 +319,37 @@ def test_tokenizer_object_is_a_tokenizers_tokenizer(tmp_path: Path) -> None:
     assert np.array_equal(np.array(open_gguf(path).tensor("token_embd.weight").shape), [420, 64])
 
 
-def test_the_private_reader_hook_still_exists() -> None:
+def test_the_private_reader_hooks_still_exist() -> None:
     """rtpcore.checkpoint.gguf.reader overrides GGUFReader._build_tensors (private) to check each
-    tensor info before the package builds it: a gguf release that renames it or changes its
-    arguments must fail here, not silently skip the check."""
+    tensor info before the package builds it, and _get and _get_field_parts (private) to read the
+    header without a memmap slice per value: a gguf release that renames them or changes their
+    arguments must fail here, not silently skip the check or fall back to the slow reading."""
     import inspect
 
     from gguf import GGUFReader
 
     assert list(inspect.signature(GGUFReader._build_tensors).parameters) == ["self", "start_offs", "fields"]
+    assert list(inspect.signature(GGUFReader._get).parameters) == ["self", "offset", "dtype", "count",
+                                                                   "override_order"]
+    assert list(inspect.signature(GGUFReader._get_field_parts).parameters) == ["self", "orig_offs", "raw_type"]
+
+
+@pytest.mark.parametrize("file_type", ["F32", "Q8_0"])
+def test_the_header_reads_as_the_packages_reader_reads_it(tmp_path: Path, file_type: str) -> None:
+    """rtpcore's reading of the header (rtpcore.checkpoint.gguf.reader: GGUFReader with a faster
+    _get and _get_field_parts) gives every field the package's own GGUFReader gives: the same
+    parts, data indices, types and contents; the same tensors."""
+    from gguf import GGUFReader
+
+    from rtpcore.checkpoint.gguf.reader import _reader
+
+    _, path = convert(tmp_path, "llama-tied", file_type, extra={"test.empty": ("array", [])})
+    ours, theirs = _reader(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.data, mine.types) == (field.offset, field.data, field.types), key
+        assert [p.tobytes() for p in mine.parts] == [p.tobytes() for p in field.parts], key
+        assert mine.contents() == field.contents(), key
+    assert [(t.name, t.data_offset, t.data.tobytes()) for t in ours.tensors] == \
+        [(t.name, t.data_offset, t.data.tobytes()) for t in theirs.tensors]

@@ -52,8 +52,9 @@ def logit_bound(reference: torch.Tensor) -> float:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """The bytes a model's weights take: its parameters and its Linear layers' buffers (not the
-    RoPE tables), each storage counted once (a tied head shares the embedding's blocks)."""
-    seen: dict[int, int] = {}
+    RoPE tables), each byte counted once (a tied head shares the embedding's blocks; weights kept
+    in blocks are views of one storage, the file's mapping)."""
+    spans: list[tuple[int, int]] = []
 
     def count(t: torch.Tensor | None) -> None:
         if t is None:
@@ -62,7 +63,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
             for _, data in t.parts:
                 count(data)
             return
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        assert t.is_contiguous()
+        spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
 
     for p in model.parameters():
         count(p)
@@ -70,7 +72,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
         if isinstance(m, Linear):
             for b in m.buffers(recurse=False):
                 count(b)
-    return sum(seen.values())
+    total, end = 0, 0
+    for lo, hi in sorted(spans):
+        total += max(0, hi - max(lo, end))
+        end = max(end, hi)
+    return total
 
 
 def dequantized_logits(path: Path, seqs: list[list[int]], prefill: list[int], **options: Any) -> list[torch.Tensor]:

@@ -292,3 +292,35 @@ def test_pools_sharing_a_gather_workspace_read_what_fresh_gathers_read_into_one_
     assert torch.equal(second[1], fresh[1].read(tables, 10)[1]) and not torch.equal(second[0], k0)
     if dtype == "fp32":  # the gather itself lands in the shared buffer (fp8 pools unpack into new tensors)
         assert second[0].untyped_storage().data_ptr() == first[0].untyped_storage().data_ptr()
+
+
+def test_a_cpu_pool_costs_resident_memory_only_for_the_slots_written() -> None:
+    """A CPU pool is zeros the OS fills in when a page is first touched: allocating 256 MiB grows the
+    process's own resident memory by a fraction of it, every slot reads as zero, and a slot written
+    reads back what was written."""
+    import pathlib
+
+    import torch
+
+    from rtpcore.kv.pools import LayerKVCache
+    from rtpcore_native import build_kv_cache_spec
+
+    status = pathlib.Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("reads /proc/self/status (Linux)")
+
+    def anon_kib() -> int:
+        line = next(s for s in status.read_text().splitlines() if s.startswith("RssAnon:"))
+        return int(line.split()[1])
+
+    spec = build_kv_cache_spec(KVCacheSpecDesc(tag="layers.0", kind="mha", dtype="fp32", num_kv_heads=8,
+                                               head_dim=128, tokens_per_block=16))
+    before = anon_kib()
+    cache = LayerKVCache(spec, num_blocks=2048)  # 32768 slots of 4 KiB, for k and for v: 256 MiB
+    grown = anon_kib() - before
+    assert cache.k.shape == (32768, 8, 128) and cache.k.dtype == torch.float32
+    assert grown < 32 * 1024, grown
+    k, v = torch.randn(2, 8, 128), torch.randn(2, 8, 128)
+    cache.write(torch.tensor([5, 32767]), k, v)
+    assert torch.equal(cache.k[[5, 32767]], k) and torch.equal(cache.v[[5, 32767]], v)
+    assert not cache.k[:5].any() and not cache.v[6:32767].any()

@@ -68,6 +68,7 @@ from typing import Any, overload
 import torch
 
 from rtpcore.checkpoint.generation_config import eos_token_ids
+from rtpcore.checkpoint.gguf.reader import release_gguf_files
 from rtpcore.engine.config import EngineConfig, EngineOptions, options_signature
 from rtpcore.engine.core.block_pool import BlockAllocator
 from rtpcore.engine.core.outputs import EngineStats, RequestOutput, StepReport
@@ -682,6 +683,9 @@ class Engine:
             self._broken = group.failure
         if group is not None:
             group.close()  # stops the worker processes, if any
+        # A GGUF checkpoint's files stay mapped while open_gguf keeps them (config, weights, tokenizer
+        # read them in turn) or a weight views them: with the model gone, nothing does.
+        release_gguf_files()
 
     def __enter__(self) -> Engine:
         return self

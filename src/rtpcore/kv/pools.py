@@ -25,13 +25,14 @@ Two pool kinds share that interface (``write(slots, k, v)``,
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
-    "GatherWorkspace", "LayerKVCache", "PackedLayerKVCache", "allocate_kv_caches", "kv_shapes", "slot_index",
+    "GatherWorkspace", "LayerKVCache", "PackedLayerKVCache", "allocate_kv_caches", "kv_shapes", "slot_index", "zeroed",
 ]
 
 
@@ -65,6 +66,24 @@ def kv_shapes(spec: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (spec.kv_lora_rank,), (spec.rope_head_dim,)
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.zeros(shape)``; on the CPU over an anonymous memory mapping, whose pages the OS
+    zero-fills when first touched: a pool costs no time to allocate and resident memory only for
+    the slots written (``torch.zeros`` writes every byte at once: a default CPU pool of several
+    GB took tens of seconds to build and was resident from the start). Reads of slots never
+    written see the kernel's zero page."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes)  # private, anonymous, page-aligned; unmapped with the tensor
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
+
+
 class LayerKVCache:
     """One layer's pool of ``num_blocks`` blocks.
 
@@ -86,8 +105,8 @@ class LayerKVCache:
         dtype = _TORCH_DTYPES[spec.dtype]
         n = num_blocks * spec.tokens_per_block
         # zeros, not empty: masked positions are multiplied by 0 and must be finite
-        self.k = torch.zeros((n, *k_shape), dtype=dtype, device=device)  # (slots, *k_shape)
-        self.v = torch.zeros((n, *v_shape), dtype=dtype, device=device)  # (slots, *v_shape)
+        self.k = zeroed((n, *k_shape), dtype, device)  # (slots, *k_shape)
+        self.v = zeroed((n, *v_shape), dtype, device)  # (slots, *v_shape)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the new tokens' parts: slots (T,), k (T, *k_shape), v (T, *v_shape)."""
@@ -133,7 +152,7 @@ class PackedLayerKVCache:
         self.compute_dtype = compute_dtype
         self.k_shape, self.v_shape = kv_shapes(spec)
         n = num_blocks * spec.tokens_per_block
-        self.rows = torch.zeros((n, spec.bytes_per_token), dtype=torch.uint8, device=device)  # (slots, bytes)
+        self.rows = zeroed((n, spec.bytes_per_token), torch.uint8, device)  # (slots, bytes)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize and store: slots (T,), k (T, *k_shape), v (T, *v_shape).

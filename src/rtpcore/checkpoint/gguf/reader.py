@@ -11,6 +11,21 @@ quantized type stores a row as blocks (Q8_0: 32 weights in 34 bytes). The ``gguf
 ``GGUFReader`` parses the header and memory-maps the file: nothing here reads tensor data,
 which stays in the mapping until :mod:`rtpcore.checkpoint.gguf.weights` asks for it.
 
+The mapping is read-only and shared (``PROT_READ``, ``MAP_SHARED``): the weights kept in their
+blocks are torch views of it (:meth:`GGUFCheckpoint.mapped_rows`), so their pages are the page
+cache's -- counted once however many processes map the file, dropped under memory pressure and
+read back from the file. Nothing may write through such a view (a write faults): only rtpcore's
+kernels read them. Float tensors view a second, copy-on-write mapping of the file
+(:meth:`GGUFCheckpoint.mapped_floats`; ``MAP_PRIVATE``): a model may change its float weights in
+place, which makes the pages written private. Each view keeps its mapping alive; a mapping is
+unmapped when the last view and the last :class:`GGUFCheckpoint` of the file are gone. A file
+changed in place while mapped changes the weights (truncated: the process faults) -- as with
+llama.cpp's ``mmap``.
+
+The header is read by ``GGUFReader`` with two of its private methods replaced (``_get``,
+``_get_field_parts``: see :func:`_reader`), reading it from a plain array over the mapping:
+the package's own reading of a 49,152-entry vocabulary takes seconds.
+
 A split set (``name-00001-of-00003.gguf`` ...) is written by ``llama-gguf-split``: every part
 holds some tensors, the first the model's metadata (``split.count`` says how many parts). Any
 part's name, or the folder, opens the whole set; a missing part is an error naming it.
@@ -99,7 +114,11 @@ class GGUFCheckpoint:
     files: tuple[Path, ...]
     metadata: Mapping[str, Any]
     tensors: Mapping[str, GGUFTensor]
-    readers: tuple[Any, ...] = field(repr=False, eq=False)  # the gguf.GGUFReader of each part: they hold the maps
+    # Each part's read-only np.memmap (the package's GGUFReader.data); the readers themselves, with a
+    # numpy view per vocabulary entry, are dropped once the header is read.
+    maps: tuple[Any, ...] = field(repr=False, eq=False)
+    _mapped: dict[Path, Any] = field(factory=dict, init=False, repr=False, eq=False)  # file -> uint8 torch view
+    _private: dict[Path, Any] = field(factory=dict, init=False, repr=False, eq=False)  # file -> copy-on-write one
 
     @property
     def architecture(self) -> str:
@@ -131,6 +150,51 @@ class GGUFCheckpoint:
     @property
     def tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def mapped_rows(self, tensor: GGUFTensor) -> Any:
+        """``tensor``'s stored bytes as a uint8 torch tensor ``(rows, bytes per row)`` (a 1-D
+        tensor: ``(1, nbytes)``) viewing the read-only file mapping: no byte is copied or read
+        here. Every tensor of one file views one storage (the whole file), so the views of
+        tensors stored back to back can be joined without a copy. The view keeps the mapping
+        alive; nothing may write through it."""
+        import warnings
+
+        import torch
+
+        base = self._mapped.get(tensor.file)
+        if base is None:
+            mapping = self.maps[self.files.index(tensor.file)]
+            with warnings.catch_warnings():
+                # torch has no read-only tensors and warns that a write through this one would
+                # reach the buffer: here it would fault (PROT_READ), and nothing writes.
+                warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+                base = torch.frombuffer(mapping, dtype=torch.uint8)
+            self._mapped[tensor.file] = base
+        rows = _count(tensor.shape[:-1]) if len(tensor.shape) > 1 else 1
+        return base[tensor.offset: tensor.offset + tensor.nbytes].view(rows, tensor.nbytes // max(rows, 1))
+
+    def mapped_floats(self, tensor: GGUFTensor) -> Any:
+        """``tensor`` (F32, F16 or BF16) as a torch tensor of its dtype and shape viewing a
+        copy-on-write mapping of its file (one per file, besides the read-only one): its pages are
+        the page cache's until written, and a write -- a model is free to change its float weights
+        in place -- makes the page private to the process, never reaching the file."""
+        import numpy as np
+        import torch
+
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(tensor.type_name)
+        if dtype is None:
+            raise ValueError(f"tensor {tensor.name!r} is {tensor.type_name}, not F32, F16 or BF16")
+        base = self._private.get(tensor.file)
+        if base is None:
+            base = self._private[tensor.file] = torch.frombuffer(np.memmap(tensor.file, mode="c"), dtype=torch.uint8)
+        return base[tensor.offset: tensor.offset + tensor.nbytes].view(dtype).view(tensor.shape)
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _is_kind(value: Any, kind: type | tuple[type, ...]) -> bool:
@@ -282,10 +346,11 @@ def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
 
 
 def release_gguf_files() -> None:
-    """Close the files :func:`open_gguf` keeps open: their mapped pages, read once for the weights
-    the loader copied out, would otherwise count in the process's resident memory for as long as
-    it runs. The next :func:`open_gguf` maps the file again (the tokenizer and template read only
-    its metadata)."""
+    """Drop the checkpoints :func:`open_gguf` keeps open (the loader does once the weights are
+    loaded, an engine when it closes): a file stays mapped while a checkpoint of it is kept or a
+    weight loaded from it views its bytes (:meth:`GGUFCheckpoint.mapped_rows`,
+    :meth:`GGUFCheckpoint.mapped_floats`), and is unmapped when neither is left. The next
+    :func:`open_gguf` maps the file again."""
     _open_cached.cache_clear()
 
 
@@ -305,19 +370,60 @@ def _open_cached(path: str, stamp: tuple[tuple[str, int, int], ...]) -> GGUFChec
                 raise _fail(file, f"tensor {t.name!r} is also in {tensors[t.name].file.name!r}", t.name)
             tensors[t.name] = t
     return GGUFCheckpoint(
-        path=Path(path), files=tuple(files), metadata=metadata, tensors=tensors, readers=tuple(readers)
+        path=Path(path), files=tuple(files), metadata=metadata, tensors=tensors, maps=tuple(r.data for r in readers)
     )
 
 
 def _reader(file: Path) -> Any:
     """The file's ``GGUFReader``, every failure a CheckpointError naming the file (and the
     tensor, for an unknown type or data past the end of the file)."""
-    from gguf import GGUFReader
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
 
     # GGUFReader._build_tensors (private) is where the package turns tensor infos into arrays: the
-    # infos are checked first. tests/test_gguf.py::test_the_private_reader_hook_still_exists fails
-    # loudly when a gguf release renames it or changes its arguments.
+    # infos are checked first. GGUFReader._get (private) reads every value of the header as a slice
+    # of the file's np.memmap: a memmap slice runs numpy's Python-level memmap hooks, 4 of them per
+    # entry of a 49,152-token vocabulary (1-4 s and 130 MiB of views on SmolLM2's file); slices of
+    # a plain ndarray over the same mapping cost a fraction (the fix upstream proposes,
+    # ggml-org/llama.cpp#13378). tests/test_gguf.py::test_the_private_reader_hooks_still_exist fails
+    # loudly when a gguf release renames them or changes their arguments.
     class _CheckedReader(GGUFReader):
+        _plain: Any = None
+
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            if self._plain is None:
+                self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            dt = np.dtype(dtype)
+            arr = self._plain[offset: offset + dt.itemsize * count].view(dt)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[Any]]:
+            # An array of scalars or strings read without the package's recursion per entry, into
+            # the same parts (one per entry; a string's length then its bytes) and data indices.
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+            types = [GGUFValueType.ARRAY] + ([itype] if n else [])
+            parts: list[Any] = [raw_itype, alen]
+            nptype = self.gguf_scalar_to_np.get(itype)
+            if nptype is not None:
+                values = self._get(offs, nptype, n)
+                if len(values) != n:
+                    raise IndexError(f"array of {n} entries runs past the end of the file")
+                parts += [values[i: i + 1] for i in range(n)]
+                return 12 + int(values.nbytes), parts, list(range(2, 2 + n)), types
+            if itype != GGUFValueType.STRING:
+                return super()._get_field_parts(orig_offs, raw_type)
+            for _ in range(n):
+                slen = self._get(offs, np.uint64)
+                text = self._get(offs + 8, np.uint8, int(slen[0]))
+                parts += (slen, text)
+                offs += 8 + int(slen[0])
+            return offs - orig_offs, parts, list(range(3, len(parts), 2)), types
+
         def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
             _check_tensor_infos(file, len(self.data), start_offs, fields)
             super()._build_tensors(start_offs, fields)

@@ -15,9 +15,22 @@ copies take). The rows llama.cpp's converter permuted are put back.
 the engine passes it through ``load_checkpoint(..., quantization=method)``) keeps the 2-D
 tensors of those GGML types in their blocks instead (:func:`blocks_from_gguf`): a
 :class:`~rtpcore.checkpoint.gguf.blocks.GGUFBlocks` of the tensor's shape holding the file's
-bytes as uint8 ``(rows, row bytes)``, its permuted rows put back row by row (a row is whole
-blocks). Every other tensor is read as above; a caller that passes no ``block_types`` gets
-float tensors, as before.
+bytes as uint8 ``(rows, row bytes)``. Every other tensor is read as above; a caller that passes
+no ``block_types`` gets float tensors, as before.
+
+Weights kept in blocks are not copied: they view the read-only file mapping
+(``GGUFCheckpoint.mapped_rows``), so loading them reads nothing (the first forward pages them
+in from the page cache) and they cost file-backed pages, shared with every other process
+mapping the file, not the process's own memory. Where the stored rows cannot be used as they
+are, one copy is made, when the model first needs the rows (``GGUFBlocks.parts``), straight from
+the mapping: the Q/K rows llama.cpp's converter permuted are pieces of the mapping in the
+original order (each a strided view, a row is whole blocks), and a fused projection
+(``torch.cat`` of q, k and v) joins them into one fresh buffer; a fused projection of tensors the
+file stores back to back (gate then up) stays a view. Float tensors (norms, biases, an F32 or
+BF16 file's weights) stored in the dtype the model wants view a copy-on-write mapping of the
+file instead (``GGUFCheckpoint.mapped_floats``): a model may write its float weights in place,
+and such a write makes a private copy of the page it touches; converted or permuted, they are
+copied.
 """
 
 from __future__ import annotations
@@ -58,13 +71,17 @@ def renamed_tensors(
     return out
 
 
-def tensor_from_gguf(tensor: GGUFTensor, permuted_heads: int | None = None) -> torch.Tensor:
-    """``tensor`` as a float32 (or, stored so, float16/bfloat16) torch tensor that owns its
-    memory, dequantized when quantized, with llama.cpp's Q/K row permutation undone when
-    ``permuted_heads`` is given."""
+def tensor_from_gguf(tensor: GGUFTensor, permuted_heads: int | None = None,
+                     checkpoint: GGUFCheckpoint | None = None) -> torch.Tensor:
+    """``tensor`` as a float32 (or, stored so, float16/bfloat16) torch tensor, dequantized when
+    quantized, with llama.cpp's Q/K row permutation undone when ``permuted_heads`` is given. A
+    float tensor of the ``checkpoint`` it comes from, not permuted, views a copy-on-write
+    mapping of the file (``GGUFCheckpoint.mapped_floats``); anything else owns its memory."""
     import numpy as np
     import torch
 
+    if checkpoint is not None and permuted_heads is None and tensor.type_name in ("F32", "F16", "BF16"):
+        return checkpoint.mapped_floats(tensor)
     raw = tensor.raw()
     if tensor.type_name == "BF16":  # numpy has no bfloat16: the reader gives the raw bytes
         t = torch.from_numpy(np.ascontiguousarray(raw).view(np.int16).copy()).view(torch.bfloat16)
@@ -87,31 +104,45 @@ def tensor_from_gguf(tensor: GGUFTensor, permuted_heads: int | None = None) -> t
 
 
 def blocks_from_gguf(tensor: GGUFTensor, permuted_heads: int | None = None, dtype: torch.dtype | None = None,
-                     ) -> GGUFBlocks:
+                     checkpoint: GGUFCheckpoint | None = None) -> GGUFBlocks:
     """``tensor`` (2-D, of a type in ``GGUF_BLOCK_TYPES``) kept in its blocks: a
-    :class:`GGUFBlocks` of its shape and ``dtype`` (float32 when None) holding a copy of its
-    stored bytes as uint8 ``(rows, row bytes)``, llama.cpp's Q/K row permutation undone on the
-    byte rows when ``permuted_heads`` is given (the same rows :func:`tensor_from_gguf` moves)."""
+    :class:`GGUFBlocks` of its shape and ``dtype`` (float32 when None) over its stored bytes as
+    uint8 ``(rows, row bytes)``, llama.cpp's Q/K row permutation undone when ``permuted_heads``
+    is given (the same rows :func:`tensor_from_gguf` moves). With the ``checkpoint`` it comes
+    from, the bytes are views of the file mapping (its permuted rows as strided pieces, joined
+    into one buffer when first used); without, a copy."""
     import numpy as np
     import torch
 
     from rtpcore.checkpoint.gguf.blocks import GGUFBlocks
 
     rows, cols = tensor.shape
-    data = np.ascontiguousarray(tensor.raw()).view(np.uint8).reshape(rows, -1)
-    t = torch.from_numpy(data.copy())  # (rows, row bytes), owning its memory
-    if permuted_heads is not None:
-        t = _unpermute(t, permuted_heads, tensor)
-    return GGUFBlocks([(tensor.type_name.lower(), t)], cols, dtype or torch.float32)
+    if checkpoint is None:
+        data = torch.from_numpy(np.ascontiguousarray(tensor.raw()).view(np.uint8).reshape(rows, -1).copy())
+    else:
+        data = checkpoint.mapped_rows(tensor)  # (rows, row bytes), no copy
+    kind = tensor.type_name.lower()
+    if permuted_heads is None:
+        return GGUFBlocks([(kind, data)], cols, dtype or torch.float32)
+    _check_heads(rows, permuted_heads, tensor)
+    # Rows (heads, d/2, 2) as stored; each head's first rotary half is every other row from 0,
+    # its second every other row from 1: 2 * heads strided pieces in the original order.
+    stored = data.view(permuted_heads, rows // permuted_heads // 2, 2, data.shape[1])
+    pieces = [(kind, stored[h, :, half]) for h in range(permuted_heads) for half in (0, 1)]
+    return GGUFBlocks(pieces, cols, dtype or torch.float32)
+
+
+def _check_heads(rows: int, heads: int, tensor: GGUFTensor) -> None:
+    if heads <= 0 or rows % (2 * heads):
+        raise _fail(tensor.file, f"tensor {tensor.name!r}: {rows} rows are not {heads} heads of rotary pairs",
+                    tensor.name)
 
 
 def _unpermute(t: torch.Tensor, heads: int, tensor: GGUFTensor) -> torch.Tensor:
     """Undo ``LlamaModel.permute`` of llama.cpp's converter: rows ``(heads, 2, d/2)`` were
     written as ``(heads, d/2, 2)``."""
     rows = t.shape[0]
-    if heads <= 0 or rows % (2 * heads):
-        raise _fail(tensor.file, f"tensor {tensor.name!r}: {rows} rows are not {heads} heads of rotary pairs",
-                    tensor.name)
+    _check_heads(rows, heads, tensor)
     rest = tuple(t.shape[1:])
     return t.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest).contiguous()
 
@@ -158,20 +189,23 @@ def load_gguf(
         nbytes += tensor.nbytes
         spec = slice_of.get(name)
         if name in kept:
-            blocks = blocks_from_gguf(tensor, heads, None if target is None else _torch_dtype(target))
+            blocks = blocks_from_gguf(tensor, heads, None if target is None else _torch_dtype(target), checkpoint)
             if spec is not None:
                 blocks = _slice_blocks(blocks, spec, name, checkpoint)
             out[name] = blocks if str(device) == "cpu" else blocks.to(device)
             continue
-        t = tensor_from_gguf(tensor, heads)
+        t = tensor_from_gguf(tensor, heads, checkpoint)
         if spec is not None:
             t = _slice(t, spec, name, checkpoint).contiguous()
         if target is not None:
-            t = t.to(_torch_dtype(target))
+            t = t.to(_torch_dtype(target))  # the view itself when stored in the target dtype
         if str(device) != "cpu":
             t = t.to(device)
         out[name] = t
-    release_gguf_files()  # the weights are copied out: the mapped pages need not stay resident
+    # The checkpoint is let go: weights kept in blocks hold the mapping through their views, and
+    # pages read for float copies (an F32 or BF16 file's weights) would otherwise count resident
+    # for as long as it stayed open. The tokenizer's reading opens the file again (headers only).
+    release_gguf_files()
     return out, nbytes
 
 
