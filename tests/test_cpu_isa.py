@@ -208,7 +208,7 @@ def test_info_through_the_cli() -> None:
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     check_info_schema(info)
-    assert info["kernel_set"] == kernels.default_isa() == info["supported_kernel_sets"][0]
+    assert info["kernel_set"] == info["supported_kernel_sets"][0]  # no cap: the best
     assert info["caps"] == dict.fromkeys(info["caps"])
     assert info["supported_cpu_isas"] == kernels.supported_cpu_isas()
     text = rtpcore("info").stdout

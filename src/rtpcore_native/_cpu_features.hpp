@@ -23,9 +23,14 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+
+#include <cstdint>
+#endif
+#if defined(__x86_64__) && defined(__linux__)
 #include <errno.h>
 #include <signal.h>
 #include <sys/resource.h>
@@ -33,10 +38,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #endif
 
 namespace cpu {
@@ -56,7 +59,7 @@ struct Features {
     bool os_avx = false, os_avx512 = false, os_amx = false;
 };
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) || defined(__i386__)
 
 inline Features detect() {
     Features f;
@@ -96,6 +99,14 @@ inline Features detect() {
     }
     return f;
 }
+
+#else
+
+inline Features detect() { return {}; }
+
+#endif
+
+#if defined(__x86_64__) && defined(__linux__)
 
 constexpr long kArchGetXcompPerm = 0x1022;
 constexpr long kArchReqXcompPerm = 0x1023;
@@ -256,11 +267,14 @@ inline Probe probe_amx(const Features& f) {
     return {true, "ok: tile permission granted, tileloadd / tdpbf16ps / tdpbssd checked in a child process"};
 }
 
-#else  // not x86-64
+#else  // not x86-64 Linux
 
-inline Features detect() { return {}; }
 inline bool amx_permitted() { return false; }
+#if defined(__x86_64__)
+inline Probe probe_amx(const Features&) { return {false, "no OS permission: rtpcore asks for AMX's tiles on Linux only"}; }
+#else
 inline Probe probe_amx(const Features&) { return {false, "not x86-64"}; }
+#endif
 
 #endif
 
