@@ -18,12 +18,13 @@ ext_modules = [
     ),
     # CPU decode kernels (float32, int8, bfloat16 and GGUF-quantized weights): compiled for
     # AVX-512, AVX2 (each with and without VNNI) and the baseline in one file and chosen at
-    # import (src/rtpcore_native/_kernels.cpp); -O3 for the vectorised loops.
+    # first use by what the CPU and the OS offer (src/rtpcore_native/_kernels.cpp,
+    # _cpu_features.hpp); -O3 for the vectorised loops.
     Pybind11Extension(
         "rtpcore_native._kernels",
         ["src/rtpcore_native/_kernels.cpp"],
-        depends=["src/rtpcore_native/_kernels_isa.hpp", "src/rtpcore_native/_gguf_blocks.hpp",
-                 "src/rtpcore_native/_gguf_isa.hpp"],
+        depends=["src/rtpcore_native/_kernels_isa.hpp", "src/rtpcore_native/_cpu_features.hpp",
+                 "src/rtpcore_native/_gguf_blocks.hpp", "src/rtpcore_native/_gguf_isa.hpp"],
         cxx_std=17,
         extra_compile_args=["-O3"],
     ),

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_decode.py [llama|smollm2|deepseek] [--dtypes float32,float32-torch,bfloat16,int8,int8-bf16]
         [--batches 1,8] [--prompt-len 32] [--new-tokens N] [--threads N] [--repeats 3] [--quick]
+        [--cpu-isa avx2|avx512|avx512_bf16|amx]
 
 ``llama`` (default) builds a ~56M-parameter Llama with transformers (hidden 512,
 8 layers, 8 heads, 4 KV heads, vocab 32000, intermediate 1376; seeded), then
@@ -28,6 +29,11 @@ the same weights and vs transformers bfloat16; the share of each row's greedy to
 that agree with transformers float32 up to the first difference), then the targets
 of issue 24 as met / not met. ``--dtypes`` picks the rtpcore rows (default all
 five); ``--quick`` is 16 new tokens and one timed round unless given.
+
+Every rtpcore figure is printed with the kernel that ran most of its steps (``kernel``: the
+``engine.stats().kernel_calls`` key, e.g. ``native_decode[amx]`` or ``torch_step[torch (oneDNN)]``;
+``rtpcore info`` explains them). ``--cpu-isa`` caps the CPU kernels (rtpcore's and torch's, set
+before either runs) as on a CPU of that class, so one machine gives each class's table.
 
 ``deepseek`` is provided by ``benchmarks/_bench_deepseek.py`` when present
 (a function ``run(args)`` taking the parsed arguments).
@@ -73,13 +79,22 @@ def cpu_line() -> str:
     try:
         from rtpcore_native import _kernels
         native = _kernels.isa()
+        ok, reason = _kernels.amx_probe()
+        native += "" if ok else f" (AMX not used: {reason})"
     except ImportError:
         native = "not built"
     return (
         f"CPU: {model}; features: {' '.join(feats) or 'none of avx512/bf16/amx'}; "
         f"native bf16 dot: {'yes' if cpu_has_native_dot(torch.bfloat16) else 'no'}"
         f"{f' (ONEDNN_MAX_CPU_ISA={isa})' if isa else ''}; bf16 Linear kernel: {kernel}; native decode kernels: {native}"
+        f"{f'; --cpu-isa {cap}' if (cap := os.environ.get('RTPCORE_CPU_ISA')) else ''}"
     )
+
+
+def busiest_kernel(before: dict[str, int], after: dict[str, int]) -> str:
+    """The ``kernel_calls`` key that ran the most steps between two snapshots of an engine's stats."""
+    delta = {key: n - before.get(key, 0) for key, n in after.items() if n > before.get(key, 0)}
+    return max(delta, key=lambda key: delta[key]) if delta else "-"
 
 
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -148,7 +163,7 @@ def bench_llama(args: argparse.Namespace) -> None:
     bw = copy_bandwidth()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, copy bandwidth {bw / 1e9:.1f} GB/s")
     print(f"prompts of {args.prompt_len} tokens, {args.new_tokens} new tokens (greedy), best of {args.repeats}")
-    print(f"{'dtype':9} {'batch':>5} {'rtpcore tok/s':>13} {'hf tok/s':>9} {'ratio':>6} {'same':>5} {'bw bound':>8}")
+    print(f"{'dtype':9} {'batch':>5} {'rtpcore tok/s':>13} {'hf tok/s':>9} {'ratio':>6} {'same':>5} {'bw bound':>8}  kernel")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "llama-56m"
         make_llama(path)
@@ -159,6 +174,7 @@ def bench_llama(args: argparse.Namespace) -> None:
             with Engine.from_pretrained(path, dtype=dtype, max_batch_size=max(args.batches)) as engine:
                 for b in args.batches:
                     ids = torch.randint(3, 32000, (b, args.prompt_len), generator=gen)
+                    before = engine.stats().kernel_calls
                     t_hf, out_hf, t_rt, out_rt = timed_pair(
                         partial(hf_generate, hf, ids, args.new_tokens),
                         partial(engine.generate, ids.tolist(), max_new_tokens=args.new_tokens, stop_token_ids=[]),
@@ -168,6 +184,7 @@ def bench_llama(args: argparse.Namespace) -> None:
                     print(
                         f"{dtype:9} {b:5d} {b * args.new_tokens / t_rt:13.1f} {b * args.new_tokens / t_hf:9.1f}"
                         f" {t_hf / t_rt:5.2f}x {'yes' if out_hf == out_rt else 'no':>5} {frac:8.1%}"
+                        f"  {busiest_kernel(before, engine.stats().kernel_calls)}"
                     )
 
 
@@ -301,8 +318,8 @@ def bench_smollm2(args: argparse.Namespace) -> None:
         }
         print()
         print("| batch | engine | weights | tok/s | vs transformers fp32 | vs CTranslate2 (same weights) "
-              "| vs transformers bf16 | tokens = transformers fp32 | bw bound |")
-        print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
+              "| vs transformers bf16 | tokens = transformers fp32 | bw bound | kernel |")
+        print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
         gen = torch.Generator().manual_seed(1)
         tps: dict[tuple[str, str, int], float] = {}
         for b in args.batches:
@@ -317,7 +334,9 @@ def bench_smollm2(args: argparse.Namespace) -> None:
                         rt[dt].generate, ids.tolist(), max_new_tokens=args.new_tokens, stop_token_ids=[])))
                 if dt in ct2:
                     rows.append(("CTranslate2", dt, partial(ct2_generate, ct2[dt], strings, args.new_tokens)))
+            before = {dt: engine.stats().kernel_calls for dt, engine in rt.items()}
             results = timed_rounds([fn for *_, fn in rows], args.repeats)
+            kernel = {dt: busiest_kernel(before[dt], engine.stats().kernel_calls) for dt, engine in rt.items()}
             for (engine, dt, _), (t, _) in zip(rows, results, strict=True):
                 tps[engine, dt, b] = b * args.new_tokens / t
             ref = results[0][1]
@@ -331,7 +350,8 @@ def bench_smollm2(args: argparse.Namespace) -> None:
                 vs_bf16 = ratio(("transformers", "bfloat16", b)) if dt == "bfloat16" and engine != "transformers" else "-"
                 frac = params * BYTES_PER_WEIGHT[dt] * (args.new_tokens / t) / bw
                 print(f"| {b} | {engine} | {dt} | {mine:.1f} | {ratio(('transformers', 'float32', b))} | {peer} "
-                      f"| {vs_bf16} | {prefix_agreement(out, ref):.1%} | {frac:.1%} |")
+                      f"| {vs_bf16} | {prefix_agreement(out, ref):.1%} | {frac:.1%} "
+                      f"| {kernel[dt] if engine == 'rtpcore' else '-'} |")
         print()
         print("tokens = transformers fp32: share of the greedy tokens equal to transformers float32's up to each "
               "sequence's first difference (random weights have near-ties; reduced precision diverges early)")
@@ -364,7 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed rounds (each engine in turn) after a warm-up; each keeps its best (default 3; --quick: 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice); CTranslate2's intra_threads follow")
     parser.add_argument("--quick", action="store_true", help="a short check: 16 new tokens and one timed round unless given")
+    parser.add_argument("--cpu-isa", choices=["avx2", "avx512", "avx512_bf16", "amx"], default=None,
+                        help="cap the CPU kernels, rtpcore's and torch's, as on a CPU of this class (rtpcore --cpu-isa)")
     args = parser.parse_args(argv)
+    from rtpcore.models.cpu_isa import apply_cpu_isa
+
+    apply_cpu_isa(args.cpu_isa)  # before torch's first product: oneDNN reads its cap once
     if args.dtypes is None:
         args.dtypes = list(RTPCORE_ROWS) if args.model == "smollm2" else ["float32", "bfloat16"]
     if args.model == "smollm2" and set(args.dtypes) - set(RTPCORE_ROWS):

@@ -1,6 +1,7 @@
 """rtpcore on GGUF files against llama.cpp on the same files, in the same run (docs/design.md §20).
 
     python benchmarks/bench_gguf.py [--llamacpp DIR] [--types f32,q8_0,q4_k_m] [--new-tokens 64]
+        [--cpu-isa avx2|avx512|avx512_bf16|amx]
 
 The model is SmolLM2-135M's shape with seeded random weights and a SentencePiece tokenizer
 (benchmarks/_smollm2.py), converted by llama.cpp's own converter and quantizer:
@@ -22,6 +23,11 @@ either's speed), 2 threads each:
 
 ``--load-only`` measures only the load and the memory (after a 4-token generation, so the weights
 are paged in), in a few seconds a file.
+
+Each rtpcore figure is printed with the kernel that ran most of its steps (the
+``engine.stats().kernel_calls`` key: ``native_decode[avx512_vnni]``, ``torch_step[native:amx]``,
+``torch_step[torch (float32 GEMM)]``; ``rtpcore info`` explains them). ``--cpu-isa`` caps
+rtpcore's child processes as on a CPU of that class (``RTPCORE_CPU_ISA``, set before torch runs).
 
 Plus rtpcore's float32 safetensors checkpoint (the same weights) against llama.cpp's F32 file.
 The ratios are rtpcore / llama.cpp (above 1: rtpcore is faster, or for memory uses more). The CPU
@@ -85,6 +91,10 @@ def run(prompts, new):
     t = time.perf_counter()
     engine.generate([{"prompt_token_ids": p} for p in prompts], params)
     return time.perf_counter() - t
+def busiest(before):  # the kernel_calls key that ran the most steps since `before`
+    after = engine.stats().kernel_calls
+    delta = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+    return max(delta, key=delta.get) if delta else "-"
 new = spec["new"]
 out = {"load_s": load, "loaded": memory()}
 one = [prompt(spec["prompt"], 0)]
@@ -94,13 +104,17 @@ if spec.get("load_only"):
     engine.close()
     sys.exit(0)
 best = lambda f: min(f() for _ in range(spec["repeats"]))
-t1 = best(lambda: run(one, 1)); tn = best(lambda: run(one, new + 1))
+t1 = best(lambda: run(one, 1)); before = engine.stats().kernel_calls; tn = best(lambda: run(one, new + 1))
 out["decode_tps"] = new / max(tn - t1, 1e-9)
+out["decode_kernel"] = busiest(before)
 long = [prompt(spec["prefill"], 1)]
+before = engine.stats().kernel_calls
 out["prefill_tps"] = spec["prefill"] / best(lambda: run(long, 1))
+out["prefill_kernel"] = busiest(before)
 batch = [prompt(spec["prompt"], s) for s in range(spec["batch"])]
-b1 = best(lambda: run(batch, 1)); bn = best(lambda: run(batch, new + 1))
+b1 = best(lambda: run(batch, 1)); before = engine.stats().kernel_calls; bn = best(lambda: run(batch, new + 1))
 out["batch_tps"] = spec["batch"] * new / max(bn - b1, 1e-9)
+out["batch_kernel"] = busiest(before)
 kernels = {getattr(m, "kernel", None) for m in engine.model.modules()} - {None}
 out["kernels"] = sorted(kernels)
 out["attention_calls"] = dict(engine.stats().attention_calls)  # native_cpu: the native decode step
@@ -110,10 +124,13 @@ print(json.dumps(out))
 """
 
 
-def rtpcore_row(path: Path, new: int, repeats: int, load_only: bool = False, **options: Any) -> dict[str, Any]:
+def rtpcore_row(path: Path, new: int, repeats: int, cpu_isa: str | None = None, load_only: bool = False,
+                **options: Any) -> dict[str, Any]:
     spec = {"path": str(path), "new": new, "prompt": PROMPT, "prefill": PREFILL, "batch": BATCH,
             "repeats": repeats, "options": options, "kv_bytes": KV_BYTES, "load_only": load_only}
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    if cpu_isa is not None:  # in the environment: the child caps torch before its first product
+        env["RTPCORE_CPU_ISA"] = cpu_isa
     proc = subprocess.run([sys.executable, "-c", RTPCORE_CHILD, json.dumps(spec), str(THREADS)],
                           capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
@@ -238,7 +255,10 @@ def cpu_line() -> str:
     have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile") if f in flags]
     import rtpcore_native._kernels as kernels
 
-    return f"{model}; {', '.join(have)}; {os.cpu_count()} CPUs; rtpcore kernels: {kernels.isa()}"
+    ok, reason = kernels.amx_probe()
+    cap = os.environ.get("RTPCORE_CPU_ISA")
+    return (f"{model}; {', '.join(have)}; {os.cpu_count()} CPUs; rtpcore kernels: {kernels.isa()}"
+            f"{'' if ok else f' (AMX not used: {reason})'}{f'; --cpu-isa {cap}' if cap else ''}")
 
 
 def ratio(a: float | None, b: float | None) -> str:
@@ -255,11 +275,17 @@ def main() -> None:
     parser.add_argument("--skip-server", action="store_true", help="no llama-server batch row")
     parser.add_argument("--load-only", action="store_true",
                         help="only the load time and memory of both engines (after a 4-token generation)")
+    parser.add_argument("--cpu-isa", choices=["avx2", "avx512", "avx512_bf16", "amx"], default=None,
+                        help="cap rtpcore's CPU kernels (and torch's) as on a CPU of this class (rtpcore --cpu-isa)")
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "llama-1024x16"],
                         help="the checkpoint's shape (benchmarks/_smollm2.py; default: %(default)s)")
     parser.add_argument("--ckpt", type=Path, default=None,
                         help="where benchmarks/_smollm2.py's checkpoint is (made there if missing; default: DIR/ckpt)")
     args = parser.parse_args()
+    if args.cpu_isa is not None:  # checked here (a value this CPU cannot run fails now), shown by cpu_line
+        from rtpcore.models.cpu_isa import check_cpu_isa
+
+        os.environ["RTPCORE_CPU_ISA"] = check_cpu_isa(args.cpu_isa)
 
     sys.path.insert(0, str(HERE))
     from _smollm2 import make_checkpoint
@@ -274,7 +300,7 @@ def main() -> None:
     rows = []
     for t in args.types.split(","):
         gguf = args.llamacpp / f"{name}-{t}.gguf"
-        ours = rtpcore_row(gguf, args.new_tokens, args.repeats, load_only=args.load_only)
+        ours = rtpcore_row(gguf, args.new_tokens, args.repeats, args.cpu_isa, load_only=args.load_only)
         py = llama_cpp_python(args.llamacpp, gguf, args.new_tokens, args.repeats, load_only=args.load_only)
         if args.load_only:
             rows.append((t, gguf.stat().st_size / 2**20, ours, py))
@@ -294,19 +320,21 @@ def main() -> None:
         _load_table(rows)
         return
     if "f32" in args.types.split(","):
-        st = rtpcore_row(ckpt, args.new_tokens, args.repeats, dtype="float32")
+        st = rtpcore_row(ckpt, args.new_tokens, args.repeats, args.cpu_isa, dtype="float32")
         f32 = next(r for r in rows if r[0] == "f32")
         print(f"\nsafetensors float32: rtpcore decode {st['decode_tps']:.1f} tok/s, {ratio(st['decode_tps'], f32[5])} "
-              f"of llama.cpp F32's {f32[5]:.1f}; prefill {ratio(st['prefill_tps'], f32[2].get('prefill_tps'))}")
+              f"of llama.cpp F32's {f32[5]:.1f}; prefill {ratio(st['prefill_tps'], f32[2].get('prefill_tps'))} "
+              f"(kernel: {st['decode_kernel']} / {st['prefill_kernel']})")
     print("\n| file | decode tok/s rtpcore / llama.cpp | prefill 512 | batch 8 | RSS MiB steady / peak, rtpcore | "
-          "llama.cpp | load s rtpcore / llama.cpp |")
-    print("|---|---|---|---|---|---|---|")
+          "llama.cpp | load s rtpcore / llama.cpp | rtpcore kernel: decode / prefill / batch 8 |")
+    print("|---|---|---|---|---|---|---|---|")
     for t, ours, bench, py, server, peer in rows:
         print(f"| {t} | {ours['decode_tps']:.1f} / {peer or 0:.1f} ({ratio(ours['decode_tps'], peer)}) | "
               f"{ours['prefill_tps']:.0f} / {bench.get('prefill_tps', 0):.0f} ({ratio(ours['prefill_tps'], bench.get('prefill_tps'))}) | "
               f"{ours['batch_tps']:.1f} / {server.get('batch_tps', 0):.1f} ({ratio(ours['batch_tps'], server.get('batch_tps'))}) | "
               f"{ours['rss_mib']:.0f} / {ours['peak_mib']:.0f} | {py.get('rss_mib', 0):.0f} / {py.get('peak_mib', 0):.0f} | "
-              f"{ours['load_s']:.2f} / {py.get('load_s', float('nan')):.2f} |")
+              f"{ours['load_s']:.2f} / {py.get('load_s', float('nan')):.2f} | "
+              f"{ours['decode_kernel']} / {ours['prefill_kernel']} / {ours['batch_kernel']} |")
 
 
 def _rounded(row: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,13 @@ from hypothesis import HealthCheck, settings
 # busy machine. Tests that set their own settings inherit these for what they leave unset.
 settings.register_profile("rtpcore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("rtpcore")
+
+# --- the CPU cap: a run under RTPCORE_CPU_ISA (.ci/run's pass per --cpu-isa value) caps torch too ---
+# Before any test's first product: oneDNN, ATen and MKL read their caps once per process.
+if os.environ.get("RTPCORE_CPU_ISA"):
+    from rtpcore.models.cpu_isa import apply_cpu_isa
+
+    apply_cpu_isa(None)
 
 # Packages under tests/plugins/ are real distributions with tests of their own, run from an
 # install by tests/test_neox_plugin.py (and the docs walkthrough), never collected here.

@@ -32,10 +32,12 @@ kernels = pytest.importorskip("rtpcore_native._kernels")
 from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
+from cpu_isas import kernel_sets_under_test  # noqa: E402
+
 TYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K,
          "q6_k": QT.Q6_K, "f16": QT.F16}
 QUANTIZED = [t for t in TYPES if t != "f16"]
-ISAS = kernels.supported_isas()
+ISAS = kernel_sets_under_test(kernels)
 
 
 def block_size(dtype: str) -> int:

@@ -26,13 +26,14 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 kernels = pytest.importorskip("rtpcore_native._kernels")
 
+from cpu_isas import kernel_sets_under_test  # noqa: E402
 from rtpcore import Engine  # noqa: E402
 from rtpcore.models.forward_batch import ForwardBatch  # noqa: E402
 from rtpcore.models.layers import Linear, weight_quantization  # noqa: E402
 from test_llama import PROMPTS, VARIANTS, hf_greedy, make_checkpoint, teacher_forced_logits  # noqa: E402
 
 NEAR_TIE = 1e-3  # logit units: float32 rounding moves these tiny models' logits by about 1e-6
-ISAS = kernels.supported_isas()
+ISAS = kernel_sets_under_test(kernels)
 
 
 @pytest.fixture

@@ -9,10 +9,16 @@
 // product alone (rtpcore.models.layers.Linear's int8 kernel).
 //
 // Instruction sets: the kernels are compiled three times (AVX-512, AVX2 + FMA, the x86-64
-// baseline; _kernels_isa.hpp) and the best one the CPU and the OS support is chosen at import.
-// ONEDNN_MAX_CPU_ISA caps it the way it caps oneDNN (AVX2* -> AVX2, SSE41 / AVX -> baseline),
-// so one variable makes a machine behave as a CPU without AVX-512 for torch and for us;
-// `set_isa` chooses one for tests. Other architectures get the baseline code only.
+// baseline; _kernels_isa.hpp), the quantized ones also with each byte dot product, and grouped
+// into kernel sets, best first: amx, avx512_bf16, avx512_vnni, avx512, avx2_vnni, avx2,
+// baseline. The best set the CPU and the OS support (_cpu_features.hpp: CPUID, XCR0, and for
+// amx the tile permission and a probe in a child process) is chosen at the first kernel call,
+// at or below two caps: RTPCORE_CPU_ISA (avx2 | avx512 | avx512_bf16 | amx, rtpcore's
+// --cpu-isa: at most avx2_vnni, avx512_vnni, avx512_bf16, amx; a value the CPU cannot run, or
+// an unknown one, is an error, never a silent fallback) and ONEDNN_MAX_CPU_ISA, read as oneDNN
+// reads it, so one variable makes a machine behave as an older CPU for torch and for us.
+// `set_isa` chooses any supported set for tests, whatever the caps. Other architectures get
+// the baseline code only.
 //
 // Threads: a pool of its own (std::thread), sized by `set_num_threads` (rtpcore passes
 // torch's thread count). Workers spin briefly between the parallel regions of a step and
@@ -40,6 +46,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace py = pybind11;
@@ -48,6 +55,7 @@ namespace py = pybind11;
 #define RTPCORE_X86 1
 #endif
 
+#include "_cpu_features.hpp"
 #include "_gguf_blocks.hpp"
 
 #ifdef RTPCORE_X86
@@ -168,29 +176,46 @@ struct Kernels {
             ns::silu_mul, ns::rope,        {ns::attend_f32, ns::attend_bf16}}
 
 // The sets, best first: the float kernels differ by vector width, the quantized ones also by
-// the byte dot product (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd).
+// the byte dot product (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd). avx512_bf16 and amx
+// run the avx512_vnni kernels until their bf16 dot products and tiles are in (a set's name is
+// what it was chosen as: the CPU's, the caps', the probe's verdict).
 const Kernels kBase = RTPCORE_KERNELS(isa_base, q_base, "baseline");
 #ifdef RTPCORE_X86
 const Kernels kAvx2 = RTPCORE_KERNELS(isa_avx2, q_avx2, "avx2");
 const Kernels kAvx2Vnni = RTPCORE_KERNELS(isa_avx2, q_avx2_vnni, "avx2_vnni");
 const Kernels kAvx512 = RTPCORE_KERNELS(isa_avx512, q_avx512, "avx512");
 const Kernels kAvx512Vnni = RTPCORE_KERNELS(isa_avx512, q_avx512_vnni, "avx512_vnni");
-const Kernels* const kAll[] = {&kAvx512Vnni, &kAvx512, &kAvx2Vnni, &kAvx2, &kBase};
+const Kernels kAvx512Bf16 = RTPCORE_KERNELS(isa_avx512, q_avx512_vnni, "avx512_bf16");
+const Kernels kAmx = RTPCORE_KERNELS(isa_avx512, q_avx512_vnni, "amx");
+const Kernels* const kAll[] = {&kAmx, &kAvx512Bf16, &kAvx512Vnni, &kAvx512, &kAvx2Vnni, &kAvx2, &kBase};
 #else
 const Kernels* const kAll[] = {&kBase};
 #endif
 
+// Every set's name, best first, on every architecture (a set not compiled here is never supported).
+const char* const kLadder[] = {"amx", "avx512_bf16", "avx512_vnni", "avx512", "avx2_vnni", "avx2", "baseline"};
+constexpr int kLadderSize = sizeof(kLadder) / sizeof(kLadder[0]);
+
+int ladder_rank(const std::string& isa) {
+    for (int i = 0; i < kLadderSize; ++i)
+        if (isa == kLadder[i]) return i;
+    return -1;
+}
+
 bool supported(const std::string& isa) {
     if (isa == "baseline") return true;
 #ifdef RTPCORE_X86
-    __builtin_cpu_init();
-    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const cpu::Features& f = cpu::features();
+    const bool avx2 = f.os_avx && f.avx && f.avx2 && f.fma && f.f16c;
+    const bool avx512 = avx2 && f.os_avx512 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq;
+    const bool avx512_vnni = avx512 && f.avx512_vnni;
+    const bool avx512_bf16 = avx512_vnni && f.avx512_bf16;
     if (isa == "avx2") return avx2;
-    if (isa == "avx2_vnni") return avx2 && __builtin_cpu_supports("avxvnni");
+    if (isa == "avx2_vnni") return avx2 && f.avx_vnni;
     if (isa == "avx512") return avx512;
-    if (isa == "avx512_vnni") return avx512 && __builtin_cpu_supports("avx512vnni");
+    if (isa == "avx512_vnni") return avx512_vnni;
+    if (isa == "avx512_bf16") return avx512_bf16;
+    if (isa == "amx") return avx512_bf16 && cpu::amx_probe().ok;  // flags, XCR0, permission, probe
 #endif
     return false;
 }
@@ -203,28 +228,89 @@ const Kernels* by_name(const std::string& isa) {
     throw std::invalid_argument("unknown instruction set '" + isa + "' (known: " + known + ")");
 }
 
-// The best supported set at or below ONEDNN_MAX_CPU_ISA, read as oneDNN reads it: unset,
-// DEFAULT, ALL, AVX512_CORE_VNNI or above (BF16, AVX10, AMX): no cap; AVX512_CORE: AVX-512
-// without VNNI; AVX2_VNNI*: AVX2 with AVX-VNNI; AVX2: AVX2; SSE41 / AVX: the baseline.
-std::string default_isa() {
+// rtpcore's --cpu-isa values (RTPCORE_CPU_ISA): the lowest set a value needs (a CPU without it
+// cannot run the value) and the highest it allows.
+struct CpuIsa {
+    const char* value;
+    const char* lowest;
+    const char* highest;
+};
+const CpuIsa kCpuIsas[] = {
+    {"avx2", "avx2", "avx2_vnni"},
+    {"avx512", "avx512", "avx512_vnni"},
+    {"avx512_bf16", "avx512_bf16", "avx512_bf16"},
+    {"amx", "amx", "amx"},
+};
+
+const CpuIsa& cpu_isa(const std::string& value) {
+    for (const CpuIsa& c : kCpuIsas)
+        if (value == c.value) return c;
+    std::string known;
+    for (const CpuIsa& c : kCpuIsas) known += std::string(known.empty() ? "" : ", ") + c.value;
+    throw std::invalid_argument("cpu_isa '" + value + "' is not one of " + known);
+}
+
+// The values this CPU (and OS) can run, in kCpuIsas order.
+std::vector<std::string> supported_cpu_isas() {
+    std::vector<std::string> out;
+    for (const CpuIsa& c : kCpuIsas)
+        if (supported(c.lowest)) out.emplace_back(c.value);
+    return out;
+}
+
+// `value` checked: known, and runnable here; std::invalid_argument naming it, what this CPU
+// runs and (for amx) why the probe failed.
+const CpuIsa& checked_cpu_isa(const std::string& value, const char* what) {
+    const CpuIsa* c;
+    try {
+        c = &cpu_isa(value);
+    } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(std::string(what) + ": " + e.what());
+    }
+    if (!supported(c->lowest)) {
+        std::string runs;
+        for (const std::string& v : supported_cpu_isas()) runs += std::string(runs.empty() ? "" : ", ") + v;
+        std::string why = value == "amx" ? " (AMX: " + cpu::amx_probe().reason + ")" : "";
+        throw std::invalid_argument(std::string(what) + ": this CPU cannot run the '" + value + "' kernels" + why +
+                                    "; it runs: " + (runs.empty() ? "none of them (the baseline only)" : runs));
+    }
+    return *c;
+}
+
+// The highest set ONEDNN_MAX_CPU_ISA allows, read as oneDNN reads it: unset, DEFAULT, ALL or
+// an AMX name: no cap; AVX512_CORE_BF16, AVX10_1_512 / AVX512_CORE_FP16: avx512_bf16;
+// AVX512_CORE_VNNI: avx512_vnni; AVX512_CORE: avx512; AVX2_VNNI*: avx2_vnni; AVX2: avx2;
+// SSE41 / AVX: the baseline. A name oneDNN does not know caps nothing (oneDNN ignores it).
+std::string onednn_cap() {
     std::string cap;
     if (const char* env = std::getenv("ONEDNN_MAX_CPU_ISA")) {
         for (const char* p = env; *p; ++p) cap.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(*p))));
     }
-    bool allow512 = true, allow512vnni = true, allow2 = true, allow2vnni = true;
-    if (cap == "AVX512_CORE") {
-        allow512vnni = false;
-    } else if (cap.rfind("AVX2_VNNI", 0) == 0) {
-        allow512 = allow512vnni = false;
-    } else if (cap.rfind("AVX2", 0) == 0) {
-        allow512 = allow512vnni = allow2vnni = false;
-    } else if (cap.rfind("SSE", 0) == 0 || cap == "AVX") {
-        allow512 = allow512vnni = allow2 = allow2vnni = false;
+    if (cap == "AVX512_CORE_BF16" || cap == "AVX10_1_512" || cap == "AVX512_CORE_FP16") return "avx512_bf16";
+    if (cap == "AVX512_CORE_VNNI") return "avx512_vnni";
+    if (cap == "AVX512_CORE") return "avx512";
+    if (cap.rfind("AVX2_VNNI", 0) == 0) return "avx2_vnni";
+    if (cap.rfind("AVX2", 0) == 0) return "avx2";
+    if (cap.rfind("SSE", 0) == 0 || cap == "AVX") return "baseline";
+    return "amx";
+}
+
+// The highest set both caps allow (RTPCORE_CPU_ISA checked: see checked_cpu_isa).
+std::string isa_cap() {
+    std::string cap = onednn_cap();
+    const char* env = std::getenv("RTPCORE_CPU_ISA");
+    if (env && *env) {
+        const CpuIsa& c = checked_cpu_isa(env, (std::string("RTPCORE_CPU_ISA=") + env).c_str());
+        if (ladder_rank(c.highest) > ladder_rank(cap)) cap = c.highest;
     }
-    if (allow512vnni && supported("avx512_vnni")) return "avx512_vnni";
-    if (allow512 && supported("avx512")) return "avx512";
-    if (allow2vnni && supported("avx2_vnni")) return "avx2_vnni";
-    if (allow2 && supported("avx2")) return "avx2";
+    return cap;
+}
+
+// The best supported set at or below the caps.
+std::string default_isa() {
+    const int cap = ladder_rank(isa_cap());
+    for (const Kernels* k : kAll)
+        if (ladder_rank(k->name) >= cap && supported(k->name)) return k->name;
     return "baseline";
 }
 
@@ -780,7 +866,51 @@ PYBIND11_MODULE(_kernels, m) {
     m.doc() = "CPU decode kernels for float32 activations (rtpcore.models.native drives them)";
 
     m.def("isa", [] { return std::string(kernels().name); }, "The instruction set the kernels run with.");
-    m.def("default_isa", &default_isa, "The best supported instruction set at or below ONEDNN_MAX_CPU_ISA.");
+    m.def("default_isa", &default_isa, "The best supported kernel set at or below the caps (isa_cap); "
+          "ValueError for a RTPCORE_CPU_ISA this CPU cannot run or that is unknown.");
+    m.def("isa_cap", &isa_cap, "The highest kernel set RTPCORE_CPU_ISA and ONEDNN_MAX_CPU_ISA allow together.");
+    m.def("kernel_sets", [] { return std::vector<std::string>(kLadder, kLadder + kLadderSize); },
+          "Every kernel set's name, best first (those this build or CPU lacks included).");
+    m.def("cpu_isas", [] {
+        std::vector<std::tuple<std::string, std::string, std::string>> out;
+        for (const CpuIsa& c : kCpuIsas) out.emplace_back(c.value, c.lowest, c.highest);
+        return out;
+    }, "The --cpu-isa values (RTPCORE_CPU_ISA) as (value, lowest set it needs, highest set it allows).");
+    m.def("supported_cpu_isas", &supported_cpu_isas, "The --cpu-isa values this CPU (and OS) can run.");
+    m.def("check_cpu_isa", [](const std::string& value, const std::string& what) {
+        checked_cpu_isa(value, what.c_str());
+    }, py::arg("value"), py::arg("what"), "ValueError, starting with `what`, unless this CPU can run the --cpu-isa "
+       "value (it names what the CPU runs).");
+    m.def("cpu_features", [] {
+        const cpu::Features& f = cpu::features();
+        py::dict d;
+        d["avx"] = f.avx;
+        d["avx2"] = f.avx2;
+        d["fma"] = f.fma;
+        d["f16c"] = f.f16c;
+        d["avx512f"] = f.avx512f;
+        d["avx512bw"] = f.avx512bw;
+        d["avx512vl"] = f.avx512vl;
+        d["avx512dq"] = f.avx512dq;
+        d["avx512_vnni"] = f.avx512_vnni;
+        d["avx_vnni"] = f.avx_vnni;
+        d["avx512_bf16"] = f.avx512_bf16;
+        d["avx512_fp16"] = f.avx512_fp16;
+        d["amx_tile"] = f.amx_tile;
+        d["amx_bf16"] = f.amx_bf16;
+        d["amx_int8"] = f.amx_int8;
+        d["os_avx"] = f.os_avx;
+        d["os_avx512"] = f.os_avx512;
+        d["os_amx"] = f.os_amx;
+        d["amx_permitted"] = cpu::amx_permitted();
+        return d;
+    }, "CPUID flags, the register state the OS saves (XCR0: os_avx, os_avx512, os_amx) and whether this "
+       "process holds AMX's tile-data permission now (amx_permitted; amx_probe asks for it). Runs no probe.");
+    m.def("amx_probe", [] {
+        const cpu::Probe& p = cpu::amx_probe();
+        return std::make_tuple(p.ok, p.reason);
+    }, "(ok, reason): whether AMX runs here, probed once per process in a child process (see _cpu_features.hpp); "
+       "after a good probe this process holds the tile permission.");
     m.def("supported_isas", [] {
         std::vector<std::string> out;
         for (const Kernels* k : kAll)

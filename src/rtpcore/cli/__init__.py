@@ -28,7 +28,8 @@ from rtpcore.errors import AllowlistError, EngineBuildError, RtpcoreError
 
 __all__ = ["main"]
 
-_COMMANDS = ("rtpcore.cli._plugins", "rtpcore.cli._kv_spec", "rtpcore.cli._generate", "rtpcore.cli._serve")
+_COMMANDS = ("rtpcore.cli._plugins", "rtpcore.cli._kv_spec", "rtpcore.cli._generate", "rtpcore.cli._serve",
+             "rtpcore.cli._info")
 
 
 def _version() -> str:

@@ -14,6 +14,7 @@ from rtpcore.checkpoint.hub import hub_id
 from rtpcore.engine.config import CliFlag, EngineOptions
 from rtpcore.engine.worker.devices import check_device_form, resolve_platform
 from rtpcore.errors import DeviceError
+from rtpcore.models.cpu_isa import apply_cpu_isa
 from rtpcore.plugins.allowlist import Allowlist, add_allowlist_arguments
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -169,6 +170,7 @@ def model_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
     reads): the folder returned, and the draft among the keywords, are its snapshot folders. With
     ``--gguf-file NAME`` the path returned is that GGUF file's (in the folder, or fetched alone)
     and the keywords' ``gguf_file`` is None: the path names the file."""
+    apply_cpu_isa(getattr(args, "cpu_isa", None))  # first: torch reads its caps at its first product
     if (args.checkpoint is None) == (args.demo is None):
         parser.error("give exactly one of CHECKPOINT or --demo NAME")
     if args.num_speculative_tokens and args.draft_model is None:

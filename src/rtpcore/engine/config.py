@@ -25,6 +25,7 @@ import attrs
 
 from rtpcore.checkpoint.resolve import resolve_checkpoints
 from rtpcore.errors import RtpcoreError
+from rtpcore.models.cpu_isa import CPU_ISAS, apply_cpu_isa
 from rtpcore.plugins.resolution import Plan
 
 if TYPE_CHECKING:
@@ -167,6 +168,13 @@ class EngineOptions:
                 "sampling settings: names a loaded plugin registers (rtpcore_register_logits_processors; rtpcore "
                 "plugins list shows them); their per-request arguments come from SamplingParams.extra_args, over "
                 "HTTP vllm_xargs (default: none)", kind="names", metavar="NAME[,NAME]"))
+    cpu_isa: str | None = option(None, "the most the CPU kernels may use: avx2, avx512, avx512_bf16 or amx "
+        "(rtpcore.models.cpu_isa); None: the CPU's best, or RTPCORE_CPU_ISA's cap", CliFlag(
+        "limit the CPU kernels to what a CPU of this class has, as ONEDNN_MAX_CPU_ISA limits oneDNN, so one machine "
+        "can run every path: avx2 (rtpcore's avx2_vnni/avx2 kernels, oneDNN at AVX2_VNNI), avx512 (avx512_vnni/"
+        "avx512, oneDNN at AVX512_CORE_VNNI), avx512_bf16, amx; sets RTPCORE_CPU_ISA for this process and its "
+        "workers; a value this CPU cannot run is an error (default: the best this CPU runs; rtpcore info shows "
+        "them)", choices=CPU_ISAS))
     async_scheduling: bool | None = option(None, "outputs one step behind; None: on with CUDA graphs", CliFlag(
         "read each step's tokens before planning the next (default: with CUDA graphs, plan and launch the next "
         "step while the current one runs, outputs one step behind)", negative=True))
@@ -237,6 +245,9 @@ class EngineConfig(EngineOptions):
         ``checkpoint`` is that GGUF file's local path (the first part's, for a split set)."""
         EngineOptions.check_names(options, "EngineConfig.create")
         o = EngineOptions(**options)
+        # Before anything multiplies: the cap reaches this process's kernels, oneDNN (unless it ran
+        # already) and, through the environment, the engine's workers.
+        cpu_isa = apply_cpu_isa(o.cpu_isa)
 
         from rtpcore.engine.worker.devices import check_device_form, resolve_platform
         from rtpcore.kv.specs import resolve_kv_cache_dtype
@@ -328,6 +339,7 @@ class EngineConfig(EngineOptions):
             "draft_model": draft,
             "num_speculative_tokens": k, "max_num_batched_tokens": max_num_batched_tokens,
             "gpu_memory_utilization": float(o.gpu_memory_utilization), "logits_processors": processors,
+            "cpu_isa": cpu_isa,
         }
         given = {name: getattr(o, name) for name in EngineOptions.names()}
         return cls(checkpoint=str(path), plan=plan, **{**given, **resolved})

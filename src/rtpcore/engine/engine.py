@@ -189,6 +189,13 @@ class Engine:
         within float32 rounding of transformers'; False keeps torch's modules, whose float32
         decode is bit-identical to transformers' (docs/design.md §6).
 
+        ``cpu_isa``: ``"avx2"``, ``"avx512"``, ``"avx512_bf16"`` or ``"amx"`` caps the CPU kernels
+        (rtpcore's, and torch's where oneDNN has not run yet in this process) as on a CPU of that
+        class, for this process and its workers (``RTPCORE_CPU_ISA``); None (the default): the
+        best this CPU runs, or ``RTPCORE_CPU_ISA``'s cap. A value this CPU cannot run, or an
+        unknown one, is an :class:`~rtpcore.errors.RtpcoreError` naming it and what the CPU runs
+        (``rtpcore.models.cpu_isa``, docs/cpu-kernels.md).
+
         ``async_scheduling``: outputs one step behind (docs/design.md §13): the next step is
         planned and launched while the current one runs, for steps whose rows are all plain
         greedy; other steps run synchronously (counted in ``stats().async_fallback_steps_total``).

@@ -65,6 +65,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rtpcore.models.cpu_isa import announce_kernels, native_dot_allowed
+
 __all__ = ["QUANTIZATIONS", "Linear", "cpu_has_native_dot", "linear_kernels", "native_kernels",
            "packed_linear_supported", "weight_quantization"]
 
@@ -187,12 +189,14 @@ class Linear(nn.Module):
 
 def native_kernels() -> Any:
     """The ``rtpcore_native._kernels`` module (int8 products of float32 inputs here, the decode
-    step of ``rtpcore.models.native``), or None where this build has none."""
+    step of ``rtpcore.models.native``), or None where this build has none. The first call in a
+    process logs why AMX is not used where it could be (``rtpcore.models.cpu_isa``)."""
     try:
         from rtpcore_native import _kernels
     except ImportError as exc:  # a build without the kernels: torch's kernels serve
         logger.debug("rtpcore_native._kernels unavailable: %s", exc)
         return None
+    announce_kernels(logger)
     return _kernels
 
 
@@ -229,13 +233,14 @@ def weight_quantization(method: Any) -> Iterator[None]:
 
 def cpu_has_native_dot(dtype: torch.dtype, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """True when this CPU has dot-product instructions for ``dtype`` (bf16: ``avx512_bf16``
-    or AMX; fp16: ``avx512_fp16`` or AMX-FP16) and ``ONEDNN_MAX_CPU_ISA`` does not hide them.
+    or AMX; fp16: ``avx512_fp16`` or AMX-FP16) and neither ``ONEDNN_MAX_CPU_ISA`` nor rtpcore's
+    ``--cpu-isa`` (``RTPCORE_CPU_ISA``, ``rtpcore.models.cpu_isa``) hides them.
 
     Unknown (no ``/proc/cpuinfo``, another architecture) counts as False: the float32
     route is the one that is fast everywhere.
     """
     flags = _NATIVE_FLAGS.get(dtype)
-    if flags is None:
+    if flags is None or not native_dot_allowed(str(dtype).removeprefix("torch.")):
         return False
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     if isa in _ISAS_WITHOUT_NATIVE_DOT:

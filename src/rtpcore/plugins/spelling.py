@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 
-__all__ = ["allow_plugin", "command_line"]
+__all__ = ["allow_plugin", "command_line", "option_given"]
 
 _CLI: ContextVar[bool] = ContextVar("rtpcore_allowlist_spelling_cli", default=False)
 
@@ -33,3 +33,9 @@ def allow_plugin(item: str) -> str:
     """How to allow the ``--plugins`` item ``item``: ``pass plugins=['item']`` through Python,
     ``pass --plugins item`` on the command line."""
     return f"pass --plugins {item}" if _CLI.get() else f"pass plugins=[{item!r}]"
+
+
+def option_given(name: str, value: str) -> str:
+    """How the engine option ``name`` was given ``value``: ``--cpu-isa amx`` on the command line,
+    ``cpu_isa='amx'`` through Python."""
+    return f"--{name.replace('_', '-')} {value}" if _CLI.get() else f"{name}={value!r}"

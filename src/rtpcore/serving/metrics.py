@@ -154,7 +154,8 @@ _ENGINE_COUNTERS = {
 class _EngineCounters(Collector):
     """Counters the engine keeps itself, read at scrape time: speculative decoding's
     proposed and accepted draft tokens (0 without a draft), preemptions, requests ended by
-    their own fault, and the prefix cache's queried and hit tokens."""
+    their own fault, the prefix cache's queried and hit tokens, attention calls by backend and
+    steps by kernel."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]]):
         self._stats = stats
@@ -168,6 +169,11 @@ class _EngineCounters(Collector):
         for backend, n in sorted(values.get("attention_calls", {}).items()):
             calls.add_metric([backend], n)
         yield calls
+        steps = CounterMetricFamily("rtpcore_kernel_steps", "model steps by the kernel that ran them "
+                                    "(rtpcore.models.kernel_table; rtpcore info)", labels=["kernel"])
+        for kernel, n in sorted(values.get("kernel_calls", {}).items()):
+            steps.add_metric([kernel], n)
+        yield steps
 
 
 class _VllmEngineCounters(Collector):

@@ -87,6 +87,11 @@ class EngineStats:
     # Attention calls by backend name (rtpcore.attention): one per layer per forward of the target and the
     # draft, warm-up excluded; rank 0's.
     attention_calls: dict[str, int] = attrs.field(factory=dict)
+    # The target model's steps by what ran them (rtpcore.models.kernel_table): "native_decode[<set>]" for a
+    # decode step run whole by rtpcore_native's kernels of that set, "torch_step[<linear kernel>]" for one
+    # run by the torch modules ("torch_step[native:amx]", "torch_step[torch (oneDNN)]"), "cuda_graph" for a
+    # replayed decode graph; warm-up excluded; rank 0's.
+    kernel_calls: dict[str, int] = attrs.field(factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

@@ -23,6 +23,7 @@ rank's :class:`~rtpcore.parallel.context.ParallelContext`, whose ``all_reduce`` 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +34,8 @@ import torch
 from rtpcore.checkpoint.resolve import mtp_plugin
 from rtpcore.engine.worker.memory import memory_limit
 from rtpcore.errors import EngineBuildError, RtpcoreError
+from rtpcore.models.cpu_isa import CPU_ISA_ENV, apply_cpu_isa, native_kernels
+from rtpcore.models.kernel_table import representative_linear, step_kernel
 from rtpcore.models.layers import linear_kernels, weight_quantization
 from rtpcore.models.native import native_decode
 from rtpcore.parallel.context import ParallelContext
@@ -77,6 +80,8 @@ class EngineShard:
 
         self.ctx = ctx
         self.config = config
+        # Every rank caps its CPU kernels as the engine's process did (a torchrun rank has only its config).
+        apply_cpu_isa(getattr(config, "cpu_isa", None))
         self.registry = registry = load_plugins(config.plan)  # already loaded: returns the registry
         self.hf_config = read_hf_config(config.checkpoint, registry)  # a GGUF file's: its plugin's reading
         self.model_type = config.model_type or registry.infer_model_type(self.hf_config)
@@ -108,6 +113,9 @@ class EngineShard:
         # Attention calls per backend name: each forward calls every layer's backend once.
         self.attention_calls: dict[str, int] = {}
         self._target_calls = _per_name(target.attention_backends)
+        # Target steps by the kernel that ran them (rtpcore.models.kernel_table.step_kernel).
+        self.kernel_calls: dict[str, int] = {}
+        self._step_linear = representative_linear(self.model)
         self._draft_calls = _per_name(self.draft.attention_backends) if self.draft is not None else {}
 
     def allocate(self, num_blocks: int) -> None:
@@ -202,6 +210,7 @@ class EngineShard:
         _tally(self.attention_calls, self._target_calls)
         if self.graphs is not None and self.graphs.supports(batch):
             out = self.graphs.run_greedy(batch) if greedy else self.graphs.run(batch)
+            key = "cuda_graph"
         else:
             if batch.is_decode:
                 self.eager_decodes += 1
@@ -209,6 +218,8 @@ class EngineShard:
                 out = self.model(batch, self.kv_caches)
                 if greedy:
                     out = greedy_pick(out)
+            key = step_kernel(self.model, batch, self._step_linear, self.config.torch_dtype)
+        self.kernel_calls[key] = self.kernel_calls.get(key, 0) + 1
         return out if self.ctx.rank == 0 else None
 
     def warm_up(self, _: Any = None) -> None:
@@ -234,10 +245,11 @@ class EngineShard:
                         _check_logits(logits, batch, what, loaded.hf_config.get("vocab_size"))
 
     def graph_counters(self) -> dict[str, Any]:
-        """This rank's target decode steps replayed from a CUDA graph, and those run eagerly."""
+        """This rank's target decode steps replayed from a CUDA graph, and those run eagerly; its
+        attention calls by backend and its steps by kernel."""
         replays = self.graphs.replays if self.graphs is not None else 0
         return {"cuda_graph_replays_total": replays, "eager_decode_steps_total": self.eager_decodes,
-                "attention_calls": dict(self.attention_calls)}
+                "attention_calls": dict(self.attention_calls), "kernel_calls": dict(self.kernel_calls)}
 
     def draft_forward(self, batch: Any) -> torch.Tensor | None:
         """The draft model's forward over its own KV pools (rank 0 gets the logits)."""
@@ -295,11 +307,16 @@ class EngineShard:
             if isinstance(model, torch.nn.Module):
                 params += sum(t.numel() for t in [*model.parameters(), *model.buffers()])
         specs = [*self.kv_cache_specs, *(self.draft.kv_cache_specs if self.draft else ())]
+        native = native_kernels()
         return {
             "rank": self.ctx.rank,
             "bytes_read": self.bytes_read,
             "elements": params,
             "kv_block_bytes": sum(s.block_bytes for s in specs),
+            # the CPU kernels this rank's process runs, and the caps it holds (rtpcore.models.cpu_isa)
+            "cpu_kernels": None if native is None else str(native.isa()),
+            "cpu_isa": os.environ.get(CPU_ISA_ENV),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
         }
 
 
