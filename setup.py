@@ -22,7 +22,7 @@ ext_modules = [
     Pybind11Extension(
         "rtpcore_native._kernels",
         ["src/rtpcore_native/_kernels.cpp"],
-        depends=["src/rtpcore_native/_kernels_isa.hpp", "src/rtpcore_native/_gguf_blocks.hpp",
+        depends=["src/rtpcore_native/_kernels_isa.hpp", "src/rtpcore_native/_bf16_isa.hpp", "src/rtpcore_native/_gguf_blocks.hpp",
                  "src/rtpcore_native/_gguf_isa.hpp"],
         cxx_std=17,
         extra_compile_args=["-O3"],

@@ -53,6 +53,7 @@ import torch
 
 from rtpcore.checkpoint.gguf.blocks import GGUFBlocks, gguf_native
 from rtpcore.checkpoint.gguf.linear import gguf_blocks, native_gguf_weights
+from rtpcore.models.bf16_blocked import BlockedRows
 from rtpcore.models.layers import Linear
 from rtpcore.models.layers import native_kernels as kernels
 
@@ -97,6 +98,8 @@ def native_operands(layer: Any) -> tuple[str, torch.Tensor, torch.Tensor | None,
         return layer.gguf_parts[0][0], layer.weight, None, layer.bias_f32
     if layer.kernel == "int8":
         return "int8", layer.weight, layer.scales_f32, layer.bias_f32
+    if layer.kernel == "native-bf16":
+        return "bfloat16_packed", layer.weight, None, layer.bias_f32
     if layer.kernel == "packed+fp32":
         return "float32", layer.weight_fp32, None, layer.bias_fp32
     if layer.kernel == "plain" and layer.weight.dtype in (torch.float32, torch.bfloat16):
@@ -128,7 +131,12 @@ def _row_weights(layer: Any, start: int, rows: int, keep: list[torch.Tensor]) ->
             at += blocks.shape[0]
         raise ValueError(f"rows {start}:{start + rows} of a GGUF layer span parts of different types")
     dtype, weight, scale, full_bias = native_operands(layer)  # type: ignore[misc]
-    ptr = weight.data_ptr() + start * weight.stride(0) * weight.element_size()
+    at = start
+    if dtype == "bfloat16_packed":  # blocks of 16 rows, weight.stride(0) values each
+        if start % 16 or (rows % 16 and start + rows != layer.out_features):
+            raise ValueError(f"rows {start}:{start + rows} of a blocked bf16 layer are not whole blocks of 16")
+        at = start // 16
+    ptr = weight.data_ptr() + at * weight.stride(0) * weight.element_size()
     scale_ptr = 0 if scale is None else scale.data_ptr() + start * scale.element_size()
     if full_bias is not None:
         bias = full_bias[start: start + rows]
@@ -256,6 +264,9 @@ class NativeLlamaDecode:
             [(embed_dtype, blocks)] = model.embed.parts
             embed_ptr = blocks.data_ptr()
             self._keep.append(blocks)
+        elif isinstance(model.embed, BlockedRows):  # a tied head's blocks: rows gathered from them
+            embed_dtype, embed_ptr = "bfloat16_packed", model.embed.packed.data_ptr()
+            self._keep.append(model.embed.packed)
         else:
             embed_dtype = "bfloat16" if model.embed.dtype == torch.bfloat16 else "float32"
             embed_ptr = model.embed.data_ptr()
