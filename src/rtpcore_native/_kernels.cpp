@@ -10,8 +10,11 @@
 //
 // Instruction sets: the kernels are compiled three times (AVX-512, AVX2 + FMA, the x86-64
 // baseline; _kernels_isa.hpp) and the best one the CPU and the OS support is chosen at import.
-// ONEDNN_MAX_CPU_ISA caps it the way it caps oneDNN (AVX2* -> AVX2, SSE41 / AVX -> baseline),
-// so one variable makes a machine behave as a CPU without AVX-512 for torch and for us;
+// The sets avx512_bf16 and amx add bf16 dot products (_bf16_isa.hpp: vdpbf16ps, AMX tiles) for
+// bf16 weights in the blocked layout (bf16p below); amx needs the OS's tile permission
+// (amx_ready). ONEDNN_MAX_CPU_ISA caps the choice the way it caps oneDNN (AVX512_CORE_BF16 ->
+// avx512_bf16, AVX512_CORE_VNNI -> avx512_vnni, AVX2* -> AVX2, SSE41 / AVX -> baseline), so one
+// variable makes a machine behave as a CPU without AMX, bf16 or AVX-512 for torch and for us;
 // `set_isa` chooses one for tests. Other architectures get the baseline code only.
 //
 // Threads: a pool of its own (std::thread), sized by `set_num_threads` (rtpcore passes
@@ -768,9 +771,11 @@ class LlamaDecoder {
 
     // One decode step of B sequences (one new token each): ids, positions, slots (B,) int64;
     // tables (B, width) int64; ctx (B,) int64 context lengths after the step; cos/sin (P, D)
-    // float32 tables covering every position; logits (B, V) float32 out.
+    // float32 tables covering every position; logits (B, V) out, float32 or (logits_bf16)
+    // bfloat16 (rounded here: a bf16 model's caller then needs no conversion of its own).
     void decode(int64_t B, uintptr_t ids_p, uintptr_t pos_p, uintptr_t slots_p, uintptr_t tables_p, int64_t width,
-                uintptr_t ctx_p, int64_t tpb, uintptr_t cos_p, uintptr_t sin_p, int64_t positions, uintptr_t logits_p) {
+                uintptr_t ctx_p, int64_t tpb, uintptr_t cos_p, uintptr_t sin_p, int64_t positions, uintptr_t logits_p,
+                bool logits_bf16) {
         if (tpb <= 0 || width <= 0) throw std::invalid_argument("decode needs positive tokens_per_block and table width");
         if (B <= 0) throw std::invalid_argument("decode needs at least one sequence");
         for (const Layer& l : layers_)
@@ -784,7 +789,6 @@ class LlamaDecoder {
         const auto* ctx = as_ptr<const int64_t>(ctx_p);
         const auto* cos = as_ptr<const float>(cos_p);
         const auto* sin = as_ptr<const float>(sin_p);
-        auto* logits = as_ptr<float>(logits_p);
         const int64_t Q = H_ * D_, KV = Hkv_ * D_, G = H_ / Hkv_;
         // Every index this step dereferences, checked once (the torch modules would raise too).
         int64_t longest = 0, slots_n = layers_[0].slots;
@@ -876,7 +880,28 @@ class LlamaDecoder {
             linear_parallel(l.down, act_.data(), B, x_.data(), true);
         }
         for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], norm_, eps_, &h_[b * E_], E_);
-        linear_parallel(head_, h_.data(), B, logits, false);
+        if (!logits_bf16) {
+            linear_parallel(head_, h_.data(), B, as_ptr<float>(logits_p), false);
+        } else if (head_.kind == WeightKind::bf16p) {  // rounded as the product stores them
+            Out out;
+            out.h = as_ptr<uint16_t>(logits_p);
+            out.ld = head_.N;
+            const uint16_t* xb = nullptr;
+            if (k.linear_bf16p_dot) {
+                const int64_t Kp = bf16p::padded_depth(E_);
+                xb = bf16_acts(k, B, Kp, [&](uint16_t* dst) { k.to_bf16(h_.data(), B, E_, dst, Kp); });
+            }
+            linear_bf16p_parallel(k, head_, h_.data(), xb, B, out);
+        } else {
+            part_.resize(B * V_);
+            linear_parallel(head_, h_.data(), B, part_.data(), false);
+            auto* dst = as_ptr<uint16_t>(logits_p);
+            const int64_t size = chunk_size(B * V_, p.threads(), 1024);
+            p.run((B * V_ + size - 1) / size, [&](int64_t c) {
+                const int64_t end = (c + 1) * size < B * V_ ? (c + 1) * size : B * V_;
+                for (int64_t i = c * size; i < end; ++i) dst[i] = f32_to_bf16(part_[i]);
+            });
+        }
     }
 
   private:
@@ -1048,12 +1073,15 @@ PYBIND11_MODULE(_kernels, m) {
              py::arg("dtype"))
         .def("decode", [](LlamaDecoder& d, int64_t B, uintptr_t ids, uintptr_t pos, uintptr_t slots, uintptr_t tables,
                           int64_t width, uintptr_t ctx, int64_t tpb, uintptr_t cos, uintptr_t sin, int64_t positions,
-                          uintptr_t logits) {
+                          uintptr_t logits, const std::string& logits_dtype) {
+            if (logits_dtype != "float32" && logits_dtype != "bfloat16")
+                throw std::invalid_argument("logits dtype must be 'float32' or 'bfloat16', got '" + logits_dtype + "'");
             py::gil_scoped_release release;
             std::lock_guard<std::mutex> lock(g_call_mutex);
-            d.decode(B, ids, pos, slots, tables, width, ctx, tpb, cos, sin, positions, logits);
+            d.decode(B, ids, pos, slots, tables, width, ctx, tpb, cos, sin, positions, logits,
+                     logits_dtype == "bfloat16");
         }, py::arg("batch"), py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("tables"),
            py::arg("width"), py::arg("context_lens"), py::arg("tokens_per_block"), py::arg("cos"), py::arg("sin"),
-           py::arg("rope_positions"), py::arg("logits"),
+           py::arg("rope_positions"), py::arg("logits"), py::arg("logits_dtype") = "float32",
            "One decode step (see LlamaDecoder::decode); IndexError for an index outside its table.");
 }

@@ -49,5 +49,5 @@ class LlamaDecoder(metaclass=_Pybind11Type):
     def set_pools(self, index: int, k: int, v: int, slots: int, dtype: str) -> None: ...
     def decode(
         self, batch: int, ids: int, positions: int, slots: int, tables: int, width: int, context_lens: int,
-        tokens_per_block: int, cos: int, sin: int, rope_positions: int, logits: int,
+        tokens_per_block: int, cos: int, sin: int, rope_positions: int, logits: int, logits_dtype: str = "float32",
     ) -> None: ...

@@ -17,13 +17,23 @@ The kernels, and what each promises (``layer.kernel`` says which one runs):
   you pass, so views into a larger stacked tensor stay views). Bit-identical to
   ``F.linear``; Hugging Face transformers computes float32 projections with this
   same kernel, which is what keeps float32 greedy tokens identical to it.
-* ``"packed"`` -- **bf16 / fp16 on the CPU.** ``F.linear`` re-lays the weight out
+* ``"packed"`` -- **bf16 / fp16 on the CPU** (bf16 where ``"native-bf16"`` is not chosen).
+  ``F.linear`` re-lays the weight out
   on every call; oneDNN can lay it out once (``torch.ops.mkldnn._reorder_linear_weight``)
   and reuse it, about 1.5x faster at decode batch sizes. Both accumulate in float32
   and round once to the weight's dtype, but their summation orders may differ, so
   an output element can differ from ``F.linear``'s by one rounding step of that
   dtype (whether it does depends on the CPU and the data: on CPUs without bf16
   instructions it does, on a few elements in a thousand). No bit-exactness is claimed.
+* ``"native-bf16"`` -- **bf16 on a CPU with bf16 dot products** (AVX512-BF16 or AMX-BF16,
+  as rtpcore_native's kernels in use say: ``ONEDNN_MAX_CPU_ISA`` caps them as it caps oneDNN).
+  The weight is kept once, in the blocked layout of rtpcore_native's bf16 kernels
+  (``rtpcore.models.bf16_blocked.pack_bf16``; no float32 copy, no second bf16 copy), and every
+  input is multiplied there: vdpbf16ps for one row, AMX tiles from ``amx_rows()`` rows on
+  (decode batches and prefill chunks alike). The products of bf16 values are exact in float32
+  and summed in float32, the result rounded once to bf16: within one rounding step of
+  ``F.linear``, as ``"packed"``. The native decode step (``rtpcore.models.native``) reads the
+  same weight. ``fp32_batched_linear=True`` still asks for ``"packed+fp32"``.
 * ``"packed+fp32"`` -- ``"packed"`` for one-row inputs (decode at batch 1), plus a
   float32 copy of the weight for inputs of several rows (batched decode, prefill; torch's
   float32 GEMM, and the native decode step of ``rtpcore.models.native`` for every decode
@@ -94,7 +104,8 @@ class Linear(nn.Module):
     """A frozen linear layer; ``weight`` is (out, in), ``bias`` (out,) or None.
 
     Inputs are (..., in) in the weight's dtype; outputs (..., out) in that dtype.
-    ``kernel`` is ``"plain"``, ``"packed"`` or ``"packed+fp32"`` (see the module doc).
+    ``kernel`` is ``"plain"``, ``"packed"``, ``"native-bf16"`` or ``"packed+fp32"`` (see the
+    module doc).
     """
 
     weight: torch.Tensor  # (out, in), or oneDNN's packed form of it
