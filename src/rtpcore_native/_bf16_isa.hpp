@@ -144,26 +144,41 @@ static inline __attribute__((always_inline)) void amx_out(int64_t M, int64_t m, 
         }
 }
 
+// C (tiles 0 .. 3) = x rows [m, m + 16 MT) @ blocks [b, b + NB) over all of Kp. Each tile is
+// loaded for the next 32 inputs right after its last use in this step (tiles are not renamed: a
+// load waits for the products reading the tile before), so loads overlap the products.
 template <int MT, int NB>
 static inline __attribute__((always_inline)) void amx_tile(const uint16_t* xb, int64_t Kp, const uint16_t* w,
                                                            int64_t b, int64_t m) {
     const int64_t bstride = Kp * bf16p::kRows;
     const uint16_t* x0 = xb + m * Kp;
+    const uint16_t* x1 = x0 + 16 * Kp;
     const uint16_t* w0 = w + b * bstride;
+    const uint16_t* w1 = w0 + bstride;
     _tile_zero(0);
     if constexpr (NB > 1) _tile_zero(1);
     if constexpr (MT > 1) _tile_zero(2);
     if constexpr (MT > 1 && NB > 1) _tile_zero(3);
-    for (int64_t k = 0; k < Kp; k += 32) {
-        _tile_loadd(4, x0 + k, Kp * 2);
-        _tile_loadd(6, w0 + k * bf16p::kRows, 64);
-        if constexpr (MT > 1) _tile_loadd(5, x0 + 16 * Kp + k, Kp * 2);
-        if constexpr (NB > 1) _tile_loadd(7, w0 + bstride + k * bf16p::kRows, 64);
+    _tile_loadd(4, x0, Kp * 2);
+    _tile_loadd(6, w0, 64);
+    if constexpr (NB > 1) _tile_loadd(7, w1, 64);
+    if constexpr (MT > 1) _tile_loadd(5, x1, Kp * 2);
+    int64_t k = 0;
+    for (; k + 32 < Kp; k += 32) {
+        const int64_t next = k + 32;
         _tile_dpbf16ps(0, 4, 6);
         if constexpr (NB > 1) _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(4, x0 + next, Kp * 2);
         if constexpr (MT > 1) _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(6, w0 + next * bf16p::kRows, 64);
         if constexpr (MT > 1 && NB > 1) _tile_dpbf16ps(3, 5, 7);
+        if constexpr (NB > 1) _tile_loadd(7, w1 + next * bf16p::kRows, 64);
+        if constexpr (MT > 1) _tile_loadd(5, x1 + next, Kp * 2);
     }
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NB > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (MT > 1) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MT > 1 && NB > 1) _tile_dpbf16ps(3, 5, 7);
 }
 
 // xb holds M rows, from 16 rows on rounded up to a multiple of 16 (zero rows past M).
@@ -175,26 +190,29 @@ static void linear_amx(const uint16_t* xb, int64_t M, int64_t Kp, const uint16_t
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
+    // Chunks of kChunk blocks (their weights stay in L2), by 32 rows (whose activations stay in
+    // L1 across the chunk), by pairs of blocks.
+    constexpr int64_t kChunk = 16;
     const int64_t b1 = (n1 + bf16p::kRows - 1) / bf16p::kRows;
-    for (int64_t b = n0 / bf16p::kRows; b < b1; b += 2) {
-        const bool two = b + 1 < b1;
-        int64_t m = 0;
-        for (; m + 16 < M; m += 32) {
-            if (two) {
-                amx_tile<2, 2>(xb, Kp, w, b, m);
-                amx_out<2, 2>(M, m, b, N, bias, y);
-            } else {
-                amx_tile<2, 1>(xb, Kp, w, b, m);
-                amx_out<2, 1>(M, m, b, N, bias, y);
-            }
-        }
-        if (m < M) {
-            if (two) {
-                amx_tile<1, 2>(xb, Kp, w, b, m);
-                amx_out<1, 2>(M, m, b, N, bias, y);
-            } else {
-                amx_tile<1, 1>(xb, Kp, w, b, m);
-                amx_out<1, 1>(M, m, b, N, bias, y);
+    for (int64_t c = n0 / bf16p::kRows; c < b1; c += kChunk) {
+        const int64_t c1 = c + kChunk < b1 ? c + kChunk : b1;
+        for (int64_t m = 0; m < M; m += 32) {
+            const bool two_m = m + 16 < M;
+            for (int64_t b = c; b < c1; b += 2) {
+                const bool two_n = b + 1 < c1;
+                if (two_m && two_n) {
+                    amx_tile<2, 2>(xb, Kp, w, b, m);
+                    amx_out<2, 2>(M, m, b, N, bias, y);
+                } else if (two_m) {
+                    amx_tile<2, 1>(xb, Kp, w, b, m);
+                    amx_out<2, 1>(M, m, b, N, bias, y);
+                } else if (two_n) {
+                    amx_tile<1, 2>(xb, Kp, w, b, m);
+                    amx_out<1, 2>(M, m, b, N, bias, y);
+                } else {
+                    amx_tile<1, 1>(xb, Kp, w, b, m);
+                    amx_out<1, 1>(M, m, b, N, bias, y);
+                }
             }
         }
     }
