@@ -269,11 +269,15 @@ const Kernels* const kAll[] = {&kBase};
 // instruction faults. Asked once; a refusal (an old kernel, a hypervisor without the state)
 // leaves the AMX set unsupported.
 bool amx_ready() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
     static const bool ready = [] {
         constexpr int kReqXcompPerm = 0x1023, kXtileData = 18;
         return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
     }();
     return ready;
+#else
+    return false;  // no way to ask here
+#endif
 }
 #endif
 
