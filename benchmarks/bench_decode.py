@@ -97,6 +97,23 @@ def busiest_kernel(before: dict[str, int], after: dict[str, int]) -> str:
     return max(delta, key=lambda key: delta[key]) if delta else "-"
 
 
+def decode_kernel_line(engine: Any, batches: list[int]) -> str:
+    """Which kernels an engine's decode steps run: the native step and its instruction set (and,
+    for bf16 weights in the blocked layout, the product kernel per batch size), or torch's modules."""
+    from rtpcore.models.layers import Linear
+
+    model = engine.model
+    kinds = sorted({m.kernel for m in model.modules() if isinstance(m, Linear)})
+    if getattr(model, "decode_kernel", None) != "native":
+        return f"torch modules (Linear kernels: {', '.join(kinds)})"
+    from rtpcore_native import _kernels
+
+    line = f"native ({_kernels.isa()} kernels; Linear kernels: {', '.join(kinds)}"
+    if "native-bf16" in kinds:
+        line += "; bf16 products: " + ", ".join(f"bs{b} {_kernels.bf16_kernel(b)}" for b in batches)
+    return line + ")"
+
+
 def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes per second moved by a large tensor copy (read + write)."""
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
@@ -172,6 +189,8 @@ def bench_llama(args: argparse.Namespace) -> None:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
             wbytes = decode_weight_bytes(hf)
             with Engine.from_pretrained(path, dtype=dtype, max_batch_size=max(args.batches)) as engine:
+                engine.generate([[1, 2, 3]], max_new_tokens=2, stop_token_ids=[])  # the decode kernel is chosen
+                print(f"{dtype}: rtpcore decode steps: {decode_kernel_line(engine, args.batches)}")
                 for b in args.batches:
                     ids = torch.randint(3, 32000, (b, args.prompt_len), generator=gen)
                     before = engine.stats().kernel_calls

@@ -17,7 +17,8 @@ tokens), with a ChatML template in ``tokenizer_config.json``. The checkpoint has
 ``eos_token_id`` (config.json and generation_config.json), so that both servers generate
 exactly ``--tokens`` tokens; rtpcore is also sent ``ignore_eos``.
 
-Each server runs in turn as a subprocess on 127.0.0.1 (float32, CPU, offline), and is sent
+Each server runs in turn as a subprocess on 127.0.0.1 (``--dtype``: float32 unless
+``bfloat16``, CPU, offline), and is sent
 one warm-up round then ``--rounds`` timed rounds; a round is ``--clients`` concurrent
 streaming chat completions of ``--tokens`` tokens each. Per engine it prints output tokens/s
 (completion tokens of the timed rounds over their wall time), p50 and p99 time to first
@@ -251,12 +252,12 @@ class Server:
 
 
 def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: list[str] | None = None,
-                   name: str = "rtpcore") -> Server:
+                   name: str = "rtpcore", dtype: str = "float32") -> Server:
     """``rtpcore serve``; ``--max-batch-size`` only when given, then ``extra`` options; ``name``
     (which names its log too) starts with "rtpcore", which is what gets it ``ignore_eos``."""
     port = free_port()
     argv = [sys.executable, "-m", "rtpcore", "serve", str(ckpt), "--host", HOST, "--port", str(port),
-            "--dtype", "float32", "--served-model-name", "bench",
+            "--dtype", dtype, "--served-model-name", "bench",
             "--enable-prompt-tokens-details"]  # the cached fraction is read from usage
     if max_batch_size is not None:
         argv += ["--max-batch-size", str(max_batch_size)]
@@ -264,13 +265,13 @@ def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: lis
     return Server(name, argv, port, tmp / f"{name}.log", model="bench")
 
 
-def transformers_server(ckpt: Path, tmp: Path) -> Server:
+def transformers_server(ckpt: Path, tmp: Path, dtype: str = "float32") -> Server:
     """``transformers serve`` pinned to the checkpoint (requests must name it as given); its
     log (level warning) names each request with ``CB: True`` when continuous batching serves it."""
     port = free_port()
     exe = Path(sys.executable).with_name("transformers")
     cli = [str(exe)] if exe.is_file() else [sys.executable, "-m", "transformers.cli.transformers"]
-    argv = [*cli, "serve", str(ckpt), "--continuous-batching", "--device", "cpu", "--dtype", "float32",
+    argv = [*cli, "serve", str(ckpt), "--continuous-batching", "--device", "cpu", "--dtype", dtype,
             "--host", HOST, "--port", str(port), "--log-level", "warning"]
     return Server("transformers", argv, port, tmp / "transformers.log", model=str(ckpt))
 
@@ -578,19 +579,19 @@ def build_prompts(ckpt: Path, lengths: list[int], seed: int) -> list[str]:
     return [builder.build(n, rng, count) for n in lengths]
 
 
-def kv_block_spec(ckpt: Path) -> tuple[int, int, str]:
+def kv_block_spec(ckpt: Path, dtype: str = "float32") -> tuple[int, int, str]:
     """(bytes per block over all layers, tokens per block, source) from ``rtpcore kv-spec
     --json``; else the float32 Llama formula 2 * layers * kv_heads * head_dim * 4 bytes per
     token, 16 tokens per block."""
     try:
-        out = subprocess.run([sys.executable, "-m", "rtpcore", "kv-spec", str(ckpt), "--json", "--dtype", "float32"],
+        out = subprocess.run([sys.executable, "-m", "rtpcore", "kv-spec", str(ckpt), "--json", "--dtype", dtype],
                              capture_output=True, text=True, timeout=120, check=True).stdout
         spec = json.loads(out)
         return int(spec["bytes_per_block"]), int(spec["tokens_per_block"]), "rtpcore kv-spec --json"
     except (subprocess.SubprocessError, OSError, ValueError, KeyError) as exc:
         cfg = json.loads((ckpt / "config.json").read_text())
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+        per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * (2 if dtype == "bfloat16" else 4)
         return per_token * 16, 16, f"Llama float32 formula (rtpcore kv-spec failed: {type(exc).__name__})"
 
 
@@ -608,7 +609,7 @@ def load_plan(ckpt: Path, args: argparse.Namespace) -> LoadPlan:
     for _ in range(n - 1):
         arrivals.append(arrivals[-1] + arrival_rng.expovariate(args.arrival_rate))
     contents = build_prompts(ckpt, lengths, args.seed)
-    block, tpb, source = kv_block_spec(ckpt)
+    block, tpb, source = kv_block_spec(ckpt, args.dtype)
     blocks = [-(-(p + m) // tpb) for p, m in zip(lengths, max_tokens, strict=True)]
     worst = sum(blocks) * block
     memory = int(worst * args.kv_fraction)
@@ -750,7 +751,7 @@ def run_load(ckpt: Path, tmp: Path, args: argparse.Namespace) -> dict[str, LoadR
     extra = ["--kv-cache-memory", str(plan.kv_cache_memory), "--max-model-len", str(longest)]
     if args.max_num_batched_tokens is not None:
         extra += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    server = rtpcore_server(ckpt, tmp, args.max_batch_size, extra)
+    server = rtpcore_server(ckpt, tmp, args.max_batch_size, extra, dtype=args.dtype)
     mib = 1 << 20
     print(f"load: {n} streaming chat completions, prompts {min(plan.prompt_tokens)}-{max(plan.prompt_tokens)} "
           f"tokens (range {args.prompt_tokens[0]}:{args.prompt_tokens[1]}, {sum(plan.prompt_tokens)} in all), "
@@ -763,7 +764,7 @@ def run_load(ckpt: Path, tmp: Path, args: argparse.Namespace) -> dict[str, LoadR
           f"{plan.kv_cache_memory // plan.bytes_per_block} blocks)", flush=True)
     print(f"load: rtpcore serve {' '.join(server.argv[server.argv.index('--dtype'):])}"
           f"{'' if args.max_batch_size is not None else ' (rtpcore default --max-batch-size)'}", flush=True)
-    servers = [server] if args.skip_transformers else [server, transformers_server(ckpt, tmp)]
+    servers = [server] if args.skip_transformers else [server, transformers_server(ckpt, tmp, args.dtype)]
     results: dict[str, LoadResult | str] = {}
     for s in servers:
         try:
@@ -963,7 +964,7 @@ def multiturn_plan(ckpt: Path, args: argparse.Namespace) -> MultiturnPlan:
     if longest > max_model_len:
         raise SystemExit(f"the longest conversation needs about {longest} tokens, more than the checkpoint's "
                          f"{max_model_len}; lower --system-tokens, --turns or --turn-tokens")
-    block, tpb, source = kv_block_spec(ckpt)
+    block, tpb, source = kv_block_spec(ckpt, args.dtype)
     memory = args.clients * -(-max_model_len // tpb) * block
     note = (f"{args.clients} sequences x {max_model_len} tokens (the checkpoint's context), block {block} bytes / "
             f"{tpb} tokens from {source}")
@@ -1108,11 +1109,11 @@ def run_multiturn(ckpt: Path, tmp: Path, args: argparse.Namespace) -> dict[str, 
     extra = ["--kv-cache-memory", str(plan.kv_cache_memory)]
     if args.max_num_batched_tokens is not None:
         extra += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    servers = [rtpcore_server(ckpt, tmp, args.max_batch_size, extra),
-               rtpcore_server(ckpt, tmp, args.max_batch_size, [*extra, "--no-enable-prefix-caching"],
+    servers = [rtpcore_server(ckpt, tmp, args.max_batch_size, extra, dtype=args.dtype),
+               rtpcore_server(ckpt, tmp, args.max_batch_size, [*extra, "--no-enable-prefix-caching"], dtype=args.dtype,
                               name="rtpcore-nocache")]
     if not args.skip_transformers:
-        servers.append(transformers_server(ckpt, tmp))
+        servers.append(transformers_server(ckpt, tmp, args.dtype))
     users = [n for ns in plan.user_tokens for n in ns]
     print(f"multiturn: {len(plan.users)} concurrent conversations x {plan.turns} turns of {plan.turn_tokens} tokens, "
           f"shared system prompt {plan.system_tokens} tokens, user messages {min(users)}-{max(users)} tokens "
@@ -1188,6 +1189,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="steady, llamacpp: py-spy samples each rtpcore server through its timed rounds "
                         "(DIR/<name>.txt, a summary printed); needs py-spy")
     parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="both servers' --dtype (default float32)")
     parser.add_argument("--skip-transformers", action="store_true", help="benchmark rtpcore serve alone")
     parser.add_argument("--start-timeout", type=float, default=180, help="seconds for a server to answer /health")
     parser.add_argument("--round-timeout", type=float, default=None,
@@ -1245,7 +1248,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = tmp / "llama-56m"
         params = make_checkpoint(ckpt, args.vocab_size)
         vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
-        print(f"Llama {params / 1e6:.0f}M parameters, vocab {vocab}, float32", flush=True)
+        print(f"Llama {params / 1e6:.0f}M parameters, vocab {vocab}, {args.dtype}", flush=True)
         tables: list[str] = []
         ok = True
         if "steady" in scenarios:
@@ -1261,7 +1264,7 @@ def main(argv: list[str] | None = None) -> int:
                      else ["--max-num-batched-tokens", str(args.max_num_batched_tokens)])
             servers = [rtpcore_server(ckpt, tmp, steady.max_batch_size, extra)]
             if not args.skip_transformers:
-                servers.append(transformers_server(ckpt, tmp))
+                servers.append(transformers_server(ckpt, tmp, args.dtype))
             results: dict[str, Result | str] = {}
             for server in servers:
                 try:

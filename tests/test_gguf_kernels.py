@@ -285,5 +285,5 @@ def test_the_decoder_refuses_a_gguf_embedding_of_the_wrong_width() -> None:
     head = kernels.LinearWeights(1, "float32", 0, 0, 8, 96)
     with pytest.raises(ValueError, match="q4_k rows need a positive multiple of 256 elements, got K=96"):
         decoder.set_head(1, 8, "q4_k", 1, head)
-    with pytest.raises(ValueError, match=r"embedding dtype must be 'float32', 'bfloat16' or a GGUF type .*, got 'int4'"):
+    with pytest.raises(ValueError, match=r"embedding dtype must be 'float32', 'bfloat16', 'bfloat16_packed' or a GGUF type .*, got 'int4'"):
         decoder.set_head(1, 8, "int4", 1, head)

@@ -14,6 +14,7 @@ from rtpcore.models.layers import (
     Linear,
     cpu_has_native_dot,
     linear_kernels,
+    native_bf16_dot,
     packed_linear_supported,
 )
 from rtpcore.parallel.layers import row_parallel
@@ -94,9 +95,10 @@ def test_linear_takes_leading_dimensions(dtype: torch.dtype) -> None:
 
 
 def test_kernel_follows_the_dtype_the_probe_and_the_host_choice() -> None:
-    """float32 never packs (F.linear is transformers' kernel); bf16 packs when the probe passes,
-    and keeps a float32 copy exactly when the host asks for one (or, automatically, when the
-    CPU has no bf16 dot products)."""
+    """float32 never packs (F.linear is transformers' kernel); bf16 runs rtpcore_native's bf16
+    kernels on their blocked layout where they have bf16 dot products, else packs when the probe
+    passes, and keeps a float32 copy exactly when the host asks for one (or, automatically, when
+    the CPU has no bf16 dot products)."""
     w = torch.randn(16, 8)
     fp32 = Linear(w)
     assert (fp32.packed, fp32.kernel, fp32.weight_fp32) == (False, "plain", None)
@@ -106,16 +108,18 @@ def test_kernel_follows_the_dtype_the_probe_and_the_host_choice() -> None:
     assert packed_linear_supported(torch.int8) is False
     if not packed_linear_supported(torch.bfloat16):
         pytest.skip("this torch build has no prepacked oneDNN bf16 linear")
+    one_copy = "native-bf16" if native_bf16_dot() else "packed"
     with linear_kernels(batched_fp32=False):
-        assert Linear(w.bfloat16()).kernel == "packed"
+        assert Linear(w.bfloat16()).kernel == one_copy
     with linear_kernels(batched_fp32=True):
         both = Linear(w.bfloat16())
         assert both.kernel == "packed+fp32" and both.weight_fp32 is not None
         with linear_kernels(batched_fp32=False):  # the innermost block wins, then the outer returns
-            assert Linear(w.bfloat16()).kernel == "packed"
+            assert Linear(w.bfloat16()).kernel == one_copy
         assert Linear(w.bfloat16()).kernel == "packed+fp32"
     auto = Linear(w.bfloat16())
-    assert auto.kernel == ("packed" if cpu_has_native_dot(torch.bfloat16) else "packed+fp32")
+    assert auto.kernel == (one_copy if cpu_has_native_dot(torch.bfloat16) else "packed+fp32")
+    assert Linear(w.half()).kernel in ("packed", "packed+fp32")  # fp16: oneDNN's kernels
     assert f"kernel={auto.kernel}" in repr(auto) and (auto.out_features, auto.in_features) == (16, 8)
 
 

@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 from rtpcore import Engine  # noqa: E402
 from rtpcore.errors import CheckpointError, RtpcoreError  # noqa: E402
 from rtpcore.models.forward_batch import ForwardBatch  # noqa: E402
-from rtpcore.models.layers import Linear, packed_linear_supported  # noqa: E402
+from rtpcore.models.layers import Linear, native_bf16_dot, packed_linear_supported  # noqa: E402
 from rtpcore.models.llama import LlamaPlugin  # noqa: E402
 
 SMALL = dict(
@@ -146,8 +146,12 @@ def test_logits_match_transformers(
     kernels = {m.kernel for m in engine.model.modules() if isinstance(m, Linear)}
     if dtype == torch.float32:
         assert kernels == {"plain"}
+    elif fp32_batched and packed_linear_supported(dtype):
+        assert kernels == {"packed+fp32"}
+    elif dtype == torch.bfloat16 and native_bf16_dot():
+        assert kernels == {"native-bf16"}  # rtpcore_native's bf16 kernels (tests/test_bf16_kernels.py)
     elif packed_linear_supported(dtype):
-        assert kernels == {"packed+fp32" if fp32_batched else "packed"}
+        assert kernels == {"packed"}
     ours = teacher_forced_logits(engine.model, engine.kv_caches, seqs, prefill=[13, 7, 20])
     for s, got, n in zip(seqs, ours, [13, 7, 20], strict=True):
         with torch.no_grad():

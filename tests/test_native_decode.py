@@ -127,7 +127,7 @@ def test_bad_arguments_are_value_errors_naming_them() -> None:
         kernels.set_num_threads(0)
     with pytest.raises(ValueError, match="an int8 linear needs its per-row scales"):
         kernels.LinearWeights(1, "int8", 0, 0, 4, 4)
-    with pytest.raises(ValueError, match=r"weight dtype must be 'float32', 'int8', 'bfloat16' or a GGUF type .*, got 'fp4'"):
+    with pytest.raises(ValueError, match=r"weight dtype must be 'float32', 'int8', 'bfloat16', 'bfloat16_packed' or a GGUF type .*, got 'fp4'"):
         kernels.LinearWeights(1, "fp4", 0, 0, 4, 4)
     with pytest.raises(ValueError, match=r"heads \(6\) must be a multiple of kv_heads \(4\)"):
         kernels.LlamaDecoder(8, 6, 4, 8, 16, 32, 1e-5, 1)

@@ -19,6 +19,8 @@
 // reads it, so one variable makes a machine behave as an older CPU for torch and for us.
 // `set_isa` chooses any supported set for tests, whatever the caps. Other architectures get
 // the baseline code only.
+// The sets avx512_bf16 and amx add bf16 dot products (_bf16_isa.hpp: vdpbf16ps, AMX tiles) for
+// bf16 weights in the blocked layout (bf16p below).
 //
 // Threads: a pool of its own (std::thread), sized by `set_num_threads` (rtpcore passes
 // torch's thread count). Workers spin briefly between the parallel regions of a step and
@@ -29,6 +31,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -57,6 +60,49 @@ namespace py = pybind11;
 
 #include "_cpu_features.hpp"
 #include "_gguf_blocks.hpp"
+
+// ---- bfloat16
+
+inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// Round to nearest, ties to even, as torch's float32 -> bfloat16 conversion (NaN stays NaN).
+inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// The blocked bfloat16 layout ("bfloat16_packed"), the one form a bf16 weight keeps where the
+// bf16 kernels run: an (N, K) weight padded with zeros to (Np, Kp), Np a multiple of 16 and Kp
+// of 32, then stored block by block of 16 output rows, each block as Kp / 2 rows of 32 values,
+// the pairs (w[n][2p], w[n][2p + 1]) of its 16 rows n:
+//   packed[((n / 16) * (Kp / 2) + p) * 32 + (n % 16) * 2 + e] = w[n][2p + e]
+// It is what vdpbf16ps multiplies with one broadcast pair of activations (16 outputs per
+// instruction, no horizontal sums), AMX's B tile layout (16 pair-rows of 64 bytes per tile), and
+// what the widening kernels read as 16 uint32 lanes (input 2p in the low half, 2p + 1 in the
+// high half). In torch: w.view(Np / 16, 16, Kp / 2, 2).permute(0, 2, 1, 3) of the padded weight.
+namespace bf16p {
+constexpr int64_t kRows = 16;   // output rows per block
+constexpr int64_t kDepth = 32;  // K padding (one AMX tile of activations is 16 rows x 32 values)
+inline int64_t padded_rows(int64_t N) { return (N + kRows - 1) / kRows * kRows; }
+inline int64_t padded_depth(int64_t K) { return (K + kDepth - 1) / kDepth * kDepth; }
+}  // namespace bf16p
+
+// Where a product over bf16p weights writes: (M, ld) float32, added to when `accumulate`, or
+// bfloat16 (rounded to nearest even; never accumulated).
+struct Out {
+    float* f = nullptr;
+    uint16_t* h = nullptr;
+    int64_t ld = 0;
+    bool accumulate = false;
+};
 
 #ifdef RTPCORE_X86
 #pragma GCC push_options
@@ -112,6 +158,25 @@ namespace q_avx2 {
 }  // namespace q_avx2
 #pragma GCC pop_options
 
+// The bf16 dot-product kernels (_bf16_isa.hpp): AVX512-BF16's vdpbf16ps, and with AMX-BF16's
+// tiles from a few rows on. Their sets reuse the AVX-512 float kernels and the VNNI quantized ones.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+namespace bf16_avx512 {
+#define RTPCORE_AMX 0
+#include "_bf16_isa.hpp"
+#undef RTPCORE_AMX
+}  // namespace bf16_avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
+namespace bf16_amx {
+#define RTPCORE_AMX 1
+#include "_bf16_isa.hpp"
+#undef RTPCORE_AMX
+}  // namespace bf16_amx
+#pragma GCC pop_options
+
 // And with AVX-VNNI (the VEX-encoded byte dot product of CPUs with AVX-VNNI but maybe no AVX-512).
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avxvnni")
@@ -161,6 +226,17 @@ struct Kernels {
                         int64_t);
     void (*linear_f16)(const float*, int64_t, int64_t, const gguf::f16_t*, const float*, float*, int64_t, bool,
                        int64_t, int64_t);
+    // bf16p weights (the blocked layout): float32 activations widened in registers ...
+    void (*linear_bf16p)(const float*, int64_t, int64_t, const uint16_t*, const float*, const Out&, int64_t, int64_t,
+                         int64_t);
+    // ... or, in the sets with bf16 dot products (null elsewhere), activations rounded to bfloat16
+    // first (to_bf16: rows of Kp values), by vdpbf16ps or, from g_amx_rows rows on, AMX tiles
+    // (more than 16 rows rounded up to a multiple of 16)
+    void (*linear_bf16p_dot)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, const Out&, int64_t,
+                             int64_t, int64_t);
+    void (*linear_bf16p_amx)(const uint16_t*, int64_t, int64_t, const uint16_t*, const float*, const Out&, int64_t,
+                             int64_t, int64_t);
+    void (*to_bf16)(const float*, int64_t, int64_t, uint16_t*, int64_t);
     // the quantized GGUF products by gguf::Type (q8_0 ... q6_k), over quantized activations
     const q_base::QLinearFn* qlinear;
     void (*rms_norm)(const float*, const float*, float, float*, int64_t);
@@ -171,22 +247,25 @@ struct Kernels {
                       int64_t, int64_t, int64_t, float, float*, float*);
 };
 
-#define RTPCORE_KERNELS(ns, qns, label)                                                                       \
-    Kernels{label,        ns::linear_f32,  ns::linear_i8, ns::linear_bf16, ns::linear_f16, qns::kQLinear, ns::rms_norm, \
-            ns::silu_mul, ns::rope,        {ns::attend_f32, ns::attend_bf16}}
+#define RTPCORE_KERNELS_DOT(ns, qns, label, dot, amx, to_bf16)                                              \
+    Kernels{label,           ns::linear_f32, ns::linear_i8, ns::linear_bf16, ns::linear_f16, ns::linear_bf16p, \
+            dot,             amx,            to_bf16,       qns::kQLinear,   ns::rms_norm,   ns::silu_mul,     \
+            ns::rope,        {ns::attend_f32, ns::attend_bf16}}
+#define RTPCORE_KERNELS(ns, qns, label) RTPCORE_KERNELS_DOT(ns, qns, label, nullptr, nullptr, nullptr)
 
 // The sets, best first: the float kernels differ by vector width, the quantized ones also by
-// the byte dot product (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd). avx512_bf16 and amx
-// run the avx512_vnni kernels until their bf16 dot products and tiles are in (a set's name is
-// what it was chosen as: the CPU's, the caps', the probe's verdict).
+// the byte dot product (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd); avx512_bf16 and amx
+// add the bf16 dot products (vdpbf16ps) and, for amx, the tiles.
 const Kernels kBase = RTPCORE_KERNELS(isa_base, q_base, "baseline");
 #ifdef RTPCORE_X86
 const Kernels kAvx2 = RTPCORE_KERNELS(isa_avx2, q_avx2, "avx2");
 const Kernels kAvx2Vnni = RTPCORE_KERNELS(isa_avx2, q_avx2_vnni, "avx2_vnni");
 const Kernels kAvx512 = RTPCORE_KERNELS(isa_avx512, q_avx512, "avx512");
 const Kernels kAvx512Vnni = RTPCORE_KERNELS(isa_avx512, q_avx512_vnni, "avx512_vnni");
-const Kernels kAvx512Bf16 = RTPCORE_KERNELS(isa_avx512, q_avx512_vnni, "avx512_bf16");
-const Kernels kAmx = RTPCORE_KERNELS(isa_avx512, q_avx512_vnni, "amx");
+const Kernels kAvx512Bf16 = RTPCORE_KERNELS_DOT(isa_avx512, q_avx512_vnni, "avx512_bf16", bf16_avx512::linear_dot,
+                                                nullptr, bf16_avx512::to_bf16);
+const Kernels kAmx = RTPCORE_KERNELS_DOT(isa_avx512, q_avx512_vnni, "amx", bf16_amx::linear_dot, bf16_amx::linear_amx,
+                                         bf16_amx::to_bf16);
 const Kernels* const kAll[] = {&kAmx, &kAvx512Bf16, &kAvx512Vnni, &kAvx512, &kAvx2Vnni, &kAvx2, &kBase};
 #else
 const Kernels* const kAll[] = {&kBase};
@@ -315,6 +394,9 @@ std::string default_isa() {
 }
 
 const Kernels* g_kernels = nullptr;
+// From how many activation rows on the amx set multiplies bf16 weights with AMX tiles rather than
+// vdpbf16ps (set_amx_rows; benchmarks/bench_bf16_kernels.py measures where they cross).
+int64_t g_amx_rows = 2;
 
 const Kernels& kernels() {
     if (!g_kernels) g_kernels = by_name(default_isa());
@@ -453,36 +535,19 @@ inline int64_t chunk_size(int64_t total, int threads, int64_t align) {
     return per < align ? align : per;
 }
 
-// ---- bfloat16
-
-inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-// Round to nearest, ties to even, as torch's float32 -> bfloat16 conversion (NaN stays NaN).
-inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<uint16_t>(bits >> 16);
-}
-
 // ---- linear layers
 
-// float32, int8 (one scale per output row), bfloat16, then the GGUF types in gguf::Type
-// order (f16 last): a GGUF kind is gguf_first + its gguf::Type.
-enum class WeightKind { f32, i8, bf16, gguf_first };
+// float32, int8 (one scale per output row), bfloat16 rows, bfloat16 in the blocked layout
+// (bf16p), then the GGUF types in gguf::Type order (f16 last): a GGUF kind is gguf_first + its
+// gguf::Type.
+enum class WeightKind { f32, i8, bf16, bf16p, gguf_first };
 
 WeightKind gguf_kind(gguf::Type t) { return static_cast<WeightKind>(static_cast<int>(WeightKind::gguf_first) + static_cast<int>(t)); }
 bool is_gguf(WeightKind k) { return static_cast<int>(k) >= static_cast<int>(WeightKind::gguf_first); }
 gguf::Type gguf_type(WeightKind k) { return static_cast<gguf::Type>(static_cast<int>(k) - static_cast<int>(WeightKind::gguf_first)); }
 
 struct LinearW {
-    const void* w = nullptr;  // (N, K) float32, int8 or bfloat16; or N rows of GGUF blocks
+    const void* w = nullptr;  // (N, K) float32, int8 or bfloat16; (Np, Kp) bf16p; or N rows of GGUF blocks
     WeightKind kind = WeightKind::f32;
     const float* scale = nullptr;  // (N,) int8 only
     const float* bias = nullptr;   // (N,) or null
@@ -510,11 +575,58 @@ gguf::QActs quantize_acts(const float* x, int64_t M, int64_t K, int block) {
     return a;
 }
 
+bool uses_amx(const Kernels& k, int64_t M) { return k.linear_bf16p_amx && M >= g_amx_rows; }
+
+// The bfloat16 activations of a product over bf16p weights with bf16 dot products: one buffer,
+// reused by every call (as quantize_acts'), M rows of Kp values, and where AMX runs on more than
+// 16 rows, zero rows up to a multiple of 16. `fill` writes rows [0, M) of it.
+template <typename Fill>
+const uint16_t* bf16_acts(const Kernels& k, int64_t M, int64_t Kp, Fill fill) {
+    static std::vector<uint16_t> xb;
+    const int64_t rows = uses_amx(k, M) && M > 16 ? (M + 15) / 16 * 16 : M;
+    xb.resize(rows * Kp);
+    fill(xb.data());
+    std::memset(xb.data() + M * Kp, 0, sizeof(uint16_t) * (rows - M) * Kp);
+    return xb.data();
+}
+
+// The product over bf16p weights, y as `out` says, over the pool by blocks of 16 output rows: with
+// bf16 dot products on activations rounded to bf16 (xb: bf16_acts), else widening the weights
+// against float32 activations x.
+void linear_bf16p_parallel(const Kernels& k, const LinearW& l, const float* x, const uint16_t* xb, int64_t M,
+                           const Out& out) {
+    Pool& p = pool();
+    const int64_t size = (M * l.N * l.K < (1 << 15)) ? l.N : chunk_size(l.N, p.threads(), bf16p::kRows);
+    const auto* w = static_cast<const uint16_t*>(l.w);
+    const int64_t Kp = bf16p::padded_depth(l.K);
+    const auto dot = uses_amx(k, M) ? k.linear_bf16p_amx : k.linear_bf16p_dot;
+    p.run((l.N + size - 1) / size, [&](int64_t c) {
+        const int64_t n0 = c * size, n1 = n0 + size < l.N ? n0 + size : l.N;
+        if (xb)
+            dot(xb, M, Kp, w, l.bias, out, l.N, n0, n1);
+        else
+            k.linear_bf16p(x, M, l.K, w, l.bias, out, l.N, n0, n1);
+    });
+}
+
 // y (M, N) (+)= x (M, K) @ W.T (* scale) + bias over the pool, split by output rows. For a
 // quantized GGUF weight the activations are quantized first (all M rows, once), to blocks of
 // 32 or of 256 (the K types) as llama.cpp quantizes them.
 void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool accumulate) {
     const Kernels& k = kernels();
+    if (l.kind == WeightKind::bf16p) {
+        Out out;
+        out.f = y;
+        out.ld = l.N;
+        out.accumulate = accumulate;
+        const uint16_t* xb = nullptr;
+        if (k.linear_bf16p_dot) {
+            const int64_t Kp = bf16p::padded_depth(l.K);
+            xb = bf16_acts(k, M, Kp, [&](uint16_t* dst) { k.to_bf16(x, M, l.K, dst, Kp); });
+        }
+        linear_bf16p_parallel(k, l, x, xb, M, out);
+        return;
+    }
     Pool& p = pool();
     gguf::QActs acts;
     const bool quantized = is_gguf(l.kind) && gguf_type(l.kind) != gguf::Type::f16;
@@ -554,10 +666,11 @@ WeightKind weight_kind(const std::string& dtype) {
     if (dtype == "float32") return WeightKind::f32;
     if (dtype == "int8") return WeightKind::i8;
     if (dtype == "bfloat16") return WeightKind::bf16;
+    if (dtype == "bfloat16_packed") return WeightKind::bf16p;
     gguf::Type t;
     if (gguf::parse(dtype, t)) return gguf_kind(t);
-    throw std::invalid_argument("weight dtype must be 'float32', 'int8', 'bfloat16' or a GGUF type (" + gguf::names() +
-                                "), got '" + dtype + "'");
+    throw std::invalid_argument("weight dtype must be 'float32', 'int8', 'bfloat16', 'bfloat16_packed' or a GGUF type (" +
+                                gguf::names() + "), got '" + dtype + "'");
 }
 
 // The GGUF kind named `dtype`; std::invalid_argument listing them otherwise.
@@ -570,7 +683,10 @@ WeightKind weight_kind_gguf(const std::string& dtype) {
 
 std::string kind_name(WeightKind k) {
     if (is_gguf(k)) return gguf::info(gguf_type(k)).name;
-    return k == WeightKind::i8 ? "int8" : k == WeightKind::bf16 ? "bfloat16" : "float32";
+    return k == WeightKind::i8     ? "int8"
+           : k == WeightKind::bf16  ? "bfloat16"
+           : k == WeightKind::bf16p ? "bfloat16_packed"
+                                    : "float32";
 }
 
 LinearW make_linear(uintptr_t w, const std::string& dtype, uintptr_t scale, uintptr_t bias, int64_t N, int64_t K) {
@@ -677,18 +793,18 @@ class LlamaDecoder {
         l.k_norm = as_ptr<const float>(k_norm);
     }
 
-    // The embedding (vocab_rows, E) is float32, bfloat16 or a GGUF type (its rows dequantized
-    // as they are looked up).
+    // The embedding (vocab_rows, E) is float32, bfloat16, bf16p (a tied head's blocks) or a GGUF
+    // type (its rows dequantized as they are looked up).
     void set_head(uintptr_t embed, int64_t vocab_rows, const std::string& embed_dtype, uintptr_t norm,
                   const LinearW& head) {
         expect(head, V_, E_, "lm_head");
-        if (embed_dtype == "float32" || embed_dtype == "bfloat16") {
-            embed_kind_ = embed_dtype == "bfloat16" ? WeightKind::bf16 : WeightKind::f32;
+        if (embed_dtype == "float32" || embed_dtype == "bfloat16" || embed_dtype == "bfloat16_packed") {
+            embed_kind_ = weight_kind(embed_dtype);
         } else {
             gguf::Type t;
             if (!gguf::parse(embed_dtype, t))
-                throw std::invalid_argument("embedding dtype must be 'float32', 'bfloat16' or a GGUF type (" +
-                                            gguf::names() + "), got '" + embed_dtype + "'");
+                throw std::invalid_argument("embedding dtype must be 'float32', 'bfloat16', 'bfloat16_packed' or a GGUF "
+                                            "type (" + gguf::names() + "), got '" + embed_dtype + "'");
             embed_row_bytes_ = gguf::row_bytes(t, E_);
             embed_kind_ = gguf_kind(t);
         }
@@ -711,9 +827,11 @@ class LlamaDecoder {
 
     // One decode step of B sequences (one new token each): ids, positions, slots (B,) int64;
     // tables (B, width) int64; ctx (B,) int64 context lengths after the step; cos/sin (P, D)
-    // float32 tables covering every position; logits (B, V) float32 out.
+    // float32 tables covering every position; logits (B, V) out, float32 or (logits_bf16)
+    // bfloat16 (rounded here: a bf16 model's caller then needs no conversion of its own).
     void decode(int64_t B, uintptr_t ids_p, uintptr_t pos_p, uintptr_t slots_p, uintptr_t tables_p, int64_t width,
-                uintptr_t ctx_p, int64_t tpb, uintptr_t cos_p, uintptr_t sin_p, int64_t positions, uintptr_t logits_p) {
+                uintptr_t ctx_p, int64_t tpb, uintptr_t cos_p, uintptr_t sin_p, int64_t positions, uintptr_t logits_p,
+                bool logits_bf16) {
         if (tpb <= 0 || width <= 0) throw std::invalid_argument("decode needs positive tokens_per_block and table width");
         if (B <= 0) throw std::invalid_argument("decode needs at least one sequence");
         for (const Layer& l : layers_)
@@ -727,7 +845,6 @@ class LlamaDecoder {
         const auto* ctx = as_ptr<const int64_t>(ctx_p);
         const auto* cos = as_ptr<const float>(cos_p);
         const auto* sin = as_ptr<const float>(sin_p);
-        auto* logits = as_ptr<float>(logits_p);
         const int64_t Q = H_ * D_, KV = Hkv_ * D_, G = H_ / Hkv_;
         // Every index this step dereferences, checked once (the torch modules would raise too).
         int64_t longest = 0, slots_n = layers_[0].slots;
@@ -757,6 +874,11 @@ class LlamaDecoder {
             } else if (embed_kind_ == WeightKind::bf16) {
                 const uint16_t* row = static_cast<const uint16_t*>(embed_) + ids[b] * E_;
                 for (int64_t e = 0; e < E_; ++e) x_[b * E_ + e] = bf16_to_f32(row[e]);
+            } else if (embed_kind_ == WeightKind::bf16p) {  // row n: every pair-row of its block, 2 values each
+                const int64_t Kp = bf16p::padded_depth(E_);
+                const uint16_t* row = static_cast<const uint16_t*>(embed_) + (ids[b] / bf16p::kRows) * Kp * bf16p::kRows +
+                                      (ids[b] % bf16p::kRows) * 2;
+                for (int64_t e = 0; e < E_; ++e) x_[b * E_ + e] = bf16_to_f32(row[(e / 2) * 32 + e % 2]);
             } else {
                 std::memcpy(&x_[b * E_], static_cast<const float*>(embed_) + ids[b] * E_, sizeof(float) * E_);
             }
@@ -814,7 +936,28 @@ class LlamaDecoder {
             linear_parallel(l.down, act_.data(), B, x_.data(), true);
         }
         for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], norm_, eps_, &h_[b * E_], E_);
-        linear_parallel(head_, h_.data(), B, logits, false);
+        if (!logits_bf16) {
+            linear_parallel(head_, h_.data(), B, as_ptr<float>(logits_p), false);
+        } else if (head_.kind == WeightKind::bf16p) {  // rounded as the product stores them
+            Out out;
+            out.h = as_ptr<uint16_t>(logits_p);
+            out.ld = head_.N;
+            const uint16_t* xb = nullptr;
+            if (k.linear_bf16p_dot) {
+                const int64_t Kp = bf16p::padded_depth(E_);
+                xb = bf16_acts(k, B, Kp, [&](uint16_t* dst) { k.to_bf16(h_.data(), B, E_, dst, Kp); });
+            }
+            linear_bf16p_parallel(k, head_, h_.data(), xb, B, out);
+        } else {
+            part_.resize(B * V_);
+            linear_parallel(head_, h_.data(), B, part_.data(), false);
+            auto* dst = as_ptr<uint16_t>(logits_p);
+            const int64_t size = chunk_size(B * V_, p.threads(), 1024);
+            p.run((B * V_ + size - 1) / size, [&](int64_t c) {
+                const int64_t end = (c + 1) * size < B * V_ ? (c + 1) * size : B * V_;
+                for (int64_t i = c * size; i < end; ++i) dst[i] = f32_to_bf16(part_[i]);
+            });
+        }
     }
 
   private:
@@ -945,6 +1088,50 @@ PYBIND11_MODULE(_kernels, m) {
     }, py::arg("weights"), py::arg("x"), py::arg("rows"), py::arg("y"), py::arg("accumulate") = false,
        "y (rows, N) (+)= x (rows, K) @ W.T (* scale) + bias, float32.");
 
+    m.def("linear_bf16", [](const LinearW& l, uintptr_t x, int64_t rows, uintptr_t y) {
+        if (rows <= 0) throw std::invalid_argument("linear_bf16 needs at least one row, got " + std::to_string(rows));
+        if (l.kind != WeightKind::bf16p)
+            throw std::invalid_argument("linear_bf16 multiplies 'bfloat16_packed' weights, got '" + kind_name(l.kind) + "'");
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        const Kernels& k = kernels();
+        const auto* xs = as_ptr<const uint16_t>(x);
+        Out out;
+        out.h = as_ptr<uint16_t>(y);
+        out.ld = l.N;
+        const int64_t K = l.K, Kp = bf16p::padded_depth(K);
+        if (k.linear_bf16p_dot) {
+            const bool as_is = K == Kp && !(uses_amx(k, rows) && rows > 16 && rows % 16 != 0);
+            const uint16_t* xb = as_is ? xs : bf16_acts(k, rows, Kp, [&](uint16_t* dst) {
+                for (int64_t m = 0; m < rows; ++m) {
+                    std::memcpy(dst + m * Kp, xs + m * K, sizeof(uint16_t) * K);
+                    std::memset(dst + m * Kp + K, 0, sizeof(uint16_t) * (Kp - K));
+                }
+            });
+            linear_bf16p_parallel(k, l, nullptr, xb, rows, out);
+        } else {
+            static std::vector<float> xf;
+            xf.resize(rows * K);
+            for (int64_t i = 0; i < rows * K; ++i) xf[i] = bf16_to_f32(xs[i]);
+            linear_bf16p_parallel(k, l, xf.data(), nullptr, rows, out);
+        }
+    }, py::arg("weights"), py::arg("x"), py::arg("rows"), py::arg("y"),
+       "y (rows, N) = x (rows, K) @ W.T + bias, bfloat16 in and out, W 'bfloat16_packed'.");
+    m.def("bf16_kernel", [](int64_t rows) {
+        const Kernels& k = kernels();
+        if (!k.linear_bf16p_dot) return std::string("widened to float32");
+        return std::string(uses_amx(k, rows) ? "amx tiles" : "vdpbf16ps");
+    }, py::arg("rows"), "The kernel a product of `rows` rows over 'bfloat16_packed' weights runs now.");
+    m.def("amx_rows", [] { return g_amx_rows; },
+          "From how many rows on the amx set multiplies 'bfloat16_packed' weights with AMX tiles.");
+    m.def("set_amx_rows", [](int64_t rows) {
+        if (rows < 1) throw std::invalid_argument("amx rows must be >= 1, got " + std::to_string(rows));
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        g_amx_rows = rows;
+    }, py::arg("rows"), "Run AMX tiles from `rows` rows on (the amx set; for measurements and tests).");
+    m.def("bf16_dot", [] { return kernels().linear_bf16p_dot != nullptr; },
+          "Whether the kernels in use multiply bf16 weights with bf16 dot products (avx512_bf16, amx).");
+
     m.def("gguf_dtypes", [] {
         std::vector<std::string> out;
         for (const gguf::TypeInfo& t : gguf::kTypes) out.emplace_back(t.name);
@@ -986,12 +1173,15 @@ PYBIND11_MODULE(_kernels, m) {
              py::arg("dtype"))
         .def("decode", [](LlamaDecoder& d, int64_t B, uintptr_t ids, uintptr_t pos, uintptr_t slots, uintptr_t tables,
                           int64_t width, uintptr_t ctx, int64_t tpb, uintptr_t cos, uintptr_t sin, int64_t positions,
-                          uintptr_t logits) {
+                          uintptr_t logits, const std::string& logits_dtype) {
+            if (logits_dtype != "float32" && logits_dtype != "bfloat16")
+                throw std::invalid_argument("logits dtype must be 'float32' or 'bfloat16', got '" + logits_dtype + "'");
             py::gil_scoped_release release;
             std::lock_guard<std::mutex> lock(g_call_mutex);
-            d.decode(B, ids, pos, slots, tables, width, ctx, tpb, cos, sin, positions, logits);
+            d.decode(B, ids, pos, slots, tables, width, ctx, tpb, cos, sin, positions, logits,
+                     logits_dtype == "bfloat16");
         }, py::arg("batch"), py::arg("ids"), py::arg("positions"), py::arg("slots"), py::arg("tables"),
            py::arg("width"), py::arg("context_lens"), py::arg("tokens_per_block"), py::arg("cos"), py::arg("sin"),
-           py::arg("rope_positions"), py::arg("logits"),
+           py::arg("rope_positions"), py::arg("logits"), py::arg("logits_dtype") = "float32",
            "One decode step (see LlamaDecoder::decode); IndexError for an index outside its table.");
 }

@@ -304,3 +304,100 @@ static void linear_f16(const float* x, int64_t M, int64_t K, const gguf::f16_t* 
                        int64_t N, bool accumulate, int64_t n0, int64_t n1) {
     linear_range(x, M, K, w, nullptr, bias, y, N, accumulate, n0, n1);
 }
+
+// ---- bfloat16 weights in the blocked layout (bf16p, _kernels.cpp), widened to float32
+//
+// A block row holds 16 output rows' pairs of inputs: read as uint32 lanes, each lane's low half
+// is input 2p (a shift widens it) and its high half input 2p + 1 (a mask does), so a row
+// multiplies two broadcast activations. The activations stay float32: the products are those
+// of the row layout's linear_bf16, summed in another order.
+constexpr int kBV = bf16p::kRows / kLanes;  // vectors per block row
+constexpr int kBNB = kBV == 1 ? 2 : 1;      // blocks per tile
+
+template <int MT, int NB>
+static inline __attribute__((always_inline)) void bf16p_tile(const float* x, int64_t K, const uint16_t* w,
+                                                             int64_t bstride, V (&acc)[MT][NB * kBV]) {
+    for (int i = 0; i < MT; ++i)
+        for (int c = 0; c < NB * kBV; ++c) acc[i][c] = V{};
+    const I hi = I{} + static_cast<int32_t>(0xffff0000u);
+    const int64_t pairs = K / 2;
+    for (int64_t p = 0; p < pairs; ++p) {
+        V ev[NB * kBV], od[NB * kBV];
+        for (int j = 0; j < NB; ++j)
+            for (int v = 0; v < kBV; ++v) {
+                I u;
+                std::memcpy(&u, w + j * bstride + p * 32 + v * kLanes * 2, sizeof u);
+                ev[j * kBV + v] = (V)(u << 16);
+                od[j * kBV + v] = (V)(u & hi);
+            }
+        for (int i = 0; i < MT; ++i) {
+            const V x0 = splat(x[i * K + 2 * p]), x1 = splat(x[i * K + 2 * p + 1]);
+            for (int c = 0; c < NB * kBV; ++c) {
+                acc[i][c] += x0 * ev[c];
+                acc[i][c] += x1 * od[c];
+            }
+        }
+    }
+    if (K & 1) {  // the last input, alone in its pair
+        for (int j = 0; j < NB; ++j)
+            for (int v = 0; v < kBV; ++v) {
+                I u;
+                std::memcpy(&u, w + j * bstride + pairs * 32 + v * kLanes * 2, sizeof u);
+                const V last = (V)(u << 16);
+                for (int i = 0; i < MT; ++i) acc[i][j * kBV + v] += splat(x[i * K + K - 1]) * last;
+            }
+    }
+}
+
+// Row m's outputs [n, n + kLanes) (those below N): + bias, then stored or added (Out).
+static inline void bf16p_store(V v, int64_t m, int64_t n, int64_t N, const float* bias, const Out& y) {
+    if (!y.h && N - n >= kLanes) {
+        if (bias) v += load(bias + n);
+        float* dst = y.f + m * y.ld + n;
+        store(dst, y.accumulate ? load(dst) + v : v);
+        return;
+    }
+    float lanes[kLanes];
+    store(lanes, v);
+    const int64_t count = N - n < kLanes ? N - n : kLanes;
+    for (int64_t c = 0; c < count; ++c) {
+        float s = lanes[c] + (bias ? bias[n + c] : 0.0f);
+        if (y.h) {
+            y.h[m * y.ld + n + c] = f32_to_bf16(s);
+        } else {
+            float* dst = y.f + m * y.ld + n + c;
+            *dst = y.accumulate ? *dst + s : s;
+        }
+    }
+}
+
+template <int MT, int NB>
+static inline __attribute__((always_inline)) void bf16p_rows(const float* x, int64_t K, const uint16_t* w,
+                                                             const float* bias, const Out& y, int64_t N,
+                                                             int64_t blk, int64_t m) {
+    const int64_t bstride = bf16p::padded_depth(K) * bf16p::kRows;
+    V acc[MT][NB * kBV];
+    bf16p_tile<MT, NB>(x + m * K, K, w + blk * bstride, bstride, acc);
+    for (int i = 0; i < MT; ++i)
+        for (int c = 0; c < NB * kBV; ++c) bf16p_store(acc[i][c], m + i, blk * bf16p::kRows + c * kLanes, N, bias, y);
+}
+
+// y[:, n0:n1] = x @ w[n0:n1].T + bias for bf16p weights w of logical shape (N, K), x (M, K)
+// float32; n0 a multiple of 16.
+static void linear_bf16p(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, const Out& y,
+                         int64_t N, int64_t n0, int64_t n1) {
+    const int64_t b1 = (n1 + bf16p::kRows - 1) / bf16p::kRows;
+    int64_t b = n0 / bf16p::kRows;
+    for (; b + kBNB <= b1; b += kBNB) {
+        int64_t m = 0;
+        if constexpr (RTPCORE_MT >= 4)
+            for (; m + 4 <= M; m += 4) bf16p_rows<4, kBNB>(x, K, w, bias, y, N, b, m);
+        for (; m + 2 <= M; m += 2) bf16p_rows<2, kBNB>(x, K, w, bias, y, N, b, m);
+        for (; m < M; ++m) bf16p_rows<1, kBNB>(x, K, w, bias, y, N, b, m);
+    }
+    for (; b < b1; ++b) {
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) bf16p_rows<2, 1>(x, K, w, bias, y, N, b, m);
+        for (; m < M; ++m) bf16p_rows<1, 1>(x, K, w, bias, y, N, b, m);
+    }
+}

@@ -7,7 +7,8 @@ or the model's torch modules, whose linear layers run what :func:`linear_kernel`
 step's row count. The labels:
 
 * ``native:<set>`` -- rtpcore_native's kernels of that set (``rtpcore.models.cpu_isa``): int8
-  weights with float32 inputs, GGUF blocks below ``GEMM_ROWS`` rows
+  weights with float32 inputs, bf16 weights in the blocked layout (``Linear``'s ``native-bf16``:
+  vdpbf16ps, AMX tiles), GGUF blocks below ``GEMM_ROWS`` rows
   (``rtpcore.checkpoint.gguf.linear``);
 * ``torch (oneDNN)`` -- ``Linear``'s ``packed`` kernel (oneDNN's prepacked bf16 / fp16 GEMM,
   AMX or AVX512-BF16 where the CPU has them), and ``packed+fp32`` for one row;
@@ -60,6 +61,8 @@ def linear_kernel(layer: Any, rows: int, dtype: torch.dtype) -> str:
     kernel = layer.kernel
     if kernel == "int8":  # rtpcore.quantization.Int8Method.apply
         return native_label() if layer.native_weights is not None and dtype == torch.float32 else "torch (int8 weight)"
+    if kernel == "native-bf16":  # Linear._native_bf16: the blocked bf16 weight, every row count
+        return native_label()
     if kernel == "packed+fp32":  # Linear.forward: the float32 copy from two rows on
         return "torch (float32 GEMM)" if rows > 1 else "torch (oneDNN)"
     if kernel == "packed":

@@ -17,13 +17,23 @@ The kernels, and what each promises (``layer.kernel`` says which one runs):
   you pass, so views into a larger stacked tensor stay views). Bit-identical to
   ``F.linear``; Hugging Face transformers computes float32 projections with this
   same kernel, which is what keeps float32 greedy tokens identical to it.
-* ``"packed"`` -- **bf16 / fp16 on the CPU.** ``F.linear`` re-lays the weight out
+* ``"packed"`` -- **bf16 / fp16 on the CPU** (bf16 where ``"native-bf16"`` is not chosen).
+  ``F.linear`` re-lays the weight out
   on every call; oneDNN can lay it out once (``torch.ops.mkldnn._reorder_linear_weight``)
   and reuse it, about 1.5x faster at decode batch sizes. Both accumulate in float32
   and round once to the weight's dtype, but their summation orders may differ, so
   an output element can differ from ``F.linear``'s by one rounding step of that
   dtype (whether it does depends on the CPU and the data: on CPUs without bf16
   instructions it does, on a few elements in a thousand). No bit-exactness is claimed.
+* ``"native-bf16"`` -- **bf16 on a CPU with bf16 dot products** (AVX512-BF16 or AMX-BF16,
+  as rtpcore_native's kernels in use say: ``ONEDNN_MAX_CPU_ISA`` caps them as it caps oneDNN).
+  The weight is kept once, in the blocked layout of rtpcore_native's bf16 kernels
+  (``rtpcore.models.bf16_blocked.pack_bf16``; no float32 copy, no second bf16 copy), and every
+  input is multiplied there: vdpbf16ps for one row, AMX tiles from ``amx_rows()`` rows on
+  (decode batches and prefill chunks alike). The products of bf16 values are exact in float32
+  and summed in float32, the result rounded once to bf16: within one rounding step of
+  ``F.linear``, as ``"packed"``. The native decode step (``rtpcore.models.native``) reads the
+  same weight. ``fp32_batched_linear=True`` still asks for ``"packed+fp32"``.
 * ``"packed+fp32"`` -- ``"packed"`` for one-row inputs (decode at batch 1), plus a
   float32 copy of the weight for inputs of several rows (batched decode, prefill; torch's
   float32 GEMM, and the native decode step of ``rtpcore.models.native`` for every decode
@@ -65,6 +75,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rtpcore.models.bf16_blocked import pack_bf16
 from rtpcore.models.cpu_isa import announce_kernels, native_dot_allowed
 
 __all__ = ["QUANTIZATIONS", "Linear", "cpu_has_native_dot", "linear_kernels", "native_kernels",
@@ -94,7 +105,8 @@ class Linear(nn.Module):
     """A frozen linear layer; ``weight`` is (out, in), ``bias`` (out,) or None.
 
     Inputs are (..., in) in the weight's dtype; outputs (..., out) in that dtype.
-    ``kernel`` is ``"plain"``, ``"packed"`` or ``"packed+fp32"`` (see the module doc).
+    ``kernel`` is ``"plain"``, ``"packed"``, ``"native-bf16"`` or ``"packed+fp32"`` (see the
+    module doc).
     """
 
     weight: torch.Tensor  # (out, in), or oneDNN's packed form of it
@@ -128,10 +140,21 @@ class Linear(nn.Module):
                 if name not in self._buffers and not hasattr(self, name):
                     self.register_buffer(name, None, persistent=False)
             return
+        allowed = _BATCHED_FP32.get()
+        if allowed is not True and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and native_bf16_dot():
+            # rtpcore_native's bf16 kernels on their blocked layout: the one copy of the weight
+            self.packed = True
+            self.kernel = "native-bf16"
+            self.register_buffer("weight", pack_bf16(weight), persistent=False)
+            self.register_buffer("bias", bias, persistent=False)
+            self.register_buffer("bias_f32", None if bias is None else bias.float().contiguous(), persistent=False)
+            self.register_buffer("weight_fp32", None, persistent=False)
+            self.register_buffer("bias_fp32", None, persistent=False)
+            self.refresh_native_weights()
+            return
         self.packed = weight.device.type == "cpu" and packed_linear_supported(weight.dtype)
         batched_fp32 = False
         if self.packed:
-            allowed = _BATCHED_FP32.get()
             batched_fp32 = not cpu_has_native_dot(weight.dtype) if allowed is None else allowed
         fp32_weight = fp32_bias = None
         if batched_fp32:  # a plain float32 copy: torch's float32 GEMM and the native decode read it
@@ -146,20 +169,23 @@ class Linear(nn.Module):
         self.register_buffer("bias_fp32", fp32_bias, persistent=False)
 
     def refresh_native_weights(self) -> None:
-        """Point the native int8 kernel at this layer's int8 operands (``weight``, ``scales_f32``,
-        ``bias_f32``), after they were built or moved; None without the kernel or off the CPU."""
+        """Point the native kernel at this layer's operands after they were built or moved: int8
+        (``weight``, ``scales_f32``, ``bias_f32``) or, for ``"native-bf16"``, the blocked bf16
+        ``weight`` and ``bias_f32``; None without the kernels or off the CPU."""
         self._native = native_kernels()
         self._native_weights = None
         if self._native is None or self.weight.device.type != "cpu":
             return
+        bf16 = getattr(self, "kernel", None) == "native-bf16"  # else int8 (its method sets kernel after)
         self._native_weights = self._native.LinearWeights(
-            self.weight.data_ptr(), "int8", self.scales_f32.data_ptr(),
+            self.weight.data_ptr(), "bfloat16_packed" if bf16 else "int8", 0 if bf16 else self.scales_f32.data_ptr(),
             0 if self.bias_f32 is None else self.bias_f32.data_ptr(), self.out_features, self.in_features,
         )
 
     @property
     def native_weights(self) -> Any:
-        """The native kernel's view of this layer's int8 operands (:meth:`refresh_native_weights`)."""
+        """The native kernel's view of this layer's int8 or blocked bf16 operands
+        (:meth:`refresh_native_weights`)."""
         return self._native_weights
 
     def native_linear(self, native: Any, rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -177,14 +203,34 @@ class Linear(nn.Module):
         if self._method is not None:
             out: torch.Tensor = self._method.apply(self, x)
             return out
+        if self.kernel == "native-bf16":
+            return self._native_bf16(x)
         if self.weight_fp32 is not None and x.numel() > self.in_features:  # several rows
             return F.linear(x.float(), self.weight_fp32, self.bias_fp32).to(x.dtype)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def _native_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """The ``"native-bf16"`` product: bf16 rows in, bf16 rows out (other dtypes pass through bf16)."""
+        if self._native_weights is None:
+            raise RuntimeError(f"a 'native-bf16' Linear computes on the CPU; its weight is on {self.weight.device}")
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
+        if rows.shape[0]:
+            self._native.set_num_threads(torch.get_num_threads())
+            self._native.linear_bf16(self._native_weights, rows.data_ptr(), rows.shape[0], out.data_ptr())
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
+
+
+def native_bf16_dot() -> bool:
+    """True when rtpcore_native's kernels in use multiply bf16 with bf16 dot products
+    (its ``avx512_bf16`` or ``amx`` set: the CPU has them and ``ONEDNN_MAX_CPU_ISA`` allows them)."""
+    kernels = native_kernels()
+    return kernels is not None and bool(kernels.bf16_dot())
 
 
 def native_kernels() -> Any:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rtpcore.models.attention import paged_attention
+from rtpcore.models.bf16_blocked import BlockedRows
 from rtpcore.models.layers import Linear
 from rtpcore.models.llama_config import LlamaConfig, rope_inv_freq
 from rtpcore.models.native import NativeLlamaDecode, native_choice, native_problem
@@ -125,6 +126,9 @@ class LlamaModel(nn.Module):
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)  # (V, E)
         head = w["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
         self.lm_head: nn.Module = Linear(head)  # E -> V
+        if config.tie_word_embeddings and getattr(self.lm_head, "kernel", None) == "native-bf16":
+            # the head's blocked bf16 layout is the table's one copy: rows are looked up in it
+            self.embed = nn.Parameter(BlockedRows(self.lm_head.weight, *self.embed.shape), requires_grad=False)
         if head.shape[0] != config.vocab_size:  # split by vocabulary across ranks: gather V
             self.lm_head = GatherColumns(self.lm_head, parallel)
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)

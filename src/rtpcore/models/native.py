@@ -5,8 +5,9 @@ once, plus the cost of launching its small operations one by one: about thirty t
 per layer (norms, RoPE, the KV write, views, the residual adds), each a few microseconds
 of dispatch and a pass over memory. :class:`NativeLlamaDecode` runs the whole step --
 embedding, every layer, the final norm and the head -- in one call of the extension,
-without the GIL: matrix-vector products tiled for the CPU's registers (AVX-512, AVX2 or
-the x86-64 baseline, chosen at import; ``ONEDNN_MAX_CPU_ISA`` caps it as it caps oneDNN),
+without the GIL: matrix-vector products tiled for the CPU's registers (AMX, AVX512-BF16,
+AVX-512, AVX2 or the x86-64 baseline, chosen at import; ``ONEDNN_MAX_CPU_ISA`` caps it as it
+caps oneDNN),
 over float32 weights or the int8 weights of ``quantization="int8"`` (widened in registers,
 one scale per output row), attention read in place from the paged pools through the block
 tables, and a thread pool of the extension's own sized by torch's thread count.
@@ -17,11 +18,16 @@ Qwen3's per-head RMSNorm of queries and keys before RoPE runs in the step too
 It serves steps where every sequence decodes one token and the model returns every row's
 logits (no speculative verification, no hidden states for a draft), on one rank on the CPU,
 with unquantized float32 or bfloat16 KV pools, for float32 models and for bfloat16 ones
-whose linear layers it can read: bf16 weights kept plain, or the float32 copies that
-``Linear``'s ``"packed+fp32"`` kernel keeps on CPUs without bf16 dot products (there it
-beats oneDNN's emulated bf16 products by far). Activations stay float32 inside the step (a
-bf16 model's step is the more precise for it: within bf16 rounding of transformers'); the
-logits come back in the model's dtype. It is the decode step of the ``native_cpu`` attention
+whose linear layers it can read: bf16 weights kept plain, the blocked bf16 layout of
+``Linear``'s ``"native-bf16"`` kernel on CPUs with bf16 dot products (AVX512-BF16, AMX-BF16;
+a tied token embedding looked up in the head's blocks,
+``rtpcore.models.bf16_blocked.BlockedRows``), or the float32 copies that ``"packed+fp32"``
+keeps on CPUs without them (there it beats oneDNN's emulated bf16 products by far).
+Activations stay float32 inside the step between the products; a product over blocked bf16
+weights rounds its input rows to bf16 where the kernels in use have bf16 dot products
+(vdpbf16ps, or AMX tiles from ``amx_rows()`` rows on: the rounding a bf16 model's activations
+get in torch anyway) and widens the weights to float32 elsewhere. Either way the step is
+within bf16 rounding of transformers'; the logits come back in the model's dtype. It is the decode step of the ``native_cpu`` attention
 backend (``rtpcore.attention``): over an engine's pools it runs only where every layer's
 backend is ``native_cpu`` (or a subclass); ``--attention-backend torch`` turns it off like
 ``--no-native-decode``. Every other step runs the torch modules. ``LlamaModel.decode_kernel`` says which one decode
@@ -53,6 +59,7 @@ import torch
 
 from rtpcore.checkpoint.gguf.blocks import GGUFBlocks, gguf_native
 from rtpcore.checkpoint.gguf.linear import gguf_blocks, native_gguf_weights
+from rtpcore.models.bf16_blocked import BlockedRows
 from rtpcore.models.layers import Linear
 from rtpcore.models.layers import native_kernels as kernels
 
@@ -97,6 +104,8 @@ def native_operands(layer: Any) -> tuple[str, torch.Tensor, torch.Tensor | None,
         return layer.gguf_parts[0][0], layer.weight, None, layer.bias_f32
     if layer.kernel == "int8":
         return "int8", layer.weight, layer.scales_f32, layer.bias_f32
+    if layer.kernel == "native-bf16":
+        return "bfloat16_packed", layer.weight, None, layer.bias_f32
     if layer.kernel == "packed+fp32":
         return "float32", layer.weight_fp32, None, layer.bias_fp32
     if layer.kernel == "plain" and layer.weight.dtype in (torch.float32, torch.bfloat16):
@@ -128,7 +137,12 @@ def _row_weights(layer: Any, start: int, rows: int, keep: list[torch.Tensor]) ->
             at += blocks.shape[0]
         raise ValueError(f"rows {start}:{start + rows} of a GGUF layer span parts of different types")
     dtype, weight, scale, full_bias = native_operands(layer)  # type: ignore[misc]
-    ptr = weight.data_ptr() + start * weight.stride(0) * weight.element_size()
+    at = start
+    if dtype == "bfloat16_packed":  # blocks of 16 rows, weight.stride(0) values each
+        if start % 16 or (rows % 16 and start + rows != layer.out_features):
+            raise ValueError(f"rows {start}:{start + rows} of a blocked bf16 layer are not whole blocks of 16")
+        at = start // 16
+    ptr = weight.data_ptr() + at * weight.stride(0) * weight.element_size()
     scale_ptr = 0 if scale is None else scale.data_ptr() + start * scale.element_size()
     if full_bias is not None:
         bias = full_bias[start: start + rows]
@@ -208,6 +222,7 @@ def native_problem(model: Any, kv_caches: Sequence[Any]) -> str | None:
 
 
 _POOL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_LOGITS_DTYPES = _POOL_DTYPES  # the model dtypes the step serves
 
 
 class NativeLlamaDecode:
@@ -256,6 +271,9 @@ class NativeLlamaDecode:
             [(embed_dtype, blocks)] = model.embed.parts
             embed_ptr = blocks.data_ptr()
             self._keep.append(blocks)
+        elif isinstance(model.embed, BlockedRows):  # a tied head's blocks: rows gathered from them
+            embed_dtype, embed_ptr = "bfloat16_packed", model.embed.packed.data_ptr()
+            self._keep.append(model.embed.packed)
         else:
             embed_dtype = "bfloat16" if model.embed.dtype == torch.bfloat16 else "float32"
             embed_ptr = model.embed.data_ptr()
@@ -301,15 +319,18 @@ class NativeLlamaDecode:
         tables = _i64(batch.block_tables)
         ctx = _i64(batch.context_lens)
         model = self._model
-        logits = torch.empty(b, model.lm_head.out_features, dtype=torch.float32)
+        # the model's dtype, written by the step (a bf16 model's logits rounded there: a torch
+        # conversion here would wake torch's thread pool between the extension's steps)
+        logits = torch.empty(b, model.lm_head.out_features, dtype=model.dtype)
         cos, sin = self._rope_tables()
         self._k.set_num_threads(torch.get_num_threads())
         self.decoder.decode(
             b, ids.data_ptr(), positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             ctx.data_ptr(), batch.tokens_per_block, cos.data_ptr(), sin.data_ptr(), cos.shape[0], logits.data_ptr(),
+            _LOGITS_DTYPES[model.dtype],
         )
         self.steps += 1
-        return logits.to(model.dtype)  # (B, V), the model's dtype as from its torch modules
+        return logits  # (B, V), the model's dtype as from its torch modules
 
 
 def _i64(t: torch.Tensor) -> torch.Tensor:

@@ -200,8 +200,8 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     """(N, V) logits -> (N,) int64: each row's argmax (the first of equal maxima, as
     :func:`sample`), or -1 for a row whose distribution is not finite (a NaN or +inf, or no
     finite entry: :func:`sample`'s failed rows). Device-only, so a CUDA graph can hold it."""
-    finite = torch.isfinite(logits.amax(dim=-1))
-    return torch.where(finite, logits.argmax(dim=-1), torch.full_like(finite, -1, dtype=torch.int64))
+    best, picks = logits.max(dim=-1)  # one pass for both (amax + argmax: 3x the time on a CPU, bf16)
+    return torch.where(torch.isfinite(best), picks, torch.full_like(picks, -1))
 
 
 def history_row(row: SamplingRow, drafted: Sequence[int]) -> SamplingRow:
