@@ -57,6 +57,7 @@ for cache in engine.kv_caches:
     for name in ("k", "v", "rows"):
         if getattr(cache, name, None) is not None:
             getattr(cache, name).fill_(0)
+del cache
 gc.collect()
 held = rss()
 engine.close()
