@@ -8,7 +8,13 @@ matmul on the dequantized weights, measured in the same run (ratio = torch time 
 above 1 is faster than torch). The CPU (model name, avx2 / avx512f / avx512_vnni / avx_vnni)
 heads the output.
 
+``--crossover`` measures instead where dequantizing a weight for torch's GEMM overtakes the block
+kernel (``rtpcore.checkpoint.gguf.linear.GEMM_ROWS``): per type and row count, the block kernel
+against ``gguf_dequantize_rows`` + ``F.linear``, one thread each, in CPU time of this thread (so
+other load on the machine does not count), best of 5.
+
     python benchmarks/bench_gguf_kernels.py [--threads 2] [--seconds 0.2] [--isa avx2 ...] [--dtype q4_k ...]
+    python benchmarks/bench_gguf_kernels.py --crossover [--dtype q8_0 q4_k ...]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from rtpcore_native import _kernels as kernels
 
 SHAPES = [(576, 1536), (1024, 4096)]  # (N out, K in)
 ROWS = [1, 8, 64]
+CROSSOVER_SHAPES = [(2816, 1024), (1024, 2816), (1536, 576), (576, 1536)]  # Llama-1024x16's and SmolLM2's MLP
 
 
 def cpu_line() -> str:
@@ -80,12 +87,54 @@ def best_time(fn: Callable[[], object], seconds: float) -> float:
     return best
 
 
+def cpu_time(fn: Callable[[], object]) -> float:
+    """Seconds of this thread's CPU per call: the best of 5 pairs of calls."""
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.thread_time()
+        fn()
+        fn()
+        best = min(best, (time.thread_time() - t0) / 2)
+    return best
+
+
+def block_vs_gemm(dtype: str, w: np.ndarray, n: int, k: int, rows: int) -> tuple[float, float]:
+    """CPU seconds of the block kernel and of dequantize + F.linear for ``rows`` rows."""
+    weights = kernels.LinearWeights(w.ctypes.data, dtype, 0, 0, n, k)
+    ids, out = torch.arange(n, dtype=torch.int64), torch.empty(n, k)
+    x, y = torch.randn(rows, k), torch.empty(rows, n)
+
+    def gemm() -> None:
+        kernels.gguf_dequantize_rows(dtype, w.ctypes.data, k, ids.data_ptr(), n, out.data_ptr())
+        torch.nn.functional.linear(x, out)
+
+    return cpu_time(lambda: kernels.linear(weights, x.data_ptr(), rows, y.data_ptr())), cpu_time(gemm)
+
+
+def crossover(dtypes: list[str], rng: np.random.Generator) -> None:
+    """Block kernel against dequantize + torch's GEMM, one thread, per type and row count (ms)."""
+    torch.set_num_threads(1)
+    kernels.set_num_threads(1)
+    counts = [8, 16, 32, 48, 64, 96, 128]
+    print("ms per call, one thread (CPU time): block kernel / dequantize + F.linear")
+    print(f"{'dtype':6} {'N x K':>11} " + " ".join(f"{f'rows {r}':>13}" for r in counts))
+    for n, k in CROSSOVER_SHAPES:
+        for dtype in dtypes:
+            if dtype.endswith("_k") and k % 256:
+                continue  # no whole number of K blocks
+            w = random_blocks(dtype, n, k, rng)
+            times = [block_vs_gemm(dtype, w, n, k, rows) for rows in counts]
+            print(f"{dtype:6} {f'{n}x{k}':>11} " + " ".join(f"{a * 1e3:6.2f}/{b * 1e3:6.2f}" for a, b in times), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=0.2, help="time per measurement")
     parser.add_argument("--isa", nargs="*", default=None, help="instruction sets (default: all supported)")
     parser.add_argument("--dtype", nargs="*", default=None, help="GGUF types (default: all)")
+    parser.add_argument("--crossover", action="store_true", help="where dequantize + GEMM overtakes the block kernel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels.set_num_threads(args.threads)
@@ -93,6 +142,10 @@ def main() -> None:
     dtypes = args.dtype or kernels.gguf_dtypes()
     rng = np.random.default_rng(0)
     print(f"CPU: {cpu_line()}")
+    if args.crossover:
+        print(f"instruction set: {kernels.isa()}; torch {torch.__version__}")
+        crossover(dtypes, rng)
+        return
     print(f"threads: {args.threads}; default instruction set: {kernels.default_isa()}; torch {torch.__version__}")
     print(f"{'dtype':6} {'isa':12} {'N x K':>11} {'rows':>4} {'us/call':>9} {'GB/s':>6} "
           f"{'torch us':>9} {'ratio':>6}")

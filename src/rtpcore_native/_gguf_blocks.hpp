@@ -253,4 +253,13 @@ inline void quantize_row(const float* x, int64_t m, QActs& a) {
                                                                    a.bsum[m * (K / 16) + 2 * b + 1]);
 }
 
+// One instruction set's activation quantizer and dequantizer (_gguf_isa.hpp), beside its GGUF
+// products.
+struct QKernels {
+    // Rows [0, M) of x (M, a.K) into a, exactly as quantize_row.
+    void (*quantize)(const float* x, int64_t M, QActs& a);
+    // out[0:K] = one row's weights, exactly as dequantize_row.
+    void (*dequantize)(Type t, const uint8_t* row, int64_t K, float* out);
+};
+
 }  // namespace gguf

@@ -161,11 +161,13 @@ struct Kernels {
     // attention over float32 / bfloat16 pools
     void (*attend[2])(const float*, int64_t, int64_t, const void*, const void*, int64_t, int64_t, const int64_t*,
                       int64_t, int64_t, int64_t, float, float*, float*);
+    // the activation quantizer and dequantizer beside the quantized products
+    const gguf::QKernels* q;
 };
 
 #define RTPCORE_KERNELS(ns, qns, label)                                                                       \
     Kernels{label,        ns::linear_f32,  ns::linear_i8, ns::linear_bf16, ns::linear_f16, qns::kQLinear, ns::rms_norm, \
-            ns::silu_mul, ns::rope,        {ns::attend_f32, ns::attend_bf16}}
+            ns::silu_mul, ns::rope,        {ns::attend_f32, ns::attend_bf16}, &qns::kQKernels}
 
 // The sets, best first: the float kernels differ by vector width, the quantized ones also by
 // the byte dot product (VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd).
@@ -404,8 +406,9 @@ struct LinearW {
 };
 
 // Activations quantized for the GGUF kernels: one buffer, reused by every call (calls run one
-// at a time under g_call_mutex; a decode step's products run one after another).
-gguf::QActs quantize_acts(const float* x, int64_t M, int64_t K, int block) {
+// at a time under g_call_mutex; a decode step's products run one after another). Rows are
+// quantized over the pool when there are several.
+gguf::QActs quantize_acts(const Kernels& k, const float* x, int64_t M, int64_t K, int block) {
     static std::vector<int8_t> qs;
     static std::vector<float> d, s;
     static std::vector<int16_t> bsum;
@@ -420,7 +423,20 @@ gguf::QActs quantize_acts(const float* x, int64_t M, int64_t K, int block) {
     a.d = d.data();
     a.s = s.data();
     a.bsum = bsum.data();
-    for (int64_t m = 0; m < M; ++m) gguf::quantize_row(x + m * K, m, a);
+    if (M * K < (1 << 14)) {
+        k.q->quantize(x, M, a);
+    } else {
+        const int64_t per = chunk_size(M, pool().threads(), 1);
+        pool().run((M + per - 1) / per, [&](int64_t c) {
+            const int64_t m0 = c * per, m1 = m0 + per < M ? m0 + per : M;
+            gguf::QActs part = a;  // rows m0.. of a, as rows 0.. of part
+            part.qs += m0 * K;
+            part.d += m0 * (K / block);
+            part.s += m0 * (K / 32);
+            part.bsum += m0 * (K / 16);
+            k.q->quantize(x + m0 * K, m1 - m0, part);
+        });
+    }
     return a;
 }
 
@@ -432,7 +448,7 @@ void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool
     Pool& p = pool();
     gguf::QActs acts;
     const bool quantized = is_gguf(l.kind) && gguf_type(l.kind) != gguf::Type::f16;
-    if (quantized) acts = quantize_acts(x, M, l.K, gguf::info(gguf_type(l.kind)).block);
+    if (quantized) acts = quantize_acts(k, x, M, l.K, gguf::info(gguf_type(l.kind)).block);
     // Small products do not pay for waking the pool.
     const int64_t size = (M * l.N * l.K < (1 << 15)) ? l.N : chunk_size(l.N, p.threads(), 16);
     p.run((l.N + size - 1) / size, [&](int64_t c) {
@@ -834,8 +850,14 @@ PYBIND11_MODULE(_kernels, m) {
         for (int64_t i = 0; i < n; ++i)
             if (ids[i] < 0) throw std::out_of_range("gguf_dequantize_rows: row id " + std::to_string(ids[i]) + " < 0");
         py::gil_scoped_release release;
-        for (int64_t i = 0; i < n; ++i)
-            gguf::dequantize_row(t, as_ptr<const uint8_t>(weight) + ids[i] * bytes, K, as_ptr<float>(out) + i * K);
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        const Kernels& k = kernels();
+        // Rows over the pool when there are many (a weight dequantized for torch's GEMM).
+        const int64_t per = n * K < (1 << 16) ? (n > 0 ? n : 1) : chunk_size(n, pool().threads(), 1);
+        pool().run((n + per - 1) / per, [&](int64_t c) {
+            for (int64_t i = c * per; i < n && i < (c + 1) * per; ++i)
+                k.q->dequantize(t, as_ptr<const uint8_t>(weight) + ids[i] * bytes, K, as_ptr<float>(out) + i * K);
+        });
     }, py::arg("dtype"), py::arg("weight"), py::arg("K"), py::arg("row_ids"), py::arg("n"), py::arg("out"),
        "out (n, K) float32 = the rows row_ids (n,) int64 of the GGUF matrix at weight (the embedding lookup of a "
        "quantized token_embd; the caller keeps ids below its row count).");
