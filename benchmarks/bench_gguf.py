@@ -18,7 +18,9 @@ either's speed), 2 threads each:
   continuous batching, 8 concurrent /completion requests);
 * memory: resident set size after loading and generating (VmHWM), and the load time.
 
-Plus rtpcore's float32 safetensors checkpoint (the same weights) against llama.cpp's F32 file.
+Plus rtpcore's float32 safetensors checkpoint (the same weights) against llama.cpp's F32 file when
+f32 is among the types, and the same checkpoint with rtpcore's own int8 weights
+(``quantization="int8"``) against llama.cpp's Q8_0 file when q8_0 is.
 The ratios are rtpcore / llama.cpp (above 1: rtpcore is faster, or for memory uses more). The CPU
 and its features are printed first: figures from one CPU kind do not carry to another.
 """
@@ -273,6 +275,13 @@ def main() -> None:
         f32 = next(r for r in rows if r[0] == "f32")
         print(f"\nsafetensors float32: rtpcore decode {st['decode_tps']:.1f} tok/s, {ratio(st['decode_tps'], f32[5])} "
               f"of llama.cpp F32's {f32[5]:.1f}; prefill {ratio(st['prefill_tps'], f32[2].get('prefill_tps'))}")
+    if "q8_0" in args.types.split(","):
+        i8 = rtpcore_row(ckpt, args.new_tokens, args.repeats, dtype="float32", quantization="int8")
+        q8 = next(r for r in rows if r[0] == "q8_0")
+        print(f"\nsafetensors int8 (quantization='int8'): rtpcore decode {i8['decode_tps']:.1f} tok/s, "
+              f"{ratio(i8['decode_tps'], q8[5])} of llama.cpp Q8_0's {q8[5]:.1f}; prefill "
+              f"{ratio(i8['prefill_tps'], q8[2].get('prefill_tps'))}; batch {BATCH} "
+              f"{ratio(i8['batch_tps'], q8[4].get('batch_tps'))}")
     print("\n| file | decode tok/s rtpcore / llama.cpp | prefill 512 | batch 8 | RSS MiB rtpcore / llama.cpp |")
     print("|---|---|---|---|---|")
     for t, ours, bench, py, server, peer in rows:

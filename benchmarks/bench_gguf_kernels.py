@@ -6,7 +6,8 @@ reads, at rows = 1 (decode), 8 (a batch) and 64 (a prefill chunk), for a 576 x 1
 (SmolLM2-135M's down projection) and a 1024 x 4096 one; the baseline is torch's float32
 matmul on the dequantized weights, measured in the same run (ratio = torch time / ours, so
 above 1 is faster than torch). The CPU (model name, avx2 / avx512f / avx512_vnni / avx_vnni)
-heads the output.
+heads the output. ``--dtype int8`` measures rtpcore's own int8 weights (one scale per row; the
+integer kernel below ``INT8_QUANTIZED_ROWS`` rows, the float32 one from it on).
 
 ``--crossover`` measures instead where dequantizing a weight for torch's GEMM overtakes the block
 kernel (``rtpcore.checkpoint.gguf.linear.GEMM_ROWS``): per type and row count, the block kernel
@@ -51,7 +52,10 @@ def cpu_line() -> str:
 
 
 def random_blocks(dtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """(n, row bytes) uint8: valid random GGUF blocks (random integers, scales in [1e-3, 1e-2])."""
+    """(n, row bytes) uint8: valid random GGUF blocks (random integers, scales in [1e-3, 1e-2]);
+    for int8, (n, k) int8 weights."""
+    if dtype == "int8":
+        return rng.integers(-127, 128, (n, k), dtype=np.int8)
     row = kernels.gguf_row_bytes(dtype, k)
     if dtype == "f16":
         return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
@@ -64,7 +68,9 @@ def random_blocks(dtype: str, n: int, k: int, rng: np.random.Generator) -> np.nd
     return out
 
 
-def dequantize(dtype: str, w: np.ndarray, n: int, k: int) -> torch.Tensor:
+def dequantize(dtype: str, w: np.ndarray, n: int, k: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    if dtype == "int8":
+        return torch.from_numpy(w).float() * scale[:, None]
     out = torch.empty(n, k)
     ids = torch.arange(n, dtype=torch.int64)
     kernels.gguf_dequantize_rows(dtype, w.ctypes.data, k, ids.data_ptr(), n, out.data_ptr())
@@ -87,6 +93,10 @@ def best_time(fn: Callable[[], object], seconds: float) -> float:
     return best
 
 
+def weights_of(dtype: str, w: np.ndarray, scale: torch.Tensor, n: int, k: int) -> object:
+    return kernels.LinearWeights(w.ctypes.data, dtype, scale.data_ptr() if dtype == "int8" else 0, 0, n, k)
+
+
 def cpu_time(fn: Callable[[], object]) -> float:
     """Seconds of this thread's CPU per call: the best of 5 pairs of calls."""
     fn()
@@ -101,7 +111,7 @@ def cpu_time(fn: Callable[[], object]) -> float:
 
 def block_vs_gemm(dtype: str, w: np.ndarray, n: int, k: int, rows: int) -> tuple[float, float]:
     """CPU seconds of the block kernel and of dequantize + F.linear for ``rows`` rows."""
-    weights = kernels.LinearWeights(w.ctypes.data, dtype, 0, 0, n, k)
+    weights = weights_of(dtype, w, torch.empty(0), n, k)
     ids, out = torch.arange(n, dtype=torch.int64), torch.empty(n, k)
     x, y = torch.randn(rows, k), torch.empty(rows, n)
 
@@ -121,6 +131,8 @@ def crossover(dtypes: list[str], rng: np.random.Generator) -> None:
     print(f"{'dtype':6} {'N x K':>11} " + " ".join(f"{f'rows {r}':>13}" for r in counts))
     for n, k in CROSSOVER_SHAPES:
         for dtype in dtypes:
+            if dtype == "int8":
+                continue  # no dequantization path: Linear's int8 forward is native at every row count
             if dtype.endswith("_k") and k % 256:
                 continue  # no whole number of K blocks
             w = random_blocks(dtype, n, k, rng)
@@ -133,7 +145,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=0.2, help="time per measurement")
     parser.add_argument("--isa", nargs="*", default=None, help="instruction sets (default: all supported)")
-    parser.add_argument("--dtype", nargs="*", default=None, help="GGUF types (default: all)")
+    parser.add_argument("--dtype", nargs="*", default=None, help="GGUF types or int8 (default: the GGUF types)")
     parser.add_argument("--crossover", action="store_true", help="where dequantize + GEMM overtakes the block kernel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -155,11 +167,12 @@ def main() -> None:
             for dtype in dtypes:
                 torch_us = {}
                 w = random_blocks(dtype, n, k, rng)
-                dense = dequantize(dtype, w, n, k)  # torch's operand: the same weights in float32
+                scale = torch.rand(n) * 1e-2 + 1e-3  # int8's per-row scales
+                dense = dequantize(dtype, w, n, k, scale)  # torch's operand: the same weights in float32
                 for rows in ROWS:
                     x = x_all[:rows].contiguous()
                     torch_us[rows] = best_time(lambda x=x, dense=dense: torch.matmul(x, dense.T), args.seconds) * 1e6
-                weights = kernels.LinearWeights(w.ctypes.data, dtype, 0, 0, n, k)
+                weights = weights_of(dtype, w, scale, n, k)
                 for isa in isas:
                     kernels.set_isa(isa)
                     for rows in ROWS:

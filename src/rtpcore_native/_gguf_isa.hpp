@@ -24,8 +24,9 @@
 // order. Each function runs single-threaded over the weight rows [n0, n1) it is given.
 //
 // Also per instruction set (gguf::QKernels): the activations' quantizer (bit for bit the same
-// on every set) and the weights' dequantizer (bit for bit gguf::dequantize_row's values; prefill
-// multiplies a weight so dequantized with torch's GEMM).
+// on every set), the weights' dequantizer (bit for bit gguf::dequantize_row's values; prefill
+// multiplies a weight so dequantized with torch's GEMM) and the product of rtpcore's own int8
+// weights (one scale per row) over q8_0-style activations, a q8_0 product without block scales.
 
 typedef uint8_t U8 __attribute__((vector_size(32)));
 typedef int8_t S8 __attribute__((vector_size(32)));
@@ -323,13 +324,14 @@ RTPCORE_QINLINE U8 k_sub(const uint8_t* p, int c) {
 
 // ---- the products
 
-// out[i] = dot(activation row m0 + i, weight row w) for MT rows, 32-element block types. With
-// one or two rows, even and odd blocks go to two accumulators: one would make every block wait
-// for the last one's add.
-template <gguf::Type T, int MT>
+// out[i] = dot(activation row m0 + i, weight row w) for MT rows, 32-element block types; with
+// I8, w is a row of K int8 weights (rtpcore's own int8, one scale per row applied by the
+// caller), a q8_0 row without block scales. With one or two rows, even and odd blocks go to
+// two accumulators: one would make every block wait for the last one's add.
+template <gguf::Type T, int MT, bool I8 = false>
 RTPCORE_QINLINE void dot_rows32(const gguf::QActs& a, int64_t m0, const uint8_t* w,
                                                             float (&out)[kQMT]) {
-    constexpr int bytes = gguf::info(T).bytes;
+    constexpr int bytes = I8 ? 32 : gguf::info(T).bytes;
     constexpr int U = MT <= 2 ? 2 : 1;
     const int64_t K = a.K, nb = K / 32;
     F32 acc[U][MT];
@@ -340,18 +342,24 @@ RTPCORE_QINLINE void dot_rows32(const gguf::QActs& a, int64_t m0, const uint8_t*
             sacc[u][i] = 0.0f;
         }
     auto step = [&](int64_t b, int u) __attribute__((always_inline)) {
-        const Block32 wb = decode32<T>(w + b * bytes);
+        Block32 wb;
+        if constexpr (I8) {
+            wb.q = ld32(w + 32 * b);
+            wb.d = 1.0f;
+        } else {
+            wb = decode32<T>(w + b * bytes);
+        }
         for (int i = 0; i < MT; ++i) {
             const int64_t r = m0 + i;
             const S8 xq = (S8)ld32(a.qs + r * K + 32 * b);
             I32 isum = I32{};
-            if constexpr (T == gguf::Type::q8_0) {
+            if constexpr (I8 || T == gguf::Type::q8_0) {
                 isum = dot_ss(isum, (S8)wb.q, xq);
             } else {
                 isum = dot_us(isum, wb.q, xq);
                 sacc[u][i] += wb.c * a.s[r * nb + b];
             }
-            acc[u][i] += to_f32(isum) * (wb.d * a.d[r * nb + b]);
+            acc[u][i] += to_f32(isum) * (I8 ? a.d[r * nb + b] : wb.d * a.d[r * nb + b]);
         }
     };
     int64_t b = 0;
@@ -409,12 +417,12 @@ RTPCORE_QINLINE void dot_rowsK(const gguf::QActs& a, int64_t m0, const uint8_t* 
     for (int i = 0; i < MT; ++i) out[i] = hsum8(acc[i]);
 }
 
-// Rows [m0, m0 + MT) of y for weight rows [n0, n1) (a function of its own: inlined into
-// qlinear, GCC keeps a one-row tile's loop counters in memory).
-template <gguf::Type T, int MT>
+// Rows [m0, m0 + MT) of y for weight rows [n0, n1) (I8: int8 rows, scaled by scale[n]; a
+// function of its own: inlined into qlinear, GCC keeps a one-row tile's loop counters in memory).
+template <gguf::Type T, int MT, bool I8 = false>
 __attribute__((noinline)) static void tile(const gguf::QActs& a, int64_t m0, const uint8_t* w, int64_t row_bytes,
-                                           const float* bias, float* y, int64_t N, bool accumulate, int64_t n0,
-                                           int64_t n1) {
+                                           const float* scale, const float* bias, float* y, int64_t N,
+                                           bool accumulate, int64_t n0, int64_t n1) {
     float out[kQMT];
     for (int64_t n = n0; n < n1; ++n) {
 #if RTPCORE_Q_SIMD
@@ -426,14 +434,15 @@ __attribute__((noinline)) static void tile(const gguf::QActs& a, int64_t m0, con
             for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
         }
 #endif
-        if constexpr (gguf::info(T).block == 32)
-            dot_rows32<T, MT>(a, m0, w + n * row_bytes, out);
+        if constexpr (I8 || gguf::info(T).block == 32)
+            dot_rows32<T, MT, I8>(a, m0, w + n * row_bytes, out);
         else
             dot_rowsK<T, MT>(a, m0, w + n * row_bytes, out);
         const float bn = bias ? bias[n] : 0.0f;
         for (int i = 0; i < MT; ++i) {
+            const float v = (I8 ? out[i] * scale[n] : out[i]) + bn;
             float* dst = y + (m0 + i) * N + n;
-            *dst = accumulate ? *dst + (out[i] + bn) : out[i] + bn;
+            *dst = accumulate ? *dst + v : v;
         }
     }
 }
@@ -441,22 +450,36 @@ __attribute__((noinline)) static void tile(const gguf::QActs& a, int64_t m0, con
 // y[:, n0:n1] (+)= x @ dequant(W[n0:n1]).T + bias for quantized activations `a` of M rows.
 // Weight rows are taken in groups of about 64 KiB (kept in L2 while every tile of activation
 // rows passes over them); each weight block is decoded once per tile of rows.
-template <gguf::Type T>
-static void qlinear(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* bias, float* y, int64_t N,
-                    bool accumulate, int64_t n0, int64_t n1) {
-    const int64_t row_bytes = gguf::row_bytes(T, a.K);
+template <gguf::Type T, bool I8 = false>
+static void qlinear_rows(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* scale, const float* bias,
+                         float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    const int64_t row_bytes = I8 ? a.K : gguf::row_bytes(T, a.K);
     int64_t group = (int64_t{1} << 16) / row_bytes;
     group = group < 1 ? 1 : group;
     for (int64_t g0 = n0; g0 < n1; g0 += group) {
         const int64_t g1 = g0 + group < n1 ? g0 + group : n1;
         int64_t m = 0;
-        for (; m + kQMT <= M; m += kQMT) tile<T, kQMT>(a, m, w, row_bytes, bias, y, N, accumulate, g0, g1);
+        for (; m + kQMT <= M; m += kQMT) tile<T, kQMT, I8>(a, m, w, row_bytes, scale, bias, y, N, accumulate, g0, g1);
         if constexpr (kQMT > 4)
-            for (; m + 4 <= M; m += 4) tile<T, 4>(a, m, w, row_bytes, bias, y, N, accumulate, g0, g1);
+            for (; m + 4 <= M; m += 4) tile<T, 4, I8>(a, m, w, row_bytes, scale, bias, y, N, accumulate, g0, g1);
         if constexpr (kQMT > 2)
-            for (; m + 2 <= M; m += 2) tile<T, 2>(a, m, w, row_bytes, bias, y, N, accumulate, g0, g1);
-        for (; m < M; ++m) tile<T, 1>(a, m, w, row_bytes, bias, y, N, accumulate, g0, g1);
+            for (; m + 2 <= M; m += 2) tile<T, 2, I8>(a, m, w, row_bytes, scale, bias, y, N, accumulate, g0, g1);
+        for (; m < M; ++m) tile<T, 1, I8>(a, m, w, row_bytes, scale, bias, y, N, accumulate, g0, g1);
     }
+}
+
+template <gguf::Type T>
+static void qlinear(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* bias, float* y, int64_t N,
+                    bool accumulate, int64_t n0, int64_t n1) {
+    qlinear_rows<T>(a, M, w, nullptr, bias, y, N, accumulate, n0, n1);
+}
+
+// rtpcore's int8 weights (N, K) with one float scale per row, K a multiple of 32, over
+// activations quantized to q8_0-style blocks: y = scale[n] * sum_b d_x[b] dot(w_b, q_x[b]).
+static void linear_i8(const gguf::QActs& a, int64_t M, const int8_t* w, const float* scale, const float* bias,
+                      float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    qlinear_rows<gguf::Type::q8_0, true>(a, M, reinterpret_cast<const uint8_t*>(w), scale, bias, y, N, accumulate,
+                                         n0, n1);
 }
 
 // ---- activations quantized, weights dequantized
@@ -603,6 +626,6 @@ constexpr QLinearFn kQLinear[7] = {
     qlinear<gguf::Type::q4_k>, qlinear<gguf::Type::q5_k>, qlinear<gguf::Type::q6_k>,
 };
 
-constexpr gguf::QKernels kQKernels = {quantize, dequantize};
+constexpr gguf::QKernels kQKernels = {quantize, dequantize, linear_i8};
 
 #undef RTPCORE_QINLINE

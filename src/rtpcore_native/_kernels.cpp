@@ -161,7 +161,7 @@ struct Kernels {
     // attention over float32 / bfloat16 pools
     void (*attend[2])(const float*, int64_t, int64_t, const void*, const void*, int64_t, int64_t, const int64_t*,
                       int64_t, int64_t, int64_t, float, float*, float*);
-    // the activation quantizer and dequantizer beside the quantized products
+    // the activation quantizer, dequantizer and int8 product beside the quantized products
     const gguf::QKernels* q;
 };
 
@@ -440,15 +440,31 @@ gguf::QActs quantize_acts(const Kernels& k, const float* x, int64_t M, int64_t K
     return a;
 }
 
+// rtpcore's int8 weights take the integer kernel (activations quantized to blocks of 32, as for
+// q8_0; VNNI where the CPU has it) below this many rows when K is a multiple of 32, the float32
+// kernel (weights widened in registers, activations float32) from it on: the float kernel's
+// 4 x 4 register tiles reuse each weight load for four rows, the integer one pays a float
+// conversion per block and row. Measured single-threaded (CPU time, Intel Xeon, AVX-512 VNNI,
+// benchmarks/bench_gguf_kernels.py --dtype int8): 2816 x 1024 at 1 row 0.11-0.13 ms against
+// 0.15, at 2 rows 0.13-0.15 against 0.16-0.17, at 4 rows 0.23-0.27 against 0.22.
+constexpr int64_t kInt8QuantizedRows = 4;
+
+bool int8_quantized(const LinearW& l, int64_t M) {
+    return l.kind == WeightKind::i8 && l.K % 32 == 0 && M < kInt8QuantizedRows;
+}
+
 // y (M, N) (+)= x (M, K) @ W.T (* scale) + bias over the pool, split by output rows. For a
 // quantized GGUF weight the activations are quantized first (all M rows, once), to blocks of
-// 32 or of 256 (the K types) as llama.cpp quantizes them.
+// 32 or of 256 (the K types) as llama.cpp quantizes them; for an int8 weight at few rows, to
+// blocks of 32 (int8_quantized).
 void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool accumulate) {
     const Kernels& k = kernels();
     Pool& p = pool();
     gguf::QActs acts;
     const bool quantized = is_gguf(l.kind) && gguf_type(l.kind) != gguf::Type::f16;
+    const bool i8q = int8_quantized(l, M);
     if (quantized) acts = quantize_acts(k, x, M, l.K, gguf::info(gguf_type(l.kind)).block);
+    if (i8q) acts = quantize_acts(k, x, M, l.K, 32);
     // Small products do not pay for waking the pool.
     const int64_t size = (M * l.N * l.K < (1 << 15)) ? l.N : chunk_size(l.N, p.threads(), 16);
     p.run((l.N + size - 1) / size, [&](int64_t c) {
@@ -460,7 +476,10 @@ void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool
         }
         switch (l.kind) {
             case WeightKind::i8:
-                k.linear_i8(x, M, l.K, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
+                if (i8q)
+                    k.q->linear_i8(acts, M, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
+                else
+                    k.linear_i8(x, M, l.K, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
                 break;
             case WeightKind::bf16:
                 k.linear_bf16(x, M, l.K, static_cast<const uint16_t*>(l.w), l.bias, y, l.N, accumulate, n0, n1);
@@ -795,6 +814,7 @@ class LlamaDecoder {
 PYBIND11_MODULE(_kernels, m) {
     m.doc() = "CPU decode kernels for float32 activations (rtpcore.models.native drives them)";
 
+    m.attr("INT8_QUANTIZED_ROWS") = kInt8QuantizedRows;  // int8 weights: integer kernel below this many rows
     m.def("isa", [] { return std::string(kernels().name); }, "The instruction set the kernels run with.");
     m.def("default_isa", &default_isa, "The best supported instruction set at or below ONEDNN_MAX_CPU_ISA.");
     m.def("supported_isas", [] {
