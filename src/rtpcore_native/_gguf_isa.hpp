@@ -119,18 +119,23 @@ RTPCORE_QINLINE I32 dot_ss(const I32& acc, const S8& a, const S8& b) {
 #endif
 }
 
-// Lane i: sum over bytes 4i..4i+3 of u * s * sc16[byte / 2] (u at most 63: the pairs fit int16).
-RTPCORE_QINLINE I32 dot_us_scaled(const U8& u, const S8& s, const I16& sc16) {
+// acc + lane i: the sum over bytes 4i..4i+3 of u * s * sc16[byte / 2] (u at most 63: the pairs
+// fit int16). VNNI's vpdpwssd multiplies the pairs by the scales and adds in one instruction.
+RTPCORE_QINLINE I32 dot_us_scaled(const I32& acc, const U8& u, const S8& s, const I16& sc16) {
 #if RTPCORE_Q_SIMD
-    return (I32)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)u, (__m256i)s), (__m256i)sc16);
+    const __m256i pairs = _mm256_maddubs_epi16((__m256i)u, (__m256i)s);
+#if RTPCORE_Q_VNNI == 2
+    return (I32)_mm256_dpwssd_epi32((__m256i)acc, pairs, (__m256i)sc16);
+#elif RTPCORE_Q_VNNI == 1
+    return (I32)_mm256_dpwssd_avx_epi32((__m256i)acc, pairs, (__m256i)sc16);
 #else
-    I32 r;
-    for (int i = 0; i < 8; ++i) {
-        int32_t t = 0;
+    return acc + (I32)_mm256_madd_epi16(pairs, (__m256i)sc16);
+#endif
+#else
+    I32 r = acc;
+    for (int i = 0; i < 8; ++i)
         for (int k = 0; k < 4; ++k)
-            t += static_cast<int32_t>(u[4 * i + k]) * static_cast<int32_t>(s[4 * i + k]) * sc16[(4 * i + k) / 2];
-        r[i] = t;
-    }
+            r[i] += static_cast<int32_t>(u[4 * i + k]) * static_cast<int32_t>(s[4 * i + k]) * sc16[(4 * i + k) / 2];
     return r;
 #endif
 }
@@ -398,7 +403,7 @@ RTPCORE_QINLINE void dot_rowsK(const gguf::QActs& a, int64_t m0, const uint8_t* 
             const U8 q = k_sub<T>(p, c);
             const I16 sc = k_scale<T>(h, c);
             for (int i = 0; i < MT; ++i)
-                isum[i] += dot_us_scaled(q, (S8)ld32(a.qs + (m0 + i) * K + 256 * b + 32 * c), sc);
+                isum[i] = dot_us_scaled(isum[i], q, (S8)ld32(a.qs + (m0 + i) * K + 256 * b + 32 * c), sc);
         }
         for (int i = 0; i < MT; ++i) {
             const int64_t r = m0 + i;

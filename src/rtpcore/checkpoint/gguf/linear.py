@@ -92,11 +92,13 @@ def _native_weights(layer: Any) -> list[Any] | None:
 #: part's weight into a float32 scratch and multiplies it with torch's GEMM instead of the block
 #: kernels; activations then stay float32. Measured with benchmarks/bench_gguf_kernels.py
 #: ``--crossover`` (one thread, CPU time, Intel Xeon with AVX-512 VNNI; 2816 x 1024, 1024 x 2816,
-#: 1536 x 576 and 576 x 1536 weights): the 32-element types break even at about 32 rows (q8_0 2816 x
-#: 1024: 2.6 ms both ways at 32 rows, 4.0 ms against 3.6 at 48), the K types at about 64 (q4_k:
-#: 3.0 against 3.3 ms at 48, 4.0 both ways at 64, 6.0 against 4.9 at 96), f16 (a float32 kernel)
-#: at about 96. The dequantization (7-8 G elements/s per thread) is paid once per call.
-GEMM_ROWS = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q5_1": 32, "q4_k": 64, "q5_k": 64, "q6_k": 64, "f16": 96}
+#: 1536 x 576 and 576 x 1536 weights), block kernel against dequantize + GEMM: the 32-element types
+#: break even at about 32 rows (q8_0 1024 x 2816: 2.3 ms against 2.2 at 32 rows, 3.5 against 2.5
+#: at 48), the K types at about 96 (q4_k 1024 x 2816: 2.5 against 2.9 ms at 64, 3.7 both ways at
+#: 96, 4.9 against 4.6 at 128; with the AVX2 kernels and MKL capped at AVX2, 5.1 against 5.6 at
+#: 96, 6.6 against 7.0 at 128), f16 (a float32 kernel) at about 96. The dequantization (7-8 G
+#: elements/s per thread) is paid once per call.
+GEMM_ROWS = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q5_1": 32, "q4_k": 96, "q5_k": 96, "q6_k": 96, "f16": 96}
 
 _scratch = threading.local()
 
