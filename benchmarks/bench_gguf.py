@@ -29,7 +29,14 @@ Each rtpcore figure is printed with the kernel that ran most of its steps (the
 ``torch_step[torch (float32 GEMM)]``; ``rtpcore info`` explains them). ``--cpu-isa`` caps
 rtpcore's child processes as on a CPU of that class (``RTPCORE_CPU_ISA``, set before torch runs).
 
-Plus rtpcore's float32 safetensors checkpoint (the same weights) against llama.cpp's F32 file.
+``--cpu-time`` measures instead one thread per engine in CPU time per token (rtpcore's process time
+around its generate calls; llama-bench's rusage, the difference between runs of 1 and 1 + R
+repetitions), which other processes on a shared machine do not inflate: decode (tg) and prefill
+(pp512), rtpcore / llama.cpp as speed ratios.
+
+Plus rtpcore's float32 safetensors checkpoint (the same weights) against llama.cpp's F32 file when
+f32 is among the types, and the same checkpoint with rtpcore's own int8 weights
+(``quantization="int8"``) against llama.cpp's Q8_0 file when q8_0 is.
 The ratios are rtpcore / llama.cpp (above 1: rtpcore is faster, or for memory uses more). The CPU
 and its features are printed first: figures from one CPU kind do not carry to another.
 """
@@ -39,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -138,7 +146,81 @@ def rtpcore_row(path: Path, new: int, repeats: int, cpu_isa: str | None = None, 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+RTPCORE_CPU_CHILD = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+from rtpcore import Engine, SamplingParams
+spec = json.loads(sys.argv[1])
+engine = Engine.from_pretrained(spec["path"], max_model_len=1024, enable_prefix_caching=False,
+                                max_num_batched_tokens=1024, max_batch_size=1, kv_cache_memory=spec["kv_bytes"],
+                                **spec.get("options", {}))
+def prompt(n, salt):
+    return [3 + (97 * i + 31 * salt) % 7000 for i in range(n)]
+def cpu(prompts, new):
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    t = time.process_time()
+    engine.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return time.process_time() - t
+one, long = [prompt(spec["prompt"], 0)], [prompt(spec["prefill"], 1)]
+cpu(one, 4)
+cpu(long, 1)
+best = lambda f: min(f() for _ in range(spec["repeats"]))
+out = {"decode_ms": 1e3 * best(lambda: cpu(one, spec["new"] + 1) - cpu(one, 1)) / spec["new"],
+       "prefill_ms": 1e3 * best(lambda: cpu(long, 1)) / spec["prefill"]}
+engine.close()
+print(json.dumps(out))
+"""
+
+
+def rtpcore_cpu_row(path: Path, new: int, repeats: int, **options: Any) -> dict[str, Any]:
+    """One thread: rtpcore's CPU milliseconds per decoded and per prefilled token."""
+    spec = {"path": str(path), "new": new, "prompt": PROMPT, "prefill": PREFILL, "repeats": repeats,
+            "options": options, "kv_bytes": KV_BYTES}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", RTPCORE_CPU_CHILD, json.dumps(spec)], capture_output=True,
+                          text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"rtpcore on {path.name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 # ---- llama.cpp -------------------------------------------------------------------------------
+
+
+def llama_bench_cpu(llamacpp: Path, gguf: Path, new: int, repeats: int) -> dict[str, float]:
+    """One thread: llama.cpp's CPU milliseconds per decoded and per prefilled token, from
+    llama-bench's rusage (runs of 1 + repeats repetitions less runs of 1: load and warm-up cancel)."""
+    env = {**os.environ, "LD_LIBRARY_PATH": str(llamacpp / "build" / "bin")}
+
+    def cpu(args: list[str], reps: int) -> float:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([str(llamacpp / "bin" / "llama-bench"), "-m", str(gguf), "-t", "1", *args, "-r", str(reps),
+                        "-o", "json"], capture_output=True, text=True, env=env, check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+
+    tg, pp = ["-p", "0", "-n", str(new)], ["-p", str(PREFILL), "-n", "0"]
+    return {"decode_ms": 1e3 * (cpu(tg, 1 + repeats) - cpu(tg, 1)) / repeats / new,
+            "prefill_ms": 1e3 * (cpu(pp, 1 + repeats) - cpu(pp, 1)) / repeats / PREFILL}
+
+
+def cpu_time_run(args: argparse.Namespace, ckpt: Path, name: str) -> None:
+    """--cpu-time: one thread per engine, CPU time per token, each file and the int8 row."""
+    print("one thread per engine, CPU ms per token (speed ratio rtpcore / llama.cpp)")
+    print("\n| file | decode ms/token rtpcore / llama.cpp | prefill 512 ms/token |")
+    print("|---|---|---|")
+    rows = [(t, args.llamacpp / f"{name}-{t}.gguf", args.llamacpp / f"{name}-{t}.gguf", {}) for t in args.types.split(",")]
+    if "q8_0" in args.types.split(","):
+        rows.append(("int8 (safetensors) vs Q8_0", args.llamacpp / f"{name}-q8_0.gguf", ckpt,
+                     {"dtype": "float32", "quantization": "int8"}))
+    for label, gguf, ours_path, options in rows:
+        ours = rtpcore_cpu_row(ours_path, args.new_tokens, args.repeats, **options)
+        peer = llama_bench_cpu(args.llamacpp, gguf, args.new_tokens, args.repeats)
+        print(f"| {label} | {ours['decode_ms']:.2f} / {peer['decode_ms']:.2f} ({peer['decode_ms'] / ours['decode_ms']:.2f}x) | "
+              f"{ours['prefill_ms']:.3f} / {peer['prefill_ms']:.3f} ({peer['prefill_ms'] / ours['prefill_ms']:.2f}x) |",
+              flush=True)
+
 
 LLAMA_CPP_PYTHON_CHILD = MEMORY + r"""
 import json, sys, time
@@ -277,6 +359,8 @@ def main() -> None:
                         help="only the load time and memory of both engines (after a 4-token generation)")
     parser.add_argument("--cpu-isa", choices=["avx2", "avx512", "avx512_bf16", "amx"], default=None,
                         help="cap rtpcore's CPU kernels (and torch's) as on a CPU of this class (rtpcore --cpu-isa)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="one thread per engine, CPU time per token (robust to other load; see above)")
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "llama-1024x16"],
                         help="the checkpoint's shape (benchmarks/_smollm2.py; default: %(default)s)")
     parser.add_argument("--ckpt", type=Path, default=None,
@@ -297,6 +381,9 @@ def main() -> None:
     print(f"CPU: {cpu_line()}")
     print(f"threads {THREADS} per engine; {args.new_tokens} new tokens; prompt {PROMPT}; prefill {PREFILL}; "
           f"batch {BATCH}; load average {os.getloadavg()[0]:.2f}")
+    if args.cpu_time:
+        cpu_time_run(args, ckpt, name)
+        return
     rows = []
     for t in args.types.split(","):
         gguf = args.llamacpp / f"{name}-{t}.gguf"
@@ -328,6 +415,13 @@ def main() -> None:
     print("\n| file | decode tok/s rtpcore / llama.cpp | prefill 512 | batch 8 | RSS MiB steady / peak, rtpcore | "
           "llama.cpp | load s rtpcore / llama.cpp | rtpcore kernel: decode / prefill / batch 8 |")
     print("|---|---|---|---|---|---|---|---|")
+    if "q8_0" in args.types.split(","):
+        i8 = rtpcore_row(ckpt, args.new_tokens, args.repeats, args.cpu_isa, dtype="float32", quantization="int8")
+        q8 = next(r for r in rows if r[0] == "q8_0")
+        print(f"\nsafetensors int8 (quantization='int8'): rtpcore decode {i8['decode_tps']:.1f} tok/s, "
+              f"{ratio(i8['decode_tps'], q8[5])} of llama.cpp Q8_0's {q8[5]:.1f}; prefill "
+              f"{ratio(i8['prefill_tps'], q8[2].get('prefill_tps'))}; batch {BATCH} "
+              f"{ratio(i8['batch_tps'], q8[4].get('batch_tps'))}")
     for t, ours, bench, py, server, peer in rows:
         print(f"| {t} | {ours['decode_tps']:.1f} / {peer or 0:.1f} ({ratio(ours['decode_tps'], peer)}) | "
               f"{ours['prefill_tps']:.0f} / {bench.get('prefill_tps', 0):.0f} ({ratio(ours['prefill_tps'], bench.get('prefill_tps'))}) | "

@@ -6,9 +6,16 @@ reads, at rows = 1 (decode), 8 (a batch) and 64 (a prefill chunk), for a 576 x 1
 (SmolLM2-135M's down projection) and a 1024 x 4096 one; the baseline is torch's float32
 matmul on the dequantized weights, measured in the same run (ratio = torch time / ours, so
 above 1 is faster than torch). The CPU (model name, avx2 / avx512f / avx512_vnni / avx_vnni)
-heads the output.
+heads the output. ``--dtype int8`` measures rtpcore's own int8 weights (one scale per row; the
+integer kernel below ``INT8_QUANTIZED_ROWS`` rows, the float32 one from it on).
+
+``--crossover`` measures instead where dequantizing a weight for torch's GEMM overtakes the block
+kernel (``rtpcore.checkpoint.gguf.linear.GEMM_ROWS``): per type and row count, the block kernel
+against ``gguf_dequantize_rows`` + ``F.linear``, one thread each, in CPU time of this thread (so
+other load on the machine does not count), best of 5.
 
     python benchmarks/bench_gguf_kernels.py [--threads 2] [--seconds 0.2] [--isa avx2 ...] [--dtype q4_k ...]
+    python benchmarks/bench_gguf_kernels.py --crossover [--dtype q8_0 q4_k ...]
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from rtpcore_native import _kernels as kernels
 
 SHAPES = [(576, 1536), (1024, 4096)]  # (N out, K in)
 ROWS = [1, 8, 64]
+CROSSOVER_SHAPES = [(2816, 1024), (1024, 2816), (1536, 576), (576, 1536)]  # Llama-1024x16's and SmolLM2's MLP
 
 
 def cpu_line() -> str:
@@ -44,7 +52,10 @@ def cpu_line() -> str:
 
 
 def random_blocks(dtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """(n, row bytes) uint8: valid random GGUF blocks (random integers, scales in [1e-3, 1e-2])."""
+    """(n, row bytes) uint8: valid random GGUF blocks (random integers, scales in [1e-3, 1e-2]);
+    for int8, (n, k) int8 weights."""
+    if dtype == "int8":
+        return rng.integers(-127, 128, (n, k), dtype=np.int8)
     row = kernels.gguf_row_bytes(dtype, k)
     if dtype == "f16":
         return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
@@ -57,7 +68,9 @@ def random_blocks(dtype: str, n: int, k: int, rng: np.random.Generator) -> np.nd
     return out
 
 
-def dequantize(dtype: str, w: np.ndarray, n: int, k: int) -> torch.Tensor:
+def dequantize(dtype: str, w: np.ndarray, n: int, k: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    if dtype == "int8":
+        return torch.from_numpy(w).float() * scale[:, None]
     out = torch.empty(n, k)
     ids = torch.arange(n, dtype=torch.int64)
     kernels.gguf_dequantize_rows(dtype, w.ctypes.data, k, ids.data_ptr(), n, out.data_ptr())
@@ -80,12 +93,60 @@ def best_time(fn: Callable[[], object], seconds: float) -> float:
     return best
 
 
+def weights_of(dtype: str, w: np.ndarray, scale: torch.Tensor, n: int, k: int) -> object:
+    return kernels.LinearWeights(w.ctypes.data, dtype, scale.data_ptr() if dtype == "int8" else 0, 0, n, k)
+
+
+def cpu_time(fn: Callable[[], object]) -> float:
+    """Seconds of this thread's CPU per call: the best of 5 pairs of calls."""
+    fn()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.thread_time()
+        fn()
+        fn()
+        best = min(best, (time.thread_time() - t0) / 2)
+    return best
+
+
+def block_vs_gemm(dtype: str, w: np.ndarray, n: int, k: int, rows: int) -> tuple[float, float]:
+    """CPU seconds of the block kernel and of dequantize + F.linear for ``rows`` rows."""
+    weights = weights_of(dtype, w, torch.empty(0), n, k)
+    ids, out = torch.arange(n, dtype=torch.int64), torch.empty(n, k)
+    x, y = torch.randn(rows, k), torch.empty(rows, n)
+
+    def gemm() -> None:
+        kernels.gguf_dequantize_rows(dtype, w.ctypes.data, k, ids.data_ptr(), n, out.data_ptr())
+        torch.nn.functional.linear(x, out)
+
+    return cpu_time(lambda: kernels.linear(weights, x.data_ptr(), rows, y.data_ptr())), cpu_time(gemm)
+
+
+def crossover(dtypes: list[str], rng: np.random.Generator) -> None:
+    """Block kernel against dequantize + torch's GEMM, one thread, per type and row count (ms)."""
+    torch.set_num_threads(1)
+    kernels.set_num_threads(1)
+    counts = [8, 16, 32, 48, 64, 96, 128]
+    print("ms per call, one thread (CPU time): block kernel / dequantize + F.linear")
+    print(f"{'dtype':6} {'N x K':>11} " + " ".join(f"{f'rows {r}':>13}" for r in counts))
+    for n, k in CROSSOVER_SHAPES:
+        for dtype in dtypes:
+            if dtype == "int8":
+                continue  # no dequantization path: Linear's int8 forward is native at every row count
+            if dtype.endswith("_k") and k % 256:
+                continue  # no whole number of K blocks
+            w = random_blocks(dtype, n, k, rng)
+            times = [block_vs_gemm(dtype, w, n, k, rows) for rows in counts]
+            print(f"{dtype:6} {f'{n}x{k}':>11} " + " ".join(f"{a * 1e3:6.2f}/{b * 1e3:6.2f}" for a, b in times), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=0.2, help="time per measurement")
     parser.add_argument("--isa", nargs="*", default=None, help="instruction sets (default: all supported)")
-    parser.add_argument("--dtype", nargs="*", default=None, help="GGUF types (default: all)")
+    parser.add_argument("--dtype", nargs="*", default=None, help="GGUF types or int8 (default: the GGUF types)")
+    parser.add_argument("--crossover", action="store_true", help="where dequantize + GEMM overtakes the block kernel")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels.set_num_threads(args.threads)
@@ -93,6 +154,10 @@ def main() -> None:
     dtypes = args.dtype or kernels.gguf_dtypes()
     rng = np.random.default_rng(0)
     print(f"CPU: {cpu_line()}")
+    if args.crossover:
+        print(f"instruction set: {kernels.isa()}; torch {torch.__version__}")
+        crossover(dtypes, rng)
+        return
     print(f"threads: {args.threads}; default instruction set: {kernels.default_isa()}; torch {torch.__version__}")
     print(f"{'dtype':6} {'isa':12} {'N x K':>11} {'rows':>4} {'us/call':>9} {'GB/s':>6} "
           f"{'torch us':>9} {'ratio':>6}")
@@ -102,11 +167,12 @@ def main() -> None:
             for dtype in dtypes:
                 torch_us = {}
                 w = random_blocks(dtype, n, k, rng)
-                dense = dequantize(dtype, w, n, k)  # torch's operand: the same weights in float32
+                scale = torch.rand(n) * 1e-2 + 1e-3  # int8's per-row scales
+                dense = dequantize(dtype, w, n, k, scale)  # torch's operand: the same weights in float32
                 for rows in ROWS:
                     x = x_all[:rows].contiguous()
                     torch_us[rows] = best_time(lambda x=x, dense=dense: torch.matmul(x, dense.T), args.seconds) * 1e6
-                weights = kernels.LinearWeights(w.ctypes.data, dtype, 0, 0, n, k)
+                weights = weights_of(dtype, w, scale, n, k)
                 for isa in isas:
                     kernels.set_isa(isa)
                     for rows in ROWS:

@@ -285,10 +285,11 @@ def test_kernel_calls_of_a_gguf_model_follow_the_tables_rows(tmp_path: Path) -> 
     or more in torch's float32 GEMM, decode steps in the native step (the table's rows)."""
     pytest.importorskip("gguf")
     from gguf_files import write_gguf
-    from rtpcore.checkpoint.gguf.linear import GEMM_ROWS
+    from rtpcore.checkpoint.gguf.linear import GEMM_ROWS as ROWS
     from test_llama import make_checkpoint
     from tokenizer_files import byte_bpe
 
+    GEMM_ROWS = ROWS["q8_0"]
     make_checkpoint(tmp_path / "st", vocab_size=420)
     path = write_gguf(tmp_path / "st", tmp_path / "m.gguf", file_type="Q8_0", tokenizer=byte_bpe())
     short, long = table_key("q8_0", "prefill", 3), table_key("q8_0", "prefill", GEMM_ROWS)

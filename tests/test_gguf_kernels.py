@@ -156,16 +156,68 @@ def test_linear_is_within_the_bound_for_any_shape(
         assert ((y.double() - ref).abs() <= tol).all(), name
 
 
+def one_hot_blocks(dtype: str, k: int) -> np.ndarray:
+    """(k, row bytes): row n has weight 1 at element n and 0 elsewhere (q8_0: d = 1, q = 1;
+    q4_k: d = 1, dmin = 0, every scale 1, every min 0, nibble 1), so y[m, n] is activation
+    row m's element n as the kernels quantized it, times its block's scale, exactly."""
+    one = np.array([1.0], dtype=np.float16).view(np.uint8)
+    if dtype == "q8_0":
+        blocks = np.zeros((k, k // 32, 34), dtype=np.uint8)
+        blocks[:, :, 0:2] = one
+        for n in range(k):
+            blocks[n, n // 32, 2 + n % 32] = 1
+    else:  # q4_k
+        blocks = np.zeros((k, k // 256, 144), dtype=np.uint8)
+        blocks[:, :, 0:2] = one
+        blocks[:, :, 4:8] = 1  # the 12 scale bytes from 4: bytes 0-3 hold scales 0-3, 4-7 mins 0-3,
+        blocks[:, :, 12:16] = 1  # 8-11 scales 4-7 in their low nibbles and mins 4-7 in the high
+        for n in range(k):
+            j, at = n % 256 // 32, n % 32  # sub-block, element in it
+            blocks[n, n // 256, 16 + 32 * (j // 2) + at] = 1 if j % 2 == 0 else 0x10
+    return blocks.reshape(k, -1)
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_k"])
+def test_every_instruction_set_quantizes_activations_as_llama_cpp_does(dtype: str) -> None:
+    """The activations' int8 blocks, read back through one-hot weights, equal llama.cpp's AVX2
+    quantize_row_q8_0 / q8_K: d = max|x_b| / 127, q = x * (127 / max|x_b|) rounded to nearest
+    even, in float32 -- bit for bit, on every instruction set (vector and scalar code alike)."""
+    block = block_size(dtype)
+    k = 2 * block
+    w = one_hot_blocks(dtype, k)
+    assert torch.equal(dequantized(dtype, w), torch.eye(k))
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((5, k)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float32)
+    x[1, :block] = 0.0  # an all-zero block: d = 0, q = 0
+    xb = x.reshape(5, 2, block)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    d = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(xb * inv), -127, 127).astype(np.float32)
+    want = torch.from_numpy((q * d).reshape(5, k))
+    kernels.set_num_threads(1)
+    for name in ISAS:
+        with isa(name):
+            got = run_linear(w, dtype, torch.from_numpy(x), None, k)
+        assert torch.equal(got, want), name
+
+
 @pytest.mark.parametrize("dtype", list(TYPES))
 def test_dequantize_rows_equals_the_gguf_package(dtype: str) -> None:
-    """gguf_dequantize_rows gives exactly gguf.quants.dequantize's rows, in the order asked."""
+    """gguf_dequantize_rows gives exactly gguf.quants.dequantize's rows, in the order asked, on
+    every instruction set, for a few rows (an embedding lookup) and for many (a weight for
+    torch's GEMM, over the pool)."""
     rng = np.random.default_rng(7)
-    n, k = 12, 512
+    n, k = 160, 512
     w = raw_blocks(dtype, n, k, rng)
-    ids = torch.tensor([3, 0, 11, 3, 7], dtype=torch.int64)
-    out = torch.full((len(ids), k), float("nan"))
-    kernels.gguf_dequantize_rows(dtype, w.ctypes.data, k, ids.data_ptr(), len(ids), out.data_ptr())
-    assert torch.equal(out, dequantized(dtype, w)[ids])
+    dense = dequantized(dtype, w)
+    kernels.set_num_threads(2)
+    for ids in (torch.tensor([3, 0, 11, 3, 7]), torch.from_numpy(rng.permutation(n))):
+        for name in ISAS:
+            out = torch.full((len(ids), k), float("nan"))
+            with isa(name):
+                kernels.gguf_dequantize_rows(dtype, w.ctypes.data, k, ids.data_ptr(), len(ids), out.data_ptr())
+            assert torch.equal(out, dense[ids]), name
 
 
 def test_row_bytes_and_dtypes_follow_the_gguf_package() -> None:

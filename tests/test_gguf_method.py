@@ -257,10 +257,11 @@ def test_blocks_follow_the_operations_a_model_builds_with(caplog: pytest.LogCapt
     assert len([r for r in caplog.records if "aten.t" in r.getMessage()]) <= 1
 
 
-def test_many_rows_take_the_dequantized_weight_and_torchs_gemm() -> None:
-    """From GEMM_ROWS rows (a prefill chunk) the native path multiplies the weight dequantized into a
-    scratch buffer: float32 activations, so the product equals F.linear of the dequantized weight
-    within float32 rounding, for a weight of several types too; fewer rows keep the block kernels."""
+def test_many_rows_take_the_dequantized_weight_and_torchs_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From GEMM_ROWS[type] rows (a prefill chunk) the native path multiplies each part's weight
+    dequantized into a scratch buffer: float32 activations, so the product equals F.linear of the
+    dequantized weight within float32 rounding, for a weight of several types too; fewer rows keep
+    the block kernels, and each part decides by its own type's threshold."""
     from rtpcore.checkpoint.gguf.linear import GEMM_ROWS
 
     q, qd = _blocks("q8_0", 24, 64, 3)
@@ -269,7 +270,7 @@ def test_many_rows_take_the_dequantized_weight_and_torchs_gemm() -> None:
     bias = torch.randn(32)
     with weight_quantization(GgufMethod()):
         layer = Linear(torch.cat([q, v]), bias)
-    x = torch.randn(GEMM_ROWS + 5, 64)
+    x = torch.randn(max(GEMM_ROWS["q8_0"], GEMM_ROWS["q4_0"]) + 5, 64)
     want = torch.nn.functional.linear(x, dense, bias)
     got = layer(x)
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
@@ -277,3 +278,8 @@ def test_many_rows_take_the_dequantized_weight_and_torchs_gemm() -> None:
         few = layer(x[:4])
         assert not torch.equal(few, want[:4])
         assert (few - want[:4]).abs().max().item() <= 0.02 * want.abs().max().item()
+        monkeypatch.setitem(GEMM_ROWS, "q4_0", x.shape[0] + 1)  # the q4_0 rows keep the block kernel
+        mixed = layer(x)
+        assert (mixed[:, :24] - want[:, :24]).abs().max().item() <= 1e-4 * want.abs().max().item()
+        assert not torch.equal(mixed[:, 24:], want[:, 24:])
+        assert (mixed[:, 24:] - want[:, 24:]).abs().max().item() <= 0.02 * want.abs().max().item()

@@ -181,10 +181,14 @@ class Int8Method(QuantizationMethod):
     """``int8``: weight-only int8, quantized at load (the checkpoint stays float, or fp8: then
     dequantized first, as :class:`Fp8Method` does). Each ``Linear`` stores its weight as int8
     with one scale per output channel (``amax / 127`` of that row, rounded to nearest) and
-    multiplies with rtpcore_native's int8 kernel for float32 inputs (the weight widened to
-    float32 in registers, products summed in float32) and with torch's int8-weight CPU kernel
-    for bf16/fp16 inputs. A weight element is off by at most half a step (``amax / 254`` of its
-    row). On the CPU."""
+    multiplies with rtpcore_native's int8 kernels for float32 inputs and with torch's
+    int8-weight CPU kernel for bf16/fp16 inputs. A weight element is off by at most half a step
+    (``amax / 254`` of its row). The native kernels: below ``INT8_QUANTIZED_ROWS`` rows (decode
+    of a few sequences) the activations are quantized to int8 per block of 32 as llama.cpp's
+    Q8_0 product does and meet the weights in integer dot products (VNNI where the CPU has it),
+    each activation off by at most ``max|x_block| / 254`` besides; from it on (prefill, larger
+    batches) the weight is widened to float32 in registers and the products summed in float32
+    (tolerances: tests/test_native_decode.py ``int8_bound``, tests/test_int8.py). On the CPU."""
 
     name = "int8"
     kernel = "int8"

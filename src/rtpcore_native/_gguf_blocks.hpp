@@ -253,4 +253,17 @@ inline void quantize_row(const float* x, int64_t m, QActs& a) {
                                                                    a.bsum[m * (K / 16) + 2 * b + 1]);
 }
 
+// One instruction set's activation quantizer, dequantizer and int8 product (_gguf_isa.hpp),
+// beside its GGUF products.
+struct QKernels {
+    // Rows [0, M) of x (M, a.K) into a, exactly as quantize_row.
+    void (*quantize)(const float* x, int64_t M, QActs& a);
+    // out[0:K] = one row's weights, exactly as dequantize_row.
+    void (*dequantize)(Type t, const uint8_t* row, int64_t K, float* out);
+    // y[:, n0:n1] (+)= scale[n] * (x @ w[n].T) + bias[n] for int8 w (N, K), K a multiple of 32,
+    // over x quantized to blocks of 32.
+    void (*linear_i8)(const QActs& a, int64_t M, const int8_t* w, const float* scale, const float* bias, float* y,
+                      int64_t N, bool accumulate, int64_t n0, int64_t n1);
+};
+
 }  // namespace gguf

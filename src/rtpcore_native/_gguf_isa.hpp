@@ -22,6 +22,11 @@
 //   q6_k:  d d_x (sum_j sc_j sum(u q_x)_j - 32 sum_j sc_j sum(q_x)_j)         (j: 16-sub-blocks)
 // so every instruction set computes the same integers and differs only in float summation
 // order. Each function runs single-threaded over the weight rows [n0, n1) it is given.
+//
+// Also per instruction set (gguf::QKernels): the activations' quantizer (bit for bit the same
+// on every set), the weights' dequantizer (bit for bit gguf::dequantize_row's values; prefill
+// multiplies a weight so dequantized with torch's GEMM) and the product of rtpcore's own int8
+// weights (one scale per row) over q8_0-style activations, a q8_0 product without block scales.
 
 typedef uint8_t U8 __attribute__((vector_size(32)));
 typedef int8_t S8 __attribute__((vector_size(32)));
@@ -114,18 +119,23 @@ RTPCORE_QINLINE I32 dot_ss(const I32& acc, const S8& a, const S8& b) {
 #endif
 }
 
-// Lane i: sum over bytes 4i..4i+3 of u * s * sc16[byte / 2] (u at most 63: the pairs fit int16).
-RTPCORE_QINLINE I32 dot_us_scaled(const U8& u, const S8& s, const I16& sc16) {
+// acc + lane i: the sum over bytes 4i..4i+3 of u * s * sc16[byte / 2] (u at most 63: the pairs
+// fit int16). VNNI's vpdpwssd multiplies the pairs by the scales and adds in one instruction.
+RTPCORE_QINLINE I32 dot_us_scaled(const I32& acc, const U8& u, const S8& s, const I16& sc16) {
 #if RTPCORE_Q_SIMD
-    return (I32)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)u, (__m256i)s), (__m256i)sc16);
+    const __m256i pairs = _mm256_maddubs_epi16((__m256i)u, (__m256i)s);
+#if RTPCORE_Q_VNNI == 2
+    return (I32)_mm256_dpwssd_epi32((__m256i)acc, pairs, (__m256i)sc16);
+#elif RTPCORE_Q_VNNI == 1
+    return (I32)_mm256_dpwssd_avx_epi32((__m256i)acc, pairs, (__m256i)sc16);
 #else
-    I32 r;
-    for (int i = 0; i < 8; ++i) {
-        int32_t t = 0;
+    return acc + (I32)_mm256_madd_epi16(pairs, (__m256i)sc16);
+#endif
+#else
+    I32 r = acc;
+    for (int i = 0; i < 8; ++i)
         for (int k = 0; k < 4; ++k)
-            t += static_cast<int32_t>(u[4 * i + k]) * static_cast<int32_t>(s[4 * i + k]) * sc16[(4 * i + k) / 2];
-        r[i] = t;
-    }
+            r[i] += static_cast<int32_t>(u[4 * i + k]) * static_cast<int32_t>(s[4 * i + k]) * sc16[(4 * i + k) / 2];
     return r;
 #endif
 }
@@ -189,103 +199,190 @@ RTPCORE_QINLINE Block32 decode32(const uint8_t* p) {
     return b;
 }
 
-// A 256-element K block: eight 32-element sub-blocks of integers, each with its int16 scales
-// (one per 16 elements, as lanes of the madd that applies them), the 16 per-16 coefficients
-// of the activations' per-16 sums, and the float scales of both terms (dmin = d for q6_k,
-// whose offset term folds into the main sum).
-struct BlockK {
-    U8 q[8];
-    I16 sc[8];
-    I16 mn;
+// A 256-element K block, read one 32-element sub-block c (0-7) at a time: its integers
+// (k_sub), the int16 scales that multiply them (k_scale: one per 16 elements, as lanes of the
+// madd that applies them), and per block (KHead) the 16 per-16 coefficients of the activations'
+// per-16 sums and the float scales of both terms (dmin = d for q6_k, whose offset term folds
+// into the main sum). The scales are unpacked with vector shuffles, once per block: a scalar
+// unpacking cost as much as the block's products at batch 1.
+struct KHead {
     float d, dmin;
+    I16 mn;
+#if RTPCORE_Q_SIMD
+    __m256i sc_lo, sc_hi;  // int16 scales; both 128-bit halves of sc_lo hold scales 0-7, of sc_hi 8-15
+#else
+    int16_t sc[16];  // per 16 elements
+#endif
 };
 
-RTPCORE_QINLINE I16 two_scales(int lo, int hi) {
 #if RTPCORE_Q_SIMD
-    return (I16)_mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
+// The eight 6-bit scales (bytes 0-7) and mins (bytes 8-15) of a q4_k / q5_k block, from its 12
+// packed scale bytes at s (read as 16: the 4 after them are the block's own qh or qs). As
+// ggml's kmask arithmetic on the three 32-bit words a0 a1 a2:
+//   scales 0-3 = a0 & 0x3f..; scales 4-7 = (a2 & 0x0f..) | ((a0 >> 6) & 0x03..) << 4
+//   mins 0-3   = a1 & 0x3f..; mins 4-7   = ((a2 >> 4) & 0x0f..) | ((a1 >> 6) & 0x03..) << 4
+RTPCORE_QINLINE __m128i scales_mins_k4(const uint8_t* s) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    __m128i lo = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));  // a0 a2 a1 a2
+    lo = _mm_srlv_epi32(lo, _mm_set_epi32(4, 0, 0, 0));
+    lo = _mm_and_si128(lo, _mm_set_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f));
+    __m128i hi = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 0, 0));  // . a0 . a1
+    hi = _mm_and_si128(_mm_srli_epi32(hi, 6), _mm_set_epi32(0x03030303, 0, 0x03030303, 0));
+    return _mm_or_si128(lo, _mm_slli_epi32(hi, 4));
+}
+#endif
+
+template <gguf::Type T>
+RTPCORE_QINLINE KHead k_head(const uint8_t* p) {
+    KHead h;
+    if constexpr (T == gguf::Type::q6_k) {
+        h.d = h.dmin = half(p + 208);
+#if RTPCORE_Q_SIMD
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)));
+        h.sc_lo = _mm256_permute4x64_epi64(s16, 0x44);
+        h.sc_hi = _mm256_permute4x64_epi64(s16, 0xee);
+        h.mn = (I16)_mm256_slli_epi16(s16, 5);
+#else
+        const auto* sc = reinterpret_cast<const int8_t*>(p + 192);
+        for (int g = 0; g < 16; ++g) {
+            h.sc[g] = sc[g];
+            h.mn[g] = static_cast<int16_t>(32 * sc[g]);
+        }
+#endif
+    } else {  // q4_k, q5_k
+        h.d = half(p);
+        h.dmin = half(p + 2);
+#if RTPCORE_Q_SIMD
+        const __m128i sm = scales_mins_k4(p + 4);
+        h.sc_lo = h.sc_hi = _mm256_permute4x64_epi64(_mm256_cvtepu8_epi16(sm), 0x44);
+        const __m128i mins2 = _mm_shuffle_epi8(sm, _mm_set_epi8(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8));
+        h.mn = (I16)_mm256_cvtepu8_epi16(mins2);
+#else
+        for (int j = 0; j < 8; ++j) {
+            int sc, m;
+            gguf::scale_min_k4(j, p + 4, sc, m);
+            h.sc[2 * j] = h.sc[2 * j + 1] = static_cast<int16_t>(sc);
+            h.mn[2 * j] = h.mn[2 * j + 1] = static_cast<int16_t>(m);
+        }
+#endif
+    }
+    return h;
+}
+
+// The scales of sub-block c: words 0-7 that of its first 16 elements, 8-15 of its last 16.
+template <gguf::Type T>
+RTPCORE_QINLINE I16 k_scale(const KHead& h, int c) {
+#if RTPCORE_Q_SIMD
+    if constexpr (T == gguf::Type::q6_k) {
+        const int lo = 4 * (c % 4);  // byte of word 2c (mod 8), then of word 2c + 1
+        const __m256i pick = _mm256_set_epi64x(0x0101010101010101ll * (lo + 2) + 0x0100010001000100ll,
+                                               0x0101010101010101ll * (lo + 2) + 0x0100010001000100ll,
+                                               0x0101010101010101ll * lo + 0x0100010001000100ll,
+                                               0x0101010101010101ll * lo + 0x0100010001000100ll);
+        return (I16)_mm256_shuffle_epi8(c < 4 ? h.sc_lo : h.sc_hi, pick);
+    } else {
+        return (I16)_mm256_shuffle_epi8(h.sc_lo, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * c)));
+    }
 #else
     I16 v;
     for (int i = 0; i < 8; ++i) {
-        v[i] = static_cast<int16_t>(lo);
-        v[i + 8] = static_cast<int16_t>(hi);
+        v[i] = h.sc[2 * c];
+        v[i + 8] = h.sc[2 * c + 1];
     }
     return v;
 #endif
 }
 
+// Bit `shift` of every byte of v moved to bit 4, the rest cleared (q5_k's fifth bits).
+RTPCORE_QINLINE U8 bit_to_4(const U8& v, int shift) {
+#if RTPCORE_Q_SIMD
+    const __m256i s = shift <= 4 ? _mm256_slli_epi16((__m256i)v, 4 - shift) : _mm256_srli_epi16((__m256i)v, shift - 4);
+    return (U8)_mm256_and_si256(s, _mm256_set1_epi8(0x10));
+#else
+    return ((v >> shift) & 1) << 4;
+#endif
+}
+
+// The unsigned integers of sub-block c (elements 32c .. 32c + 31) of the K block at p.
 template <gguf::Type T>
-RTPCORE_QINLINE void decodeK(const uint8_t* p, BlockK& b) {
+RTPCORE_QINLINE U8 k_sub(const uint8_t* p, int c) {
     if constexpr (T == gguf::Type::q6_k) {
-        const auto* sc = reinterpret_cast<const int8_t*>(p + 192);
-        b.d = b.dmin = half(p + 208);
-        for (int h = 0; h < 2; ++h) {
-            const U8 ql0 = ld32(p + 64 * h), ql1 = ld32(p + 64 * h + 32), qh = ld32(p + 128 + 32 * h);
-            b.q[4 * h + 0] = (ql0 & 0xf) | ((qh & 0x03) << 4);
-            b.q[4 * h + 1] = (ql1 & 0xf) | ((qh & 0x0c) << 2);
-            b.q[4 * h + 2] = (ql0 >> 4) | (qh & 0x30);
-            b.q[4 * h + 3] = (ql1 >> 4) | ((qh & 0xc0) >> 2);
-        }
-        for (int c = 0; c < 8; ++c) b.sc[c] = two_scales(sc[2 * c], sc[2 * c + 1]);
-        int16_t mn[16];
-        for (int g = 0; g < 16; ++g) mn[g] = static_cast<int16_t>(32 * sc[g]);
-        std::memcpy(&b.mn, mn, sizeof mn);
-    } else {  // q4_k, q5_k
+        // Each half h (128 elements) has ql (64 B) and qh (32 B): sub-block 4h + i takes the low
+        // (i < 2) or high nibbles of ql[32 (i % 2) ...] and bits 2i, 2i + 1 of qh.
+        const int h = c / 4, i = c % 4;
+        const U8 ql = ld32(p + 64 * h + 32 * (i % 2)), qh = ld32(p + 128 + 32 * h);
+        const U8 lo = i < 2 ? (ql & 0xf) : (ql >> 4);
+#if RTPCORE_Q_SIMD
+        const __m256i hb = 2 * i <= 4 ? _mm256_slli_epi16((__m256i)qh, 4 - 2 * i) : _mm256_srli_epi16((__m256i)qh, 2 * i - 4);
+        return lo | (U8)_mm256_and_si256(hb, _mm256_set1_epi8(0x30));
+#else
+        return lo | (((qh >> (2 * i)) & 3) << 4);
+#endif
+    } else {  // q4_k, q5_k: each 32 bytes of qs hold sub-blocks 2j (low nibbles) and 2j + 1
         constexpr bool five = T == gguf::Type::q5_k;
-        b.d = half(p);
-        b.dmin = half(p + 2);
-        const uint8_t* qs = p + (five ? 48 : 16);
-        U8 qh{};
-        if constexpr (five) qh = ld32(p + 16);
-        for (int j = 0; j < 4; ++j) {
-            const U8 raw = ld32(qs + 32 * j);
-            b.q[2 * j] = raw & 0xf;
-            b.q[2 * j + 1] = raw >> 4;
-            if constexpr (five) {
-                b.q[2 * j] |= (U8)((qh & static_cast<uint8_t>(1u << (2 * j))) != 0) & 0x10;
-                b.q[2 * j + 1] |= (U8)((qh & static_cast<uint8_t>(2u << (2 * j))) != 0) & 0x10;
-            }
-        }
-        int16_t mn[16];
-        for (int j = 0; j < 8; ++j) {
-            int sc, m;
-            gguf::scale_min_k4(j, p + 4, sc, m);
-            b.sc[j] = I16{} + static_cast<int16_t>(sc);
-            mn[2 * j] = mn[2 * j + 1] = static_cast<int16_t>(m);
-        }
-        std::memcpy(&b.mn, mn, sizeof mn);
+        const U8 raw = ld32(p + (five ? 48 : 16) + 32 * (c / 2));
+        U8 q = c % 2 ? raw >> 4 : raw & 0xf;
+        if constexpr (five) q |= bit_to_4(ld32(p + 16), c);
+        return q;
     }
 }
 
 // ---- the products
 
-// out[i] = dot(activation row m0 + i, weight row w) for MT rows, 32-element block types.
-template <gguf::Type T, int MT>
+// out[i] = dot(activation row m0 + i, weight row w) for MT rows, 32-element block types; with
+// I8, w is a row of K int8 weights (rtpcore's own int8, one scale per row applied by the
+// caller), a q8_0 row without block scales. With one or two rows, even and odd blocks go to
+// two accumulators: one would make every block wait for the last one's add.
+template <gguf::Type T, int MT, bool I8 = false>
 RTPCORE_QINLINE void dot_rows32(const gguf::QActs& a, int64_t m0, const uint8_t* w,
                                                             float (&out)[kQMT]) {
-    constexpr int bytes = gguf::info(T).bytes;
+    constexpr int bytes = I8 ? 32 : gguf::info(T).bytes;
+    constexpr int U = MT <= 2 ? 2 : 1;
     const int64_t K = a.K, nb = K / 32;
-    F32 acc[MT];
-    float sacc[MT];
-    for (int i = 0; i < MT; ++i) {
-        acc[i] = F32{};
-        sacc[i] = 0.0f;
-    }
-    for (int64_t b = 0; b < nb; ++b) {
-        const Block32 wb = decode32<T>(w + b * bytes);
+    F32 acc[U][MT];
+    float sacc[U][MT];
+    for (int u = 0; u < U; ++u)
+        for (int i = 0; i < MT; ++i) {
+            acc[u][i] = F32{};
+            sacc[u][i] = 0.0f;
+        }
+    auto step = [&](int64_t b, int u) __attribute__((always_inline)) {
+        Block32 wb;
+        if constexpr (I8) {
+            wb.q = ld32(w + 32 * b);
+            wb.d = 1.0f;
+        } else {
+            wb = decode32<T>(w + b * bytes);
+        }
         for (int i = 0; i < MT; ++i) {
             const int64_t r = m0 + i;
             const S8 xq = (S8)ld32(a.qs + r * K + 32 * b);
             I32 isum = I32{};
-            if constexpr (T == gguf::Type::q8_0) {
+            if constexpr (I8 || T == gguf::Type::q8_0) {
                 isum = dot_ss(isum, (S8)wb.q, xq);
             } else {
                 isum = dot_us(isum, wb.q, xq);
-                sacc[i] += wb.c * a.s[r * nb + b];
+                sacc[u][i] += wb.c * a.s[r * nb + b];
             }
-            acc[i] += to_f32(isum) * (wb.d * a.d[r * nb + b]);
+            acc[u][i] += to_f32(isum) * (I8 ? a.d[r * nb + b] : wb.d * a.d[r * nb + b]);
         }
+    };
+    int64_t b = 0;
+    if constexpr (U == 2)
+        for (; b + 1 < nb; b += 2) {
+            step(b, 0);
+            step(b + 1, 1);
+        }
+    for (; b < nb; ++b) step(b, 0);
+    for (int i = 0; i < MT; ++i) {
+        F32 s = acc[0][i];
+        float c = sacc[0][i];
+        if constexpr (U == 2) {
+            s += acc[1][i];
+            c += sacc[1][i];
+        }
+        out[i] = hsum8(s) + c;
     }
-    for (int i = 0; i < MT; ++i) out[i] = hsum8(acc[i]) + sacc[i];
 }
 
 // The same for the 256-element K types.
@@ -294,35 +391,43 @@ RTPCORE_QINLINE void dot_rowsK(const gguf::QActs& a, int64_t m0, const uint8_t* 
                                                            float (&out)[kQMT]) {
     constexpr int bytes = gguf::info(T).bytes;
     const int64_t K = a.K, nb = K / 256;
-    F32 acc[MT], macc[MT];
-    for (int i = 0; i < MT; ++i) acc[i] = macc[i] = F32{};
-    BlockK wb;
+    F32 acc[MT];
+    for (int i = 0; i < MT; ++i) acc[i] = F32{};
     for (int64_t b = 0; b < nb; ++b) {
-        decodeK<T>(w + b * bytes, wb);
+        const uint8_t* p = w + b * bytes;
+        const KHead h = k_head<T>(p);
+        I32 isum[MT];
+        for (int i = 0; i < MT; ++i) isum[i] = I32{};
+#pragma GCC unroll 8  // c must be a constant in k_sub and k_scale
+        for (int c = 0; c < 8; ++c) {
+            const U8 q = k_sub<T>(p, c);
+            const I16 sc = k_scale<T>(h, c);
+            for (int i = 0; i < MT; ++i)
+                isum[i] = dot_us_scaled(isum[i], q, (S8)ld32(a.qs + (m0 + i) * K + 256 * b + 32 * c), sc);
+        }
         for (int i = 0; i < MT; ++i) {
             const int64_t r = m0 + i;
-            const int8_t* xq = a.qs + r * K + 256 * b;
-            I32 isum = dot_us_scaled(wb.q[0], (S8)ld32(xq), wb.sc[0]);
-            for (int c = 1; c < 8; ++c) isum += dot_us_scaled(wb.q[c], (S8)ld32(xq + 32 * c), wb.sc[c]);
             I16 bs;
             std::memcpy(&bs, a.bsum + r * (K / 16) + 16 * b, sizeof bs);
-            const I32 corr = madd16(wb.mn, bs);
+            const I32 corr = madd16(h.mn, bs);
             const float dx = a.d[r * nb + b];
             if constexpr (T == gguf::Type::q6_k) {
-                acc[i] += to_f32(isum - corr) * (wb.d * dx);
+                acc[i] += to_f32(isum[i] - corr) * (h.d * dx);
             } else {
-                acc[i] += to_f32(isum) * (wb.d * dx);
-                macc[i] += to_f32(corr) * (wb.dmin * dx);
+                acc[i] += to_f32(isum[i]) * (h.d * dx);
+                acc[i] -= to_f32(corr) * (h.dmin * dx);
             }
         }
     }
-    for (int i = 0; i < MT; ++i) out[i] = hsum8(acc[i] - macc[i]);
+    for (int i = 0; i < MT; ++i) out[i] = hsum8(acc[i]);
 }
 
-// Rows [m0, m0 + MT) of y for weight rows [n0, n1).
-template <gguf::Type T, int MT>
-static void tile(const gguf::QActs& a, int64_t m0, const uint8_t* w, int64_t row_bytes, const float* bias, float* y,
-                 int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+// Rows [m0, m0 + MT) of y for weight rows [n0, n1) (I8: int8 rows, scaled by scale[n]; a
+// function of its own: inlined into qlinear, GCC keeps a one-row tile's loop counters in memory).
+template <gguf::Type T, int MT, bool I8 = false>
+__attribute__((noinline)) static void tile(const gguf::QActs& a, int64_t m0, const uint8_t* w, int64_t row_bytes,
+                                           const float* scale, const float* bias, float* y, int64_t N,
+                                           bool accumulate, int64_t n0, int64_t n1) {
     float out[kQMT];
     for (int64_t n = n0; n < n1; ++n) {
 #if RTPCORE_Q_SIMD
@@ -334,14 +439,15 @@ static void tile(const gguf::QActs& a, int64_t m0, const uint8_t* w, int64_t row
             for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
         }
 #endif
-        if constexpr (gguf::info(T).block == 32)
-            dot_rows32<T, MT>(a, m0, w + n * row_bytes, out);
+        if constexpr (I8 || gguf::info(T).block == 32)
+            dot_rows32<T, MT, I8>(a, m0, w + n * row_bytes, out);
         else
             dot_rowsK<T, MT>(a, m0, w + n * row_bytes, out);
         const float bn = bias ? bias[n] : 0.0f;
         for (int i = 0; i < MT; ++i) {
+            const float v = (I8 ? out[i] * scale[n] : out[i]) + bn;
             float* dst = y + (m0 + i) * N + n;
-            *dst = accumulate ? *dst + (out[i] + bn) : out[i] + bn;
+            *dst = accumulate ? *dst + v : v;
         }
     }
 }
@@ -349,22 +455,171 @@ static void tile(const gguf::QActs& a, int64_t m0, const uint8_t* w, int64_t row
 // y[:, n0:n1] (+)= x @ dequant(W[n0:n1]).T + bias for quantized activations `a` of M rows.
 // Weight rows are taken in groups of about 64 KiB (kept in L2 while every tile of activation
 // rows passes over them); each weight block is decoded once per tile of rows.
-template <gguf::Type T>
-static void qlinear(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* bias, float* y, int64_t N,
-                    bool accumulate, int64_t n0, int64_t n1) {
-    const int64_t row_bytes = gguf::row_bytes(T, a.K);
+template <gguf::Type T, bool I8 = false>
+static void qlinear_rows(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* scale, const float* bias,
+                         float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    const int64_t row_bytes = I8 ? a.K : gguf::row_bytes(T, a.K);
     int64_t group = (int64_t{1} << 16) / row_bytes;
     group = group < 1 ? 1 : group;
     for (int64_t g0 = n0; g0 < n1; g0 += group) {
         const int64_t g1 = g0 + group < n1 ? g0 + group : n1;
         int64_t m = 0;
-        for (; m + kQMT <= M; m += kQMT) tile<T, kQMT>(a, m, w, row_bytes, bias, y, N, accumulate, g0, g1);
+        for (; m + kQMT <= M; m += kQMT) tile<T, kQMT, I8>(a, m, w, row_bytes, scale, bias, y, N, accumulate, g0, g1);
         if constexpr (kQMT > 4)
-            for (; m + 4 <= M; m += 4) tile<T, 4>(a, m, w, row_bytes, bias, y, N, accumulate, g0, g1);
+            for (; m + 4 <= M; m += 4) tile<T, 4, I8>(a, m, w, row_bytes, scale, bias, y, N, accumulate, g0, g1);
         if constexpr (kQMT > 2)
-            for (; m + 2 <= M; m += 2) tile<T, 2>(a, m, w, row_bytes, bias, y, N, accumulate, g0, g1);
-        for (; m < M; ++m) tile<T, 1>(a, m, w, row_bytes, bias, y, N, accumulate, g0, g1);
+            for (; m + 2 <= M; m += 2) tile<T, 2, I8>(a, m, w, row_bytes, scale, bias, y, N, accumulate, g0, g1);
+        for (; m < M; ++m) tile<T, 1, I8>(a, m, w, row_bytes, scale, bias, y, N, accumulate, g0, g1);
     }
+}
+
+template <gguf::Type T>
+static void qlinear(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* bias, float* y, int64_t N,
+                    bool accumulate, int64_t n0, int64_t n1) {
+    qlinear_rows<T>(a, M, w, nullptr, bias, y, N, accumulate, n0, n1);
+}
+
+// rtpcore's int8 weights (N, K) with one float scale per row, K a multiple of 32, over
+// activations quantized to q8_0-style blocks: y = scale[n] * sum_b d_x[b] dot(w_b, q_x[b]).
+static void linear_i8(const gguf::QActs& a, int64_t M, const int8_t* w, const float* scale, const float* bias,
+                      float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    qlinear_rows<gguf::Type::q8_0, true>(a, M, reinterpret_cast<const uint8_t*>(w), scale, bias, y, N, accumulate,
+                                         n0, n1);
+}
+
+// ---- activations quantized, weights dequantized
+
+// Rows [0, M) of x (M, a.K) quantized into `a` as gguf::quantize_row does, bit for bit: the
+// product x * (127 / amax) rounded to nearest even (cvtps2dq under the default rounding mode).
+static void quantize(const float* x, int64_t M, gguf::QActs& a) {
+#if RTPCORE_Q_SIMD
+    const int64_t K = a.K, B = a.block, nb = K / B;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleaving
+    for (int64_t m = 0; m < M; ++m) {
+        const float* xr = x + m * K;
+        int8_t* qs = a.qs + m * K;
+        for (int64_t b = 0; b < nb; ++b) {
+            const float* xb = xr + b * B;
+            __m256 mx = _mm256_setzero_ps();
+            for (int64_t i = 0; i < B; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)), mx);
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            for (int64_t i = 0; i < B; i += 32) {
+                const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), id));
+                const __m256i q1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8), id));
+                const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 16), id));
+                const __m256i q3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 24), id));
+                __m256i q = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+                q = _mm256_max_epi8(q, _mm256_set1_epi8(-127));  // as the scalar clamp (only NaN gets here)
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * B + i), _mm256_permutevar8x32_epi32(q, order));
+            }
+            a.d[m * nb + b] = amax / 127.0f;
+        }
+        // Sums of every 16 q: bytes summed in pairs, then the pairs.
+        const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+        for (int64_t g = 0; g < K / 16; g += 2) {
+            const __m256i pairs = _mm256_maddubs_epi16(ones8, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 16 * g)));
+            const __m256i quads = _mm256_madd_epi16(pairs, ones16);  // group g: lanes 0-3, g + 1: 4-7
+            const __m128i h = _mm_hadd_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+            const __m128i t = _mm_hadd_epi32(h, h);  // group g, group g + 1 (twice)
+            a.bsum[m * (K / 16) + g] = static_cast<int16_t>(_mm_cvtsi128_si32(t));
+            a.bsum[m * (K / 16) + g + 1] = static_cast<int16_t>(_mm_extract_epi32(t, 1));
+        }
+        if (B == 32)
+            for (int64_t b = 0; b < nb; ++b)
+                a.s[m * nb + b] = a.d[m * nb + b] * static_cast<float>(a.bsum[m * (K / 16) + 2 * b] +
+                                                                       a.bsum[m * (K / 16) + 2 * b + 1]);
+    }
+#else
+    for (int64_t m = 0; m < M; ++m) gguf::quantize_row(x + m * a.K, m, a);
+#endif
+}
+
+#if RTPCORE_Q_SIMD
+// v unchanged, but GCC may no longer fuse the product that made it with the sum that follows
+// (the scalar reference rounds both).
+RTPCORE_QINLINE __m256 rounded(__m256 v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+// y[0:32] = d * float(v - off) (- m), d = d_lo for elements 0-15, d_hi for 16-31; v's bytes
+// signed or unsigned.
+template <bool Signed, bool Minus>
+RTPCORE_QINLINE void emit32(float* y, const U8& v, int32_t off, float d_lo, float d_hi, float m) {
+    const __m128i lo = _mm256_castsi256_si128((__m256i)v), hi = _mm256_extracti128_si256((__m256i)v, 1);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+        const __m128i h = k < 2 ? lo : hi, src = k % 2 ? _mm_srli_si128(h, 8) : h;
+        __m256i iv = Signed ? _mm256_cvtepi8_epi32(src) : _mm256_cvtepu8_epi32(src);
+        if (off) iv = _mm256_sub_epi32(iv, _mm256_set1_epi32(off));
+        __m256 f = _mm256_mul_ps(_mm256_set1_ps(k < 2 ? d_lo : d_hi), _mm256_cvtepi32_ps(iv));
+        if constexpr (Minus) f = _mm256_sub_ps(rounded(f), _mm256_set1_ps(m));
+        _mm256_storeu_ps(y + 8 * k, f);
+    }
+}
+
+template <gguf::Type T>
+static void dequantize_blocks(const uint8_t* row, int64_t K, float* out) {
+    if constexpr (T == gguf::Type::f16) {  // single halves, eight per conversion
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8)
+            _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k))));
+        for (; k < K; ++k) out[k] = half(row + 2 * k);
+        return;
+    } else {
+        constexpr int bytes = gguf::info(T).bytes, block = gguf::info(T).block;
+        for (int64_t b = 0; b < K / block; ++b) {
+            const uint8_t* p = row + b * bytes;
+            float* y = out + b * block;
+            if constexpr (block == 32) {
+                const Block32 wb = decode32<T>(p);
+                if constexpr (T == gguf::Type::q8_0) emit32<true, false>(y, wb.q, 0, wb.d, wb.d, 0.0f);
+                else if constexpr (T == gguf::Type::q4_0) emit32<false, false>(y, wb.q, 8, wb.d, wb.d, 0.0f);
+                else if constexpr (T == gguf::Type::q5_0) emit32<false, false>(y, wb.q, 16, wb.d, wb.d, 0.0f);
+                else emit32<false, true>(y, wb.q, 0, wb.d, wb.d, -wb.c);  // q5_1: d v + m
+            } else if constexpr (T == gguf::Type::q6_k) {
+                const float d = half(p + 208);
+                const auto* sc = reinterpret_cast<const int8_t*>(p + 192);
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; ++c)
+                    emit32<false, false>(y + 32 * c, k_sub<T>(p, c), 32, d * static_cast<float>(sc[2 * c]),
+                                         d * static_cast<float>(sc[2 * c + 1]), 0.0f);
+            } else {  // q4_k, q5_k
+                const float d = half(p), dmin = half(p + 2);
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; ++c) {
+                    int sc, m;
+                    gguf::scale_min_k4(c, p + 4, sc, m);
+                    const float dj = d * static_cast<float>(sc);
+                    emit32<false, true>(y + 32 * c, k_sub<T>(p, c), 0, dj, dj, dmin * static_cast<float>(m));
+                }
+            }
+        }
+    }
+}
+#endif
+
+// out[0:K] = the K weights of one row, exactly gguf::dequantize_row's values.
+static void dequantize(gguf::Type t, const uint8_t* row, int64_t K, float* out) {
+#if RTPCORE_Q_SIMD
+    switch (t) {
+        case gguf::Type::q8_0: return dequantize_blocks<gguf::Type::q8_0>(row, K, out);
+        case gguf::Type::q4_0: return dequantize_blocks<gguf::Type::q4_0>(row, K, out);
+        case gguf::Type::q5_0: return dequantize_blocks<gguf::Type::q5_0>(row, K, out);
+        case gguf::Type::q5_1: return dequantize_blocks<gguf::Type::q5_1>(row, K, out);
+        case gguf::Type::q4_k: return dequantize_blocks<gguf::Type::q4_k>(row, K, out);
+        case gguf::Type::q5_k: return dequantize_blocks<gguf::Type::q5_k>(row, K, out);
+        case gguf::Type::q6_k: return dequantize_blocks<gguf::Type::q6_k>(row, K, out);
+        case gguf::Type::f16: return dequantize_blocks<gguf::Type::f16>(row, K, out);
+    }
+#else
+    gguf::dequantize_row(t, row, K, out);
+#endif
 }
 
 typedef void (*QLinearFn)(const gguf::QActs&, int64_t, const uint8_t*, const float*, float*, int64_t, bool, int64_t,
@@ -375,5 +630,7 @@ constexpr QLinearFn kQLinear[7] = {
     qlinear<gguf::Type::q8_0>, qlinear<gguf::Type::q4_0>, qlinear<gguf::Type::q5_0>, qlinear<gguf::Type::q5_1>,
     qlinear<gguf::Type::q4_k>, qlinear<gguf::Type::q5_k>, qlinear<gguf::Type::q6_k>,
 };
+
+constexpr gguf::QKernels kQKernels = {quantize, dequantize, linear_i8};
 
 #undef RTPCORE_QINLINE

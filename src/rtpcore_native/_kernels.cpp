@@ -245,12 +245,14 @@ struct Kernels {
     // attention over float32 / bfloat16 pools
     void (*attend[2])(const float*, int64_t, int64_t, const void*, const void*, int64_t, int64_t, const int64_t*,
                       int64_t, int64_t, int64_t, float, float*, float*);
+    // the activation quantizer, dequantizer and int8 product beside the quantized products
+    const gguf::QKernels* q;
 };
 
 #define RTPCORE_KERNELS_DOT(ns, qns, label, dot, amx, to_bf16)                                              \
     Kernels{label,           ns::linear_f32, ns::linear_i8, ns::linear_bf16, ns::linear_f16, ns::linear_bf16p, \
             dot,             amx,            to_bf16,       qns::kQLinear,   ns::rms_norm,   ns::silu_mul,     \
-            ns::rope,        {ns::attend_f32, ns::attend_bf16}}
+            ns::rope,        {ns::attend_f32, ns::attend_bf16}, &qns::kQKernels}
 #define RTPCORE_KERNELS(ns, qns, label) RTPCORE_KERNELS_DOT(ns, qns, label, nullptr, nullptr, nullptr)
 
 // The sets, best first: the float kernels differ by vector width, the quantized ones also by
@@ -555,8 +557,9 @@ struct LinearW {
 };
 
 // Activations quantized for the GGUF kernels: one buffer, reused by every call (calls run one
-// at a time under g_call_mutex; a decode step's products run one after another).
-gguf::QActs quantize_acts(const float* x, int64_t M, int64_t K, int block) {
+// at a time under g_call_mutex; a decode step's products run one after another). Rows are
+// quantized over the pool when there are several.
+gguf::QActs quantize_acts(const Kernels& k, const float* x, int64_t M, int64_t K, int block) {
     static std::vector<int8_t> qs;
     static std::vector<float> d, s;
     static std::vector<int16_t> bsum;
@@ -571,7 +574,20 @@ gguf::QActs quantize_acts(const float* x, int64_t M, int64_t K, int block) {
     a.d = d.data();
     a.s = s.data();
     a.bsum = bsum.data();
-    for (int64_t m = 0; m < M; ++m) gguf::quantize_row(x + m * K, m, a);
+    if (M * K < (1 << 14)) {
+        k.q->quantize(x, M, a);
+    } else {
+        const int64_t per = chunk_size(M, pool().threads(), 1);
+        pool().run((M + per - 1) / per, [&](int64_t c) {
+            const int64_t m0 = c * per, m1 = m0 + per < M ? m0 + per : M;
+            gguf::QActs part = a;  // rows m0.. of a, as rows 0.. of part
+            part.qs += m0 * K;
+            part.d += m0 * (K / block);
+            part.s += m0 * (K / 32);
+            part.bsum += m0 * (K / 16);
+            k.q->quantize(x + m0 * K, m1 - m0, part);
+        });
+    }
     return a;
 }
 
@@ -609,9 +625,23 @@ void linear_bf16p_parallel(const Kernels& k, const LinearW& l, const float* x, c
     });
 }
 
+// rtpcore's int8 weights take the integer kernel (activations quantized to blocks of 32, as for
+// q8_0; VNNI where the CPU has it) below this many rows when K is a multiple of 32, the float32
+// kernel (weights widened in registers, activations float32) from it on: the float kernel's
+// 4 x 4 register tiles reuse each weight load for four rows, the integer one pays a float
+// conversion per block and row. Measured single-threaded (CPU time, Intel Xeon, AVX-512 VNNI,
+// benchmarks/bench_gguf_kernels.py --dtype int8): 2816 x 1024 at 1 row 0.11-0.13 ms against
+// 0.15, at 2 rows 0.13-0.15 against 0.16-0.17, at 4 rows 0.23-0.27 against 0.22.
+constexpr int64_t kInt8QuantizedRows = 4;
+
+bool int8_quantized(const LinearW& l, int64_t M) {
+    return l.kind == WeightKind::i8 && l.K % 32 == 0 && M < kInt8QuantizedRows;
+}
+
 // y (M, N) (+)= x (M, K) @ W.T (* scale) + bias over the pool, split by output rows. For a
 // quantized GGUF weight the activations are quantized first (all M rows, once), to blocks of
-// 32 or of 256 (the K types) as llama.cpp quantizes them.
+// 32 or of 256 (the K types) as llama.cpp quantizes them; for an int8 weight at few rows, to
+// blocks of 32 (int8_quantized).
 void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool accumulate) {
     const Kernels& k = kernels();
     if (l.kind == WeightKind::bf16p) {
@@ -630,7 +660,9 @@ void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool
     Pool& p = pool();
     gguf::QActs acts;
     const bool quantized = is_gguf(l.kind) && gguf_type(l.kind) != gguf::Type::f16;
-    if (quantized) acts = quantize_acts(x, M, l.K, gguf::info(gguf_type(l.kind)).block);
+    const bool i8q = int8_quantized(l, M);
+    if (quantized) acts = quantize_acts(k, x, M, l.K, gguf::info(gguf_type(l.kind)).block);
+    if (i8q) acts = quantize_acts(k, x, M, l.K, 32);
     // Small products do not pay for waking the pool.
     const int64_t size = (M * l.N * l.K < (1 << 15)) ? l.N : chunk_size(l.N, p.threads(), 16);
     p.run((l.N + size - 1) / size, [&](int64_t c) {
@@ -642,7 +674,10 @@ void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool
         }
         switch (l.kind) {
             case WeightKind::i8:
-                k.linear_i8(x, M, l.K, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
+                if (i8q)
+                    k.q->linear_i8(acts, M, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
+                else
+                    k.linear_i8(x, M, l.K, static_cast<const int8_t*>(l.w), l.scale, l.bias, y, l.N, accumulate, n0, n1);
                 break;
             case WeightKind::bf16:
                 k.linear_bf16(x, M, l.K, static_cast<const uint16_t*>(l.w), l.bias, y, l.N, accumulate, n0, n1);
@@ -1008,6 +1043,7 @@ class LlamaDecoder {
 PYBIND11_MODULE(_kernels, m) {
     m.doc() = "CPU decode kernels for float32 activations (rtpcore.models.native drives them)";
 
+    m.attr("INT8_QUANTIZED_ROWS") = kInt8QuantizedRows;  // int8 weights: integer kernel below this many rows
     m.def("isa", [] { return std::string(kernels().name); }, "The instruction set the kernels run with.");
     m.def("default_isa", &default_isa, "The best supported kernel set at or below the caps (isa_cap); "
           "ValueError for a RTPCORE_CPU_ISA this CPU cannot run or that is unknown.");
@@ -1151,8 +1187,14 @@ PYBIND11_MODULE(_kernels, m) {
         for (int64_t i = 0; i < n; ++i)
             if (ids[i] < 0) throw std::out_of_range("gguf_dequantize_rows: row id " + std::to_string(ids[i]) + " < 0");
         py::gil_scoped_release release;
-        for (int64_t i = 0; i < n; ++i)
-            gguf::dequantize_row(t, as_ptr<const uint8_t>(weight) + ids[i] * bytes, K, as_ptr<float>(out) + i * K);
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        const Kernels& k = kernels();
+        // Rows over the pool when there are many (a weight dequantized for torch's GEMM).
+        const int64_t per = n * K < (1 << 16) ? (n > 0 ? n : 1) : chunk_size(n, pool().threads(), 1);
+        pool().run((n + per - 1) / per, [&](int64_t c) {
+            for (int64_t i = c * per; i < n && i < (c + 1) * per; ++i)
+                k.q->dequantize(t, as_ptr<const uint8_t>(weight) + ids[i] * bytes, K, as_ptr<float>(out) + i * K);
+        });
     }, py::arg("dtype"), py::arg("weight"), py::arg("K"), py::arg("row_ids"), py::arg("n"), py::arg("out"),
        "out (n, K) float32 = the rows row_ids (n,) int64 of the GGUF matrix at weight (the embedding lookup of a "
        "quantized token_embd; the caller keeps ids below its row count).");

@@ -13,7 +13,7 @@ step's row count. The labels:
 * ``torch (oneDNN)`` -- ``Linear``'s ``packed`` kernel (oneDNN's prepacked bf16 / fp16 GEMM,
   AMX or AVX512-BF16 where the CPU has them), and ``packed+fp32`` for one row;
 * ``torch (float32 GEMM)`` -- torch's float32 GEMM: float32 weights, the float32 copy of
-  ``packed+fp32`` from two rows on, GGUF blocks dequantized natively from ``GEMM_ROWS`` rows on;
+  ``packed+fp32`` from two rows on, GGUF blocks dequantized natively from their type's ``GEMM_ROWS`` rows on;
 * ``torch (F.linear)`` -- ``F.linear`` on reduced-precision weights (no prepacked kernel here);
 * ``torch (int8 weight)`` -- torch's int8-weight kernel (int8 weights with bf16 / fp16 inputs);
 * ``torch (reference dequantize)`` -- GGUF blocks dequantized per call (a build without the
@@ -57,7 +57,8 @@ def linear_kernel(layer: Any, rows: int, dtype: torch.dtype) -> str:
     if getattr(layer, "gguf_parts", None) is not None:  # rtpcore.checkpoint.gguf.linear.forward
         if layer.gguf_native is None:
             return "torch (reference dequantize)"
-        return "torch (float32 GEMM)" if rows >= GEMM_ROWS else native_label()
+        kind = layer.gguf_parts[0][0]  # per part, by its GGML type; several types: the first part's
+        return "torch (float32 GEMM)" if rows >= GEMM_ROWS[kind] else native_label()
     kernel = layer.kernel
     if kernel == "int8":  # rtpcore.quantization.Int8Method.apply
         return native_label() if layer.native_weights is not None and dtype == torch.float32 else "torch (int8 weight)"
@@ -129,8 +130,8 @@ def _probe_layer(kind: str) -> tuple[Linear, torch.dtype]:
 
 def _segments(label: Any, low: int) -> list[dict[str, str]]:
     """``label(rows)`` over rows ``low..``, as runs of equal labels: ``[{"rows": "1", "kernel": ...},
-    {"rows": "2-95", ...}, {"rows": "96+", ...}]`` (the labels change only at 2 and GEMM_ROWS rows)."""
-    cuts = sorted({low, *(r for r in (2, GEMM_ROWS) if r > low)})
+    {"rows": "2-95", ...}, {"rows": "96+", ...}]`` (the labels change only at 2 and at a type's GEMM_ROWS)."""
+    cuts = sorted({low, *(r for r in (2, *GEMM_ROWS.values()) if r > low)})
     runs: list[list[Any]] = []  # [first row, last row or None, kernel]
     for i, start in enumerate(cuts):
         last = cuts[i + 1] - 1 if i + 1 < len(cuts) else None

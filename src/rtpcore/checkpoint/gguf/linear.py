@@ -15,8 +15,9 @@ by :func:`~rtpcore.checkpoint.gguf.blocks.gguf_native`:
 
 * **native** (``rtpcore_native._kernels`` with ``gguf_dtypes``): ``LinearWeights(ptr, type, 0,
   bias, out, in)`` per part and ``linear(...)``, the activations quantized per block as llama.cpp
-  does (its tolerance: ``tests/test_gguf_method.py``); from :data:`GEMM_ROWS` rows on, the
-  weight dequantized natively into a scratch buffer and torch's GEMM (faster for prefill);
+  does (its tolerance: ``tests/test_gguf_method.py``); from :data:`GEMM_ROWS` rows on (per GGML
+  type), that part's weight dequantized natively into a scratch buffer and torch's GEMM (faster
+  for prefill);
 * **reference** (a build without them): the blocks dequantized with the ``gguf`` package on
   every call, then ``F.linear`` in float32. Slow -- a float copy of the weight per call -- but
   exact: the result is bit for bit that of a float32 model loaded with the same weights
@@ -87,35 +88,35 @@ def _native_weights(layer: Any) -> list[Any] | None:
     return out
 
 
-#: From this many rows (a prefill chunk, a large batch) the native path dequantizes the weight into
-#: a float32 scratch and multiplies with torch's GEMM instead of the block kernels: measured with 2
-#: threads on an Intel Xeon (AVX-512 VNNI), a 1536 x 576 Q8_0 / Q4_0 weight takes 1.0 ms both ways
-#: at 64 rows, 2.0 ms against 1.2-1.4 ms at 128 and 8.0 ms against 3.3-3.6 ms at 512 (the
-#: dequantization itself, 0.3-0.9 ms, is paid once per call). Activations then stay float32.
-GEMM_ROWS = 96
+#: From this many rows (a prefill chunk, a large batch), per GGML type, the native path dequantizes a
+#: part's weight into a float32 scratch and multiplies it with torch's GEMM instead of the block
+#: kernels; activations then stay float32. Measured with benchmarks/bench_gguf_kernels.py
+#: ``--crossover`` (one thread, CPU time, Intel Xeon with AVX-512 VNNI; 2816 x 1024, 1024 x 2816,
+#: 1536 x 576 and 576 x 1536 weights), block kernel against dequantize + GEMM: the 32-element types
+#: break even at about 32 rows (q8_0 1024 x 2816: 2.3 ms against 2.2 at 32 rows, 3.5 against 2.5
+#: at 48), the K types at about 96 (q4_k 1024 x 2816: 2.5 against 2.9 ms at 64, 3.7 both ways at
+#: 96, 4.9 against 4.6 at 128; with the AVX2 kernels and MKL capped at AVX2, 5.1 against 5.6 at
+#: 96, 6.6 against 7.0 at 128), f16 (a float32 kernel) at about 96. The dequantization (7-8 G
+#: elements/s per thread) is paid once per call.
+GEMM_ROWS = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q5_1": 32, "q4_k": 96, "q5_k": 96, "q6_k": 96, "f16": 96}
 
 _scratch = threading.local()
 
 
-def _dequantized(layer: Any) -> torch.Tensor:
-    """The layer's weight as float32 (out, in), in a scratch buffer of this thread reused by every
-    layer (valid until the next call)."""
+def _dequantized(kind: str, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``blocks`` (rows, row bytes) of GGML type ``kind`` as float32 (rows, in), in a scratch buffer of
+    this thread reused by every layer (valid until the next call)."""
     kernels = gguf_native()
-    numel = layer.out_features * layer.in_features
+    rows = blocks.shape[0]
+    numel = rows * in_features
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < numel:
         buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
     ids = getattr(_scratch, "ids", None)
-    rows = max(blocks.shape[0] for _, blocks in gguf_blocks(layer))
     if ids is None or ids.numel() < rows:
         ids = _scratch.ids = torch.arange(max(rows, 1), dtype=torch.int64)
-    w = buf[:numel].view(layer.out_features, layer.in_features)
-    start = 0
-    for kind, blocks in gguf_blocks(layer):
-        n = blocks.shape[0]
-        kernels.gguf_dequantize_rows(kind, blocks.data_ptr(), layer.in_features, ids.data_ptr(), n,
-                                     w[start:].data_ptr())
-        start += n
+    w = buf[:numel].view(rows, in_features)
+    kernels.gguf_dequantize_rows(kind, blocks.data_ptr(), in_features, ids.data_ptr(), rows, w.data_ptr())
     return w
 
 
@@ -123,16 +124,20 @@ def forward(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """``layer``'s output (..., out) for ``x`` (..., in), in ``x``'s dtype."""
     rows = x.reshape(-1, layer.in_features).float().contiguous()  # (n, in)
     native = layer.gguf_native
-    if native is not None and rows.shape[0] >= GEMM_ROWS:
-        y = F.linear(rows, _dequantized(layer), layer.bias_f32)
-    elif native is not None and rows.shape[0] > 0:
+    n = rows.shape[0]
+    if native is not None and n > 0:
         kernels = gguf_native()
         kernels.set_num_threads(torch.get_num_threads())
-        outs = []
-        for weights in native:
-            y = torch.empty(rows.shape[0], weights.out_features, dtype=torch.float32)  # (n, part rows)
-            kernels.linear(weights, rows.data_ptr(), rows.shape[0], y.data_ptr())
+        outs, start = [], 0
+        for (kind, blocks), weights in zip(gguf_blocks(layer), native, strict=True):
+            if n >= GEMM_ROWS[kind]:
+                bias = None if layer.bias_f32 is None else layer.bias_f32[start: start + blocks.shape[0]]
+                y = F.linear(rows, _dequantized(kind, blocks, layer.in_features), bias)
+            else:
+                y = torch.empty(n, weights.out_features, dtype=torch.float32)  # (n, part rows)
+                kernels.linear(weights, rows.data_ptr(), n, y.data_ptr())
             outs.append(y)
+            start += blocks.shape[0]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     else:  # the reference: the weight dequantized for this call
         w = torch.cat([dequantize_rows(kind, blocks, layer.in_features) for kind, blocks in gguf_blocks(layer)])
