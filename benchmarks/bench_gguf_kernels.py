@@ -16,6 +16,10 @@ other load on the machine does not count), best of 5.
 
     python benchmarks/bench_gguf_kernels.py [--threads 2] [--seconds 0.2] [--isa avx2 ...] [--dtype q4_k ...]
     python benchmarks/bench_gguf_kernels.py --crossover [--dtype q8_0 q4_k ...]
+
+``--cpu-time`` runs one thread and times the kernels in CPU time of this thread (best of 5 pairs
+of calls) instead of wall time, for a machine other processes share; ``--shape 2816x1024`` picks
+the matrices.
 """
 
 from __future__ import annotations
@@ -147,7 +151,13 @@ def main() -> None:
     parser.add_argument("--isa", nargs="*", default=None, help="instruction sets (default: all supported)")
     parser.add_argument("--dtype", nargs="*", default=None, help="GGUF types or int8 (default: the GGUF types)")
     parser.add_argument("--crossover", action="store_true", help="where dequantize + GEMM overtakes the block kernel")
+    parser.add_argument("--cpu-time", action="store_true", help="one thread, this thread's CPU time")
+    parser.add_argument("--shape", nargs="*", default=None, help="N x K matrices, e.g. 2816x1024 (default: two)")
     args = parser.parse_args()
+    if args.cpu_time:
+        args.threads = 1
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shape] if args.shape else SHAPES
+    timer = cpu_time if args.cpu_time else (lambda fn: best_time(fn, args.seconds))
     torch.set_num_threads(args.threads)
     kernels.set_num_threads(args.threads)
     isas = args.isa or kernels.supported_isas()
@@ -162,7 +172,7 @@ def main() -> None:
     print(f"{'dtype':6} {'isa':12} {'N x K':>11} {'rows':>4} {'us/call':>9} {'GB/s':>6} "
           f"{'torch us':>9} {'ratio':>6}")
     try:
-        for n, k in SHAPES:
+        for n, k in shapes:
             x_all = torch.randn(max(ROWS), k)
             for dtype in dtypes:
                 torch_us = {}
@@ -171,7 +181,7 @@ def main() -> None:
                 dense = dequantize(dtype, w, n, k, scale)  # torch's operand: the same weights in float32
                 for rows in ROWS:
                     x = x_all[:rows].contiguous()
-                    torch_us[rows] = best_time(lambda x=x, dense=dense: torch.matmul(x, dense.T), args.seconds) * 1e6
+                    torch_us[rows] = timer(lambda x=x, dense=dense: torch.matmul(x, dense.T)) * 1e6
                 weights = weights_of(dtype, w, scale, n, k)
                 for isa in isas:
                     kernels.set_isa(isa)
@@ -182,7 +192,7 @@ def main() -> None:
                                  weights: object = weights) -> None:
                             kernels.linear(weights, x.data_ptr(), rows, y.data_ptr())
 
-                        us = best_time(call, args.seconds) * 1e6
+                        us = timer(call) * 1e6
                         print(f"{dtype:6} {isa:12} {f'{n}x{k}':>11} {rows:>4} {us:9.1f} {w.nbytes / us / 1e3:6.1f} "
                               f"{torch_us[rows]:9.1f} {torch_us[rows] / us:6.2f}", flush=True)
     finally:
