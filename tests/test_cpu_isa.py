@@ -26,7 +26,6 @@ from rtpcore.models.cpu_isa import CPU_ISA_SETS, CPU_ISAS, KERNEL_SETS  # noqa: 
 from rtpcore.models.kernel_table import kernel_table, weight_kinds  # noqa: E402
 from rtpcore.models.layers import cpu_has_native_dot  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 FEATURES = kernels.cpu_features()
 # A CPU whose flags and OS say AMX: the probe's fallback can be shown there by a failing probe.
 AMX_CPU = all(FEATURES[f] for f in ("amx_tile", "amx_bf16", "amx_int8", "os_amx")) and "avx512_bf16" in (
@@ -36,9 +35,9 @@ CAP_VARS = ("RTPCORE_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without any cap (the test's own additions apart), rtpcore importable."""
+    """This environment without any cap (the test's own additions apart): the rtpcore this
+    interpreter imports (installed, or an editable checkout) is the one the child imports."""
     env = {k: v for k, v in os.environ.items() if k not in CAP_VARS}
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
     return {**env, **extra}
 
 

@@ -37,8 +37,6 @@ from rtpcore.quantization import GgufMethod  # noqa: E402
 from test_gguf import PROMPTS, convert  # noqa: E402
 from test_llama import teacher_forced_logits  # noqa: E402
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-
 
 def mappings(path: Path) -> list[tuple[int, int, str]]:
     """(start, end, permissions) of each mapping of ``path`` in this process."""
@@ -176,7 +174,7 @@ def test_building_and_running_a_gguf_model_stays_out_of_torchs_dispatcher(tmp_pa
     torch.distributed.tensor (about a second of the load)."""
     _, path = convert(tmp_path, "llama-tied", "Q8_0")
     proc = subprocess.run([sys.executable, "-c", BUILD_CHILD, str(path)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}, check=False)
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     if seen["before"]:
