@@ -251,8 +251,8 @@ class Server:
             return "(no log)"
 
 
-def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: list[str] | None = None,
-                   name: str = "rtpcore", dtype: str = "float32") -> Server:
+def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: list[str] | None = None, *,
+                   dtype: str, name: str = "rtpcore") -> Server:
     """``rtpcore serve``; ``--max-batch-size`` only when given, then ``extra`` options; ``name``
     (which names its log too) starts with "rtpcore", which is what gets it ``ignore_eos``."""
     port = free_port()
@@ -267,7 +267,8 @@ def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: lis
 
 def transformers_server(ckpt: Path, tmp: Path, dtype: str = "float32") -> Server:
     """``transformers serve`` pinned to the checkpoint (requests must name it as given); its
-    log (level warning) names each request with ``CB: True`` when continuous batching serves it."""
+    log (level warning) shows continuous batching: ``CB: True`` per request (transformers before
+    5.2x) or a line of its ``ContinuousBatchingLogger`` (5.2x, when the batching manager starts)."""
     port = free_port()
     exe = Path(sys.executable).with_name("transformers")
     cli = [str(exe)] if exe.is_file() else [sys.executable, "-m", "transformers.cli.transformers"]
@@ -371,9 +372,17 @@ def check_missing(server: Server) -> None:
         raise ServerFailed(f"transformers serve needs transformers[serving]; missing: {', '.join(missing)}")
 
 
+CB_MARKERS = ("CB: True", "ContinuousBatchingLogger")
+
+
 def warn_no_cb(server: Server) -> None:
-    if server.name == "transformers" and "CB: True" not in server.log.read_text(errors="replace"):
-        print("  warning: transformers' log does not show 'CB: True' (continuous batching)", flush=True)
+    """A warning when transformers' log does not show continuous batching serving a request
+    (a version whose log says it otherwise, or a fallback to sequential generation)."""
+    if server.name != "transformers":
+        return
+    log = server.log.read_text(errors="replace")
+    if not any(marker in log for marker in CB_MARKERS) or "Falling back to sequential generation" in log:
+        print(f"  warning: transformers' log does not show continuous batching (none of {CB_MARKERS})", flush=True)
 
 
 @contextlib.contextmanager
@@ -671,7 +680,8 @@ def bench_load(server: Server, plan: LoadPlan, args: argparse.Namespace) -> Load
         _, _, got = asyncio.run(load_run(server, warm, args.round_timeout))
         if errors := [g for g in got if isinstance(g, BaseException)]:
             raise errors[0]
-        t0, end, got = asyncio.run(load_run(server, plan, args.round_timeout))
+        with profiled(server, args):
+            t0, end, got = asyncio.run(load_run(server, plan, args.round_timeout))
     done = [(i, g) for i, g in enumerate(got) if isinstance(g, Sample)]
     errors = [g for g in got if not isinstance(g, Sample)]
     first_error = f"{type(errors[0]).__name__}: {errors[0]}".splitlines()[0][:200] if errors else ""
@@ -906,7 +916,7 @@ def run_llamacpp(tmp: Path, args: argparse.Namespace) -> tuple[str, bool]:
     results: dict[str, Result | str] = {}
     counted: dict[str, list[int]] = {}
     for t, gguf in files.items():
-        for server in (rtpcore_server(gguf, tmp, None, extra, name=f"rtpcore[{t}]"),
+        for server in (rtpcore_server(gguf, tmp, None, extra, dtype="float32", name=f"rtpcore[{t}]"),
                        llama_server(args.llamacpp, gguf, tmp, args.clients, f"llama-server[{t}]")):
             try:
                 results[server.name], counted[server.name] = bench_completions(server, rounds, args)
@@ -1186,7 +1196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-words", type=parse_range, default=None, metavar="MIN:MAX",
                         help="llamacpp: prompt lengths in words (default 64:512)")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                        help="steady, llamacpp: py-spy samples each rtpcore server through its timed rounds "
+                        help="steady, load, llamacpp: py-spy samples each rtpcore server through its timed rounds "
                         "(DIR/<name>.txt, a summary printed); needs py-spy")
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -1262,7 +1272,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             extra = ([] if args.max_num_batched_tokens is None
                      else ["--max-num-batched-tokens", str(args.max_num_batched_tokens)])
-            servers = [rtpcore_server(ckpt, tmp, steady.max_batch_size, extra)]
+            servers = [rtpcore_server(ckpt, tmp, steady.max_batch_size, extra, dtype=args.dtype)]
             if not args.skip_transformers:
                 servers.append(transformers_server(ckpt, tmp, args.dtype))
             results: dict[str, Result | str] = {}

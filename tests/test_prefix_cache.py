@@ -10,6 +10,8 @@ import hashlib
 from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rtpcore.engine.core.block_pool import BlockAllocator
 from rtpcore.engine.core.kv_manager import KVManager
@@ -99,6 +101,50 @@ def test_empty_blocks_go_first_then_the_least_recently_released_cached_block_is_
     assert a.allocate(1) == [2]  # the empty one first
     assert a.allocate(1) == [x] and a.lookup([b"x"]) == [] and a.lookup([b"y"]) == [y]
     assert a.evictions_total == 1 and a.num_cached == 1
+
+
+def test_an_allocation_larger_than_the_empty_blocks_takes_all_of_them_then_evicts() -> None:
+    """3 empty and 2 cached free blocks, 5 asked for: every empty block, then both cached ones
+    (an allocation that took fewer empty blocks than there were ran out of cached ones to evict,
+    a KeyError that ended a serving engine's loop)."""
+    a = BlockAllocator(5)
+    x, y = a.allocate(2)
+    a.register(x, b"x")
+    a.register(y, b"y")
+    a.free([x, y])
+    assert a.num_free == 5 and a.num_cached_free == 2
+    got = a.allocate(5)
+    assert sorted(got) == [0, 1, 2, 3, 4] and got[:3] == [2, 3, 4]  # the empty ones first, lowest id first
+    assert a.num_free == 0 and a.num_cached == 0 and a.evictions_total == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["allocate", "free", "register"]), st.integers(0, 6)), max_size=60))
+def test_the_allocator_hands_out_every_free_block_exactly_once(ops: list[tuple[str, int]]) -> None:
+    """Random allocations, releases and registrations against a model of who holds what: an
+    allocation of at most num_free blocks always succeeds with distinct blocks nobody holds,
+    one of more is a KVBlockError that changes nothing, and no block is lost."""
+    a = BlockAllocator(6)
+    held: list[list[int]] = []
+    key = 0
+    for op, n in ops:
+        if op == "allocate":
+            before = a.num_free
+            if n > before:
+                with pytest.raises(KVBlockError):
+                    a.allocate(n)
+                assert a.num_free == before
+                continue
+            got = a.allocate(n)
+            assert len(set(got)) == n and not {b for h in held for b in h} & set(got)
+            assert a.num_free == before - n
+            held.append(got)
+        elif op == "free" and held:
+            a.free(held.pop(n % len(held)))
+        elif op == "register" and held and held[n % len(held)]:
+            key += 1
+            a.register(held[n % len(held)][0], key.to_bytes(4, "little"))
+        assert a.num_free + len({b for h in held for b in h}) == 6
 
 
 def test_acquiring_a_released_cached_block_saves_it_from_eviction() -> None:

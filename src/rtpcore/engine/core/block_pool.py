@@ -216,8 +216,9 @@ class BlockAllocator:
     def _take(self, n: int) -> list[int]:
         if n < 0:
             raise KVBlockError(f"cannot allocate {n} KV blocks: the count must be >= 0")
-        out = self._empty[len(self._empty) - n :][::-1]
-        del self._empty[len(self._empty) - n :]
+        first = len(self._empty) - min(n, len(self._empty))  # every empty block before any cached one
+        out = self._empty[first:][::-1]
+        del self._empty[first:]
         while len(out) < n:  # evict the least recently released cached block
             b, _ = self._evictable.popitem(last=False)
             del self._block_of[self._key_of.pop(b)]
