@@ -178,11 +178,49 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
     """``native_cpu``: the ``rtpcore_native`` kernels on the CPU, for float32 and bfloat16
     multi-head / grouped-query pools. A Llama-family model whose every layer has it runs its
     decode steps as one native call (``rtpcore.models.native``: attention and the layers around
-    it); its prefill and mixed steps, and any model that has no native decode step, attend
-    through the reference (:class:`TorchAttentionBackend`'s calls)."""
+    it). In every other step (a mixed step's decodes beside prompt chunks, any model without a
+    native decode step) the one-token sequences at the head of the batch attend in one native
+    call reading the pool in place (``rtpcore_native._kernels.paged_decode_attention``, the
+    native decode step's attention: no gathered copy of their contexts, float32 sums in its
+    own order, within float32 rounding of the reference), and every longer span (a prompt
+    chunk, a speculative verification) through the reference's fused attention over its own
+    context."""
 
     name = "native_cpu"
     priority = 10
+
+    def attention(self, q: Any, cache: Any, batch: ForwardBatch, *, scale: float, window: int | None = None,
+                  masks: dict[Any, Any] | None = None) -> Any:
+        d = batch.num_decodes
+        pool_dtype = _POOL_DTYPES.get(str(cache.k.dtype))
+        if d == 0 or pool_dtype is None or cache.k.dtype is not cache.v.dtype or cache.k.dim() != 3:
+            return super().attention(q, cache, batch, scale=scale, window=window, masks=masks)
+        import torch
+
+        from rtpcore_native import _kernels
+
+        key = ("native_decode_rows", d)  # the decodes' tables and lengths as int64, once per forward
+        rows = masks.get(key) if masks is not None else None
+        if rows is None:
+            rows = (batch.block_tables[:d].to(torch.int64).contiguous(),
+                    batch.context_lens[:d].to(torch.int64).contiguous())
+            if masks is not None:
+                masks[key] = rows
+        tables, lens = rows
+        t, h, dim = q.shape
+        qd = q[:d].to(torch.float32).contiguous()
+        od = torch.empty_like(qd)
+        _kernels.paged_decode_attention(
+            qd.data_ptr(), d, h, cache.k.shape[1], dim, cache.k.data_ptr(), cache.v.data_ptr(),
+            pool_dtype, cache.k.shape[0], tables.data_ptr(), tables.shape[1],
+            cache.tokens_per_block, lens.data_ptr(), window or 0, scale, od.data_ptr(),
+        )
+        if d == t:
+            return od.to(q.dtype)
+        out = torch.empty_like(q)
+        out[:d] = od
+        _reference().attend_spans(q, cache, batch, out, d, scale=scale, window=window)
+        return out
 
     @classmethod
     def supports(cls, kv_spec: Any, device: torch.device, dtype: torch.dtype) -> bool | str:
@@ -195,6 +233,9 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
         if importlib.util.find_spec("rtpcore_native._kernels") is None:
             return "this build of rtpcore_native has no _kernels extension"
         return True
+
+
+_POOL_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16"}
 
 
 # -- what a model calls -------------------------------------------------------------------------

@@ -1124,6 +1124,57 @@ PYBIND11_MODULE(_kernels, m) {
     }, py::arg("weights"), py::arg("x"), py::arg("rows"), py::arg("y"), py::arg("accumulate") = false,
        "y (rows, N) (+)= x (rows, K) @ W.T (* scale) + bias, float32.");
 
+    m.def("paged_decode_attention", [](uintptr_t q_p, int64_t B, int64_t H, int64_t Hkv, int64_t D, uintptr_t k_pool,
+                                       uintptr_t v_pool, const std::string& dtype, int64_t slots, uintptr_t tables_p,
+                                       int64_t width, int64_t tpb, uintptr_t ctx_p, int64_t window, double scale,
+                                       uintptr_t out_p) {
+        if (B <= 0 || H <= 0 || Hkv <= 0 || D <= 0 || H % Hkv != 0)
+            throw std::invalid_argument("paged_decode_attention: bad shape (rows " + std::to_string(B) + ", heads " +
+                                        std::to_string(H) + ", kv heads " + std::to_string(Hkv) + ", head dim " +
+                                        std::to_string(D) + ")");
+        if (dtype != "float32" && dtype != "bfloat16")
+            throw std::invalid_argument("paged_decode_attention reads float32 and bfloat16 pools, got '" + dtype + "'");
+        const bool bf16 = dtype == "bfloat16";
+        const auto* tables = as_ptr<const int64_t>(tables_p);
+        const auto* ctx = as_ptr<const int64_t>(ctx_p);
+        int64_t longest = 0;
+        for (int64_t b = 0; b < B; ++b) {  // every index dereferenced, checked first
+            auto row = [b] { return "sequence " + std::to_string(b); };
+            if (ctx[b] < 1 || (ctx[b] + tpb - 1) / tpb > width)
+                throw std::out_of_range(row() + ": context length " + std::to_string(ctx[b]) +
+                                        " does not fit its block table of " + std::to_string(width) + " blocks of " +
+                                        std::to_string(tpb));
+            for (int64_t j = 0; j < (ctx[b] + tpb - 1) / tpb; ++j) {
+                const int64_t blk = tables[b * width + j];
+                if (blk < 0 || (blk + 1) * tpb > slots)
+                    throw std::out_of_range(row() + ": block " + std::to_string(blk) + " outside the KV pool");
+            }
+            longest = ctx[b] > longest ? ctx[b] : longest;
+        }
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        const Kernels& k = kernels();
+        const auto* q = as_ptr<const float>(q_p);
+        auto* out = as_ptr<float>(out_p);
+        const int64_t G = H / Hkv;
+        const void* kp = reinterpret_cast<const void*>(k_pool);
+        const void* vp = reinterpret_cast<const void*>(v_pool);
+        pool().run(B * Hkv, [&](int64_t task) {
+            thread_local std::vector<float> scores;
+            const int64_t b = task / Hkv, kvh = task % Hkv;
+            const int64_t start = (window > 0 && ctx[b] > window) ? ctx[b] - window : 0;
+            if (static_cast<int64_t>(scores.size()) < G * longest) scores.resize(G * longest);
+            k.attend[bf16](q + (b * H + kvh * G) * D, G, D, kp, vp, kvh, Hkv, tables + b * width, tpb, start, ctx[b],
+                           static_cast<float>(scale), scores.data(), out + (b * H + kvh * G) * D);
+        });
+    }, py::arg("q"), py::arg("rows"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("k_pool"),
+       py::arg("v_pool"), py::arg("dtype"), py::arg("slots"), py::arg("tables"), py::arg("width"),
+       py::arg("tokens_per_block"), py::arg("context_lens"), py::arg("window"), py::arg("scale"), py::arg("out"),
+       "out (rows, heads, head_dim) = attention of each row's one query (q, float32, same shape) over its "
+       "sequence's context_lens[b] cached positions (the last `window` of them when window > 0), read in place "
+       "from the paged pools (slot rows of kv_heads x head_dim, float32 or bfloat16) through tables "
+       "(rows x width, int64).");
+
     m.def("linear_bf16", [](const LinearW& l, uintptr_t x, int64_t rows, uintptr_t y) {
         if (rows <= 0) throw std::invalid_argument("linear_bf16 needs at least one row, got " + std::to_string(rows));
         if (l.kind != WeightKind::bf16p)

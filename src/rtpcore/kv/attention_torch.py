@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from rtpcore.kv import paged_attention as kernels
 
-__all__ = ["attend", "causal_mask", "torch_paged_attention", "torch_paged_mla"]
+__all__ = ["attend", "attend_spans", "causal_mask", "torch_paged_attention", "torch_paged_mla"]
 
 ForwardBatch = Any  # rtpcore.batch.ForwardBatch, a stage above
 
@@ -108,13 +108,22 @@ def torch_paged_attention(
     out = torch.empty_like(q)  # (T, H, D)
     if decoded is not None:
         out[:d] = decoded
-    for span in batch.spans(d):
+    attend_spans(q, cache, batch, out, d, scale=scale, window=window)
+    return out
+
+
+def attend_spans(
+    q: torch.Tensor, cache: Any, batch: ForwardBatch, out: torch.Tensor, first: int, *, scale: float,
+    window: int | None = None,
+) -> None:
+    """out[rows of sequence b] = the attention of sequence b's new tokens over its own context,
+    causal, for every sequence from ``first`` on, one fused call each (q, out: (T, H, D))."""
+    for span in batch.spans(first):
         kc, vc = cache.read(batch.block_tables[span.b : span.b + 1], span.context_len)  # (1, L, Hkv, D)
         mask = causal_mask(span.num_tokens, span.context_len, window, q.device)
         qs = q[span.start : span.end].transpose(0, 1)[None]  # (1, H, n, D)
         o = attend(qs, kc.transpose(1, 2), vc.transpose(1, 2), mask, scale)  # (1, H, n, D)
         out[span.start : span.end] = o[0].transpose(0, 1)
-    return out
 
 def torch_paged_mla(
     q_nope: torch.Tensor,
