@@ -126,11 +126,11 @@ def block_vs_gemm(dtype: str, w: np.ndarray, n: int, k: int, rows: int) -> tuple
     return cpu_time(lambda: kernels.linear(weights, x.data_ptr(), rows, y.data_ptr())), cpu_time(gemm)
 
 
-def crossover(dtypes: list[str], rng: np.random.Generator) -> None:
+def crossover(dtypes: list[str], rng: np.random.Generator, counts: list[int] | None = None) -> None:
     """Block kernel against dequantize + torch's GEMM, one thread, per type and row count (ms)."""
     torch.set_num_threads(1)
     kernels.set_num_threads(1)
-    counts = [8, 16, 32, 48, 64, 96, 128]
+    counts = counts or [8, 16, 32, 48, 64, 96, 128]
     print("ms per call, one thread (CPU time): block kernel / dequantize + F.linear")
     print(f"{'dtype':6} {'N x K':>11} " + " ".join(f"{f'rows {r}':>13}" for r in counts))
     for n, k in CROSSOVER_SHAPES:
@@ -152,6 +152,8 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="*", default=None, help="GGUF types or int8 (default: the GGUF types)")
     parser.add_argument("--crossover", action="store_true", help="where dequantize + GEMM overtakes the block kernel")
     parser.add_argument("--cpu-time", action="store_true", help="one thread, this thread's CPU time")
+    parser.add_argument("--rows", nargs="*", type=int, default=None,
+                        help="--crossover's row counts (default: 8 16 32 48 64 96 128)")
     parser.add_argument("--shape", nargs="*", default=None, help="N x K matrices, e.g. 2816x1024 (default: two)")
     args = parser.parse_args()
     if args.cpu_time:
@@ -166,7 +168,7 @@ def main() -> None:
     print(f"CPU: {cpu_line()}")
     if args.crossover:
         print(f"instruction set: {kernels.isa()}; torch {torch.__version__}")
-        crossover(dtypes, rng)
+        crossover(dtypes, rng, args.rows)
         return
     print(f"threads: {args.threads}; default instruction set: {kernels.default_isa()}; torch {torch.__version__}")
     print(f"{'dtype':6} {'isa':12} {'N x K':>11} {'rows':>4} {'us/call':>9} {'GB/s':>6} "

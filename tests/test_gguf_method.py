@@ -257,6 +257,29 @@ def test_blocks_follow_the_operations_a_model_builds_with(caplog: pytest.LogCapt
     assert len([r for r in caplog.records if "aten.t" in r.getMessage()]) <= 1
 
 
+@pytest.mark.skipif(not NATIVE, reason="the native kernels report the CPU's vendor")
+def test_gemm_rows_follow_the_cpus_vendor_and_kernel_set() -> None:
+    """The thresholds in force are those of this CPU: CPUID's vendor string is the kernel's
+    (/proc/cpuinfo's vendor_id), and an EPYC's tables (its float32 GEMM slower per cycle) start
+    torch's GEMM later than a Xeon's for every type, later still for the K types."""
+    from rtpcore.checkpoint.gguf import linear
+
+    vendor = gguf_native().cpu_vendor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        ids = {line.partition(":")[2].strip() for line in cpuinfo.read_text().splitlines()
+               if line.startswith("vendor_id")}
+        if ids:
+            assert ids == {vendor}
+    assert linear.gemm_rows(vendor, gguf_native().default_isa()) == linear.GEMM_ROWS
+    intel = linear.gemm_rows("GenuineIntel", "avx512_vnni")
+    assert intel == linear.gemm_rows("", "avx2") == linear.GEMM_ROWS_INTEL
+    for kernel_set, table in (("avx512_bf16", linear.GEMM_ROWS_AMD), ("avx2", linear.GEMM_ROWS_AMD_AVX2)):
+        amd = linear.gemm_rows("AuthenticAMD", kernel_set)
+        assert amd == table and set(amd) == set(intel) == set(GGUF_BLOCK_TYPES)
+        assert all(amd[t] >= intel[t] for t in intel) and min(amd[t] for t in ("q4_k", "q5_k", "q6_k")) > amd["q8_0"]
+
+
 def test_many_rows_take_the_dequantized_weight_and_torchs_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     """From GEMM_ROWS[type] rows (a prefill chunk) the native path multiplies each part's weight
     dequantized into a scratch buffer: float32 activations, so the product equals F.linear of the

@@ -100,9 +100,21 @@ inline Features detect() {
     return f;
 }
 
+// CPUID leaf 0's vendor string ("GenuineIntel", "AuthenticAMD", ...).
+inline std::string vendor() {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return "";
+    char v[13] = {};
+    std::memcpy(v, &b, 4);
+    std::memcpy(v + 4, &d, 4);
+    std::memcpy(v + 8, &c, 4);
+    return v;
+}
+
 #else
 
 inline Features detect() { return {}; }
+inline std::string vendor() { return ""; }
 
 #endif
 

@@ -1085,6 +1085,8 @@ PYBIND11_MODULE(_kernels, m) {
         return d;
     }, "CPUID flags, the register state the OS saves (XCR0: os_avx, os_avx512, os_amx) and whether this "
        "process holds AMX's tile-data permission now (amx_permitted; amx_probe asks for it). Runs no probe.");
+    m.def("cpu_vendor", [] { return cpu::vendor(); },
+          "CPUID's vendor string ('GenuineIntel', 'AuthenticAMD'; '' off x86-64).");
     m.def("amx_probe", [] {
         const cpu::Probe& p = cpu::amx_probe();
         return std::make_tuple(p.ok, p.reason);

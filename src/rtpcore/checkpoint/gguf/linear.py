@@ -91,14 +91,52 @@ def _native_weights(layer: Any) -> list[Any] | None:
 #: From this many rows (a prefill chunk, a large batch), per GGML type, the native path dequantizes a
 #: part's weight into a float32 scratch and multiplies it with torch's GEMM instead of the block
 #: kernels; activations then stay float32. Measured with benchmarks/bench_gguf_kernels.py
-#: ``--crossover`` (one thread, CPU time, Intel Xeon with AVX-512 VNNI; 2816 x 1024, 1024 x 2816,
-#: 1536 x 576 and 576 x 1536 weights), block kernel against dequantize + GEMM: the 32-element types
-#: break even at about 32 rows (q8_0 1024 x 2816: 2.3 ms against 2.2 at 32 rows, 3.5 against 2.5
-#: at 48), the K types at about 96 (q4_k 1024 x 2816: 2.5 against 2.9 ms at 64, 3.7 both ways at
-#: 96, 4.9 against 4.6 at 128; with the AVX2 kernels and MKL capped at AVX2, 5.1 against 5.6 at
-#: 96, 6.6 against 7.0 at 128), f16 (a float32 kernel) at about 96. The dequantization (7-8 G
-#: elements/s per thread) is paid once per call.
-GEMM_ROWS = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q5_1": 32, "q4_k": 96, "q5_k": 96, "q6_k": 96, "f16": 96}
+#: ``--crossover`` (one thread, CPU time; 2816 x 1024, 1024 x 2816, 1536 x 576 and 576 x 1536
+#: weights), block kernel against dequantize + GEMM. The dequantization (7-8 G elements/s per
+#: thread) is paid once per call. Where the crossover lies depends on the CPU's vendor more than
+#: on its instruction sets: torch's float32 GEMM runs about twice as fast per cycle on a Xeon
+#: as on an EPYC (Zen 4 executes a 512-bit FMA as two halves), the integer block kernels about
+#: as fast on both, so :data:`GEMM_ROWS` is chosen once per process by :func:`gemm_rows`.
+#:
+#: Intel (Xeon with AVX-512 VNNI; every vendor but AMD): the 32-element types break even at about
+#: 32 rows (q8_0 1024 x 2816: 2.3 ms against 2.2 at 32 rows, 3.5 against 2.5 at 48), the K types
+#: at about 96 (q4_k 1024 x 2816: 2.5 against 2.9 ms at 64, 3.7 both ways at 96, 4.9 against 4.6
+#: at 128; with the AVX2 kernels and MKL capped at AVX2, 5.1 against 5.6 at 96, 6.6 against 7.0
+#: at 128), f16 (a float32 kernel) at about 96.
+GEMM_ROWS_INTEL = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q5_1": 32, "q4_k": 96, "q5_k": 96, "q6_k": 96, "f16": 96}
+#: AMD (EPYC, Zen 4) with the AVX-512 VNNI kernels: the 32-element types break even at 128 rows
+#: on SmolLM2's widths and stay ahead there on wider ones (q8_0 2816 x 1024: 4.2 ms against 5.7
+#: at 64 rows, 8.3 against 10.0 at 128, 16.4 against 16.7 at 256; q8_0 576 x 1536: 2.5 against
+#: 2.5 at 128; q4_0 1536 x 576: 2.9 against 2.8 at 128); the K types and f16 stay ahead at 512
+#: rows, the most a step of the default token budget holds (q4_k 1024 x 2816: 21.4 against
+#: 31.0 ms, q6_k 19.8 against 31.5, q5_k 22.9 against 38.4, f16 31.2 against 35.1).
+GEMM_ROWS_AMD = {"q8_0": 128, "q4_0": 128, "q5_0": 128, "q5_1": 128, "q4_k": 512, "q5_k": 512, "q6_k": 512,
+                 "f16": 512}
+#: AMD with the AVX2 kernels (``--cpu-isa avx2``, MKL capped at AVX2; an AVX2-only EPYC): q8_0
+#: breaks even at 64 rows (1024 x 2816: 5.2 against 5.4 ms; 10.6 against 9.8 at 128), the K
+#: types stay ahead at 512 (q4_k 1024 x 2816: 28.4 against 36.6 ms; q6_k 2816 x 1024: 28.7
+#: against 34.6), f16 as on Intel (not measured apart).
+GEMM_ROWS_AMD_AVX2 = {"q8_0": 64, "q4_0": 64, "q5_0": 64, "q5_1": 64, "q4_k": 512, "q5_k": 512, "q6_k": 512,
+                      "f16": 96}
+
+
+def gemm_rows(vendor: str | None = None, kernel_set: str | None = None) -> dict[str, int]:
+    """The row counts from which each GGML type's weight is dequantized for torch's GEMM on
+    this CPU (``vendor``: CPUID's vendor string; ``kernel_set``: the native kernel set the
+    caps allow, ``rtpcore_native._kernels.default_isa()``)."""
+    kernels = gguf_native()
+    if vendor is None:
+        vendor = kernels.cpu_vendor() if kernels is not None else ""
+    if vendor != "AuthenticAMD":
+        return dict(GEMM_ROWS_INTEL)
+    if kernel_set is None:
+        kernel_set = kernels.default_isa() if kernels is not None else "baseline"
+    return dict(GEMM_ROWS_AMD if kernel_set.startswith(("avx512", "amx")) else GEMM_ROWS_AMD_AVX2)
+
+
+#: This process's thresholds (:func:`gemm_rows` at import: the CPU's vendor and the kernel set
+#: RTPCORE_CPU_ISA allows; ``--cpu-isa`` is applied before a model is built).
+GEMM_ROWS = gemm_rows()
 
 _scratch = threading.local()
 
