@@ -132,12 +132,12 @@ def test_linear_is_within_the_activation_quantization_bound(dtype: str, rows: in
 
 
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from(list(TYPES)), rows=st.integers(1, 20), n=st.integers(1, 70), blocks=st.integers(1, 3),
+@given(dtype=st.sampled_from(list(TYPES)), rows=st.integers(1, 40), n=st.integers(1, 70), blocks=st.integers(1, 3),
        has_bias=st.booleans(), accumulate=st.booleans(), threads=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_linear_is_within_the_bound_for_any_shape(
     dtype: str, rows: int, n: int, blocks: int, has_bias: bool, accumulate: bool, threads: int, seed: int
 ) -> None:
-    """Any rows 1-20 (whole and ragged row tiles), N 1-70 (ragged pool chunks), several
+    """Any rows 1-40 (whole and ragged row tiles, both sides of the GEMM path's 16), N 1-70 (ragged pool chunks), several
     blocks, with or without a bias, writing or accumulating, 1-3 threads, every set."""
     rng = np.random.default_rng(seed)
     k = blocks * (256 if dtype.endswith("_k") else 32)
@@ -154,6 +154,71 @@ def test_linear_is_within_the_bound_for_any_shape(
         with isa(name):
             y = run_linear(w, dtype, x, bias, n, acc)
         assert ((y.double() - ref).abs() <= tol).all(), name
+
+
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from(["q8_0", "q4_0", "q5_0", "q5_1"]), rows=st.integers(16, 37), n=st.integers(1, 50),
+       blocks=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_many_rows_equal_one_row_at_a_time(dtype: str, rows: int, n: int, blocks: int, seed: int) -> None:
+    """From 16 rows the 32-element types run (with VNNI) as a GEMM over weights repacked per 16
+    columns: the same integer sums per block as one row at a time, so the rows agree to float32
+    rounding of the sums, under every set (ragged column groups and row tiles included)."""
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    w = raw_blocks(dtype, n, k, rng)
+    dense = dequantized(dtype, w)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    slack = 1e-5 * (x.double().abs() @ dense.double().abs().T) + 1e-6
+    kernels.set_num_threads(2)
+    for name in ISAS:
+        with isa(name):
+            together = run_linear(w, dtype, x, None, n)
+            apart = torch.cat([run_linear(w, dtype, x[i : i + 1], None, n) for i in range(rows)])
+        assert ((together.double() - apart.double()).abs() <= slack).all(), name
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 37), n=st.integers(1, 50), blocks=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_int8_weights_many_rows(rows: int, n: int, blocks: int, seed: int) -> None:
+    """rtpcore's int8 weights (one scale per row): below INT8_QUANTIZED_ROWS rows and, with VNNI,
+    from gemm_rows() rows on, over activations quantized per block of 32 (within that rounding's
+    bound of the exact product, and the GEMM within float rounding of one row at a time); between
+    the two, float32 activations (within float rounding of the exact product)."""
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    q = torch.from_numpy(rng.integers(-127, 128, (n, k), dtype=np.int8))
+    scale = torch.from_numpy(rng.uniform(1e-3, 2e-2, n).astype(np.float32))
+    dense = q.double() * scale.double()[:, None]
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    slack = 1e-5 * (x.double().abs() @ dense.abs().T) + 1e-6
+    amax = x.double().abs().reshape(rows, blocks, 32).amax(-1)
+    quantized_bound = amax @ dense.abs().reshape(n, blocks, 32).sum(-1).T / 254 + slack
+    ref = x.double() @ dense.T
+    kernels.set_num_threads(2)
+
+    def run(xs: torch.Tensor) -> torch.Tensor:
+        weights = kernels.LinearWeights(q.data_ptr(), "int8", scale.data_ptr(), 0, n, k)
+        y = torch.full((xs.shape[0], n), float("nan"))
+        kernels.linear(weights, xs.data_ptr(), xs.shape[0], y.data_ptr())
+        return y
+
+    for name in ISAS:
+        with isa(name):
+            gemm = kernels.gemm_rows()
+            y = run(x)
+            if rows < kernels.INT8_QUANTIZED_ROWS or (gemm and rows >= gemm):
+                assert ((y.double() - ref).abs() <= quantized_bound).all(), name
+                if gemm and rows >= gemm:
+                    apart = torch.cat([run(x[i : i + 1]) for i in range(rows)])
+                    assert ((y.double() - apart.double()).abs() <= slack).all(), name
+            else:
+                assert ((y.double() - ref).abs() <= slack).all(), name
+
+
+def test_the_vnni_sets_have_the_gemm() -> None:
+    for name in ISAS:
+        with isa(name):
+            assert (kernels.gemm_rows() > 0) == (name in ("amx", "avx512_bf16", "avx512_vnni", "avx2_vnni")), name
 
 
 def one_hot_blocks(dtype: str, k: int) -> np.ndarray:

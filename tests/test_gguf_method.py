@@ -260,8 +260,9 @@ def test_blocks_follow_the_operations_a_model_builds_with(caplog: pytest.LogCapt
 @pytest.mark.skipif(not NATIVE, reason="the native kernels report the CPU's vendor")
 def test_gemm_rows_follow_the_cpus_vendor_and_kernel_set() -> None:
     """The thresholds in force are those of this CPU: CPUID's vendor string is the kernel's
-    (/proc/cpuinfo's vendor_id), and an EPYC's tables (its float32 GEMM slower per cycle) start
-    torch's GEMM later than a Xeon's for every type, later still for the K types."""
+    (/proc/cpuinfo's vendor_id), an EPYC's tables (its float32 GEMM slower per cycle) start
+    torch's GEMM later than a Xeon's for every type, later still for the K types, and with VNNI
+    q8_0, q4_0 and q5_0 never leave the block kernels."""
     from rtpcore.checkpoint.gguf import linear
 
     vendor = gguf_native().cpu_vendor()
@@ -272,12 +273,16 @@ def test_gemm_rows_follow_the_cpus_vendor_and_kernel_set() -> None:
         if ids:
             assert ids == {vendor}
     assert linear.gemm_rows(vendor, gguf_native().default_isa()) == linear.GEMM_ROWS
-    intel = linear.gemm_rows("GenuineIntel", "avx512_vnni")
-    assert intel == linear.gemm_rows("", "avx2") == linear.GEMM_ROWS_INTEL
-    for kernel_set, table in (("avx512_bf16", linear.GEMM_ROWS_AMD), ("avx2", linear.GEMM_ROWS_AMD_AVX2)):
+    old = linear.gemm_rows("GenuineIntel", "avx512")  # no byte dot products
+    assert old == linear.gemm_rows("", "avx2") == linear.GEMM_ROWS_INTEL
+    for kernel_set, table in (("avx512", linear.GEMM_ROWS_AMD), ("avx2", linear.GEMM_ROWS_AMD_AVX2)):
         amd = linear.gemm_rows("AuthenticAMD", kernel_set)
-        assert amd == table and set(amd) == set(intel) == set(GGUF_BLOCK_TYPES)
-        assert all(amd[t] >= intel[t] for t in intel) and min(amd[t] for t in ("q4_k", "q5_k", "q6_k")) > amd["q8_0"]
+        assert amd == table and set(amd) == set(old) == set(GGUF_BLOCK_TYPES)
+        assert all(amd[t] >= old[t] for t in old) and min(amd[t] for t in ("q4_k", "q5_k", "q6_k")) > amd["q8_0"]
+    for vendor in ("GenuineIntel", "AuthenticAMD"):  # with VNNI the GEMM over repacked blocks always wins
+        vnni = linear.gemm_rows(vendor, "avx512_vnni")
+        assert {t for t, rows in vnni.items() if rows == linear.NEVER} == {"q8_0", "q4_0", "q5_0"}
+        assert vnni["q4_k"] == linear.gemm_rows(vendor, "avx512")["q4_k"]
 
 
 def test_many_rows_take_the_dequantized_weight_and_torchs_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,6 +292,8 @@ def test_many_rows_take_the_dequantized_weight_and_torchs_gemm(monkeypatch: pyte
     the block kernels, and each part decides by its own type's threshold."""
     from rtpcore.checkpoint.gguf.linear import GEMM_ROWS
 
+    monkeypatch.setitem(GEMM_ROWS, "q8_0", 32)  # with VNNI the block kernels take every row count
+    monkeypatch.setitem(GEMM_ROWS, "q4_0", 32)
     q, qd = _blocks("q8_0", 24, 64, 3)
     v, vd = _blocks("q4_0", 8, 64, 4)
     dense = torch.cat([qd, vd])

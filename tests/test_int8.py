@@ -3,8 +3,11 @@ one layer, and the engine's greedy tokens against transformers' float32 model on
 at every position the int8 engine's token is within a logit tolerance of the float32 model's best
 logit (teacher-forced on the int8 output), so the two part only at near-ties.
 
-Two tolerances, one per kernel. Batched decode (4 sequences) and prefill keep float32 activations:
-the int8 weights are the only difference, INT8_LOGIT_TOL. Decode of fewer than
+Two tolerances, one per kernel. Batched decode (4 sequences) keeps float32 activations: the int8
+weights are the only difference, INT8_LOGIT_TOL; so does a prefill step of fewer than
+rtpcore_native._kernels.gemm_rows() tokens (16 with VNNI; more are quantized per block of 32 for
+the byte-dot-product GEMM, as llama.cpp's Q8_0 prefill: this test's first step, 19 tokens, is one
+such, and stays within INT8_LOGIT_TOL). Decode of fewer than
 rtpcore_native._kernels.INT8_QUANTIZED_ROWS sequences also quantizes the activations to int8 per
 block of 32, as llama.cpp's Q8_0 product does (the kernel's own bound: tests/test_native_decode.py
 int8_bound): on this tiny random model, one sequence at a time, that moved the largest greedy gap

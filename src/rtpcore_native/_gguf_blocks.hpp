@@ -215,6 +215,9 @@ struct QActs {
     float* d = nullptr;
     float* s = nullptr;
     int16_t* bsum = nullptr;
+    // q + 128 as unsigned bytes, (M, K), for the 32-element blocks of a product of many rows
+    // (the VNNI GEMM of _gguf_isa.hpp); null when not made.
+    const uint8_t* qu = nullptr;
 };
 
 // Round to nearest, ties to even, for |v| < 2^22 (adding 1.5 * 2^23 leaves the integer in the
@@ -264,6 +267,9 @@ struct QKernels {
     // over x quantized to blocks of 32.
     void (*linear_i8)(const QActs& a, int64_t M, const int8_t* w, const float* scale, const float* bias, float* y,
                       int64_t N, bool accumulate, int64_t n0, int64_t n1);
+    // From this many rows q8_0, q4_0, q5_0 and int8 weights multiply as a GEMM over repacked
+    // weights (the byte dot products of VNNI); 0: this set has no such GEMM.
+    int64_t gemm_rows;
 };
 
 }  // namespace gguf

@@ -473,9 +473,199 @@ static void qlinear_rows(const gguf::QActs& a, int64_t M, const uint8_t* w, cons
     }
 }
 
+#if RTPCORE_Q_VNNI
+// ---- many activation rows with VNNI: q8_0, q4_0 and q5_0 as a GEMM over repacked weights
+//
+// qlinear_rows computes one weight row against a tile of activation rows: each (row, block) pair
+// ends in a horizontal sum's worth of float work (convert, scale, add), as many float operations
+// as byte dot products. Here, for kGN output columns at a time, the blocks are decoded once
+// into signed int8 values and repacked as the byte dot product wants them: per block, per 4
+// consecutive k, the kGN columns' 4 bytes side by side (a vector holds 8 columns x 4 k). An
+// activation row's 4 bytes, broadcast, meet 8 columns in one vpdpbusd; per block and row the
+// float work is one convert and one multiply-add per 8 columns. vpdpbusd multiplies unsigned by
+// signed bytes: the activations enter as q + 128 (unsigned) and each column's integer sum starts
+// at -128 times its block's sum of weights. The integers are those of qlinear_rows (the same sum
+// of q_w q_x per block); the float sums run in another order.
+constexpr int kGN = 16;                                 // output columns per group: two vectors
+constexpr int kGMT = RTPCORE_Q_VNNI == 2 ? 4 : 2;       // activation rows per tile (32 / 16 registers)
+constexpr int64_t kGemmRows = 16;                       // from this many rows on (fewer: qlinear_rows)
+
+struct Repacked {  // per group of kGN columns:
+    std::vector<int32_t> w;    // (nb, 8, kGN): 4 signed bytes per (block, k / 4, column)
+    std::vector<int32_t> off;  // (nb, kGN): -128 * the column's sum of weights in the block
+    std::vector<float> d;      // (nb, kGN): the column's block scale (0 for padding columns)
+    std::vector<uint8_t> xu;   // (M, K): q_x + 128 where the activations came without it
+};
+
+static Repacked& repacked() {
+    thread_local Repacked r;
+    return r;
+}
+
+// Block b of a weight row as signed integers w (the weight is d * w; I8: a row of rtpcore's
+// int8 weights, d = 1).
+template <gguf::Type T, bool I8 = false>
+RTPCORE_QINLINE S8 signed_block(const uint8_t* row, int64_t b, float& d) {
+    if constexpr (I8) {
+        d = 1.0f;
+        return (S8)ld32(row + 32 * b);
+    }
+    const Block32 wb = decode32<T>(row + b * gguf::info(T).bytes);
+    d = wb.d;
+    if constexpr (T == gguf::Type::q8_0) return (S8)wb.q;
+    else if constexpr (T == gguf::Type::q4_0) return (S8)wb.q - 8;
+    else return (S8)wb.q - 16;  // q5_0
+}
+
+// out (MT, kGN) = the float sums over blocks [b0, b1) of activation rows [m0, m0 + MT) against
+// one group's columns (w, off, d: the group's repacked blocks).
+template <int MT>
+__attribute__((noinline)) static void gemm_tile(const uint8_t* xu, const float* dx, int64_t K, int64_t nb,
+                                                int64_t b0, int64_t b1, int64_t m0, const int32_t* w,
+                                                const int32_t* off, const float* d, float* out) {
+    F32 fa[MT][2];
+    for (int i = 0; i < MT; ++i) fa[i][0] = fa[i][1] = F32{};
+    for (int64_t b = b0; b < b1; ++b) {
+        I32 o0, o1;
+        std::memcpy(&o0, off + b * kGN, sizeof o0);
+        std::memcpy(&o1, off + b * kGN + 8, sizeof o1);
+        I32 ia[MT][2];
+        for (int i = 0; i < MT; ++i) {
+            ia[i][0] = o0;
+            ia[i][1] = o1;
+        }
+        const int32_t* wb = w + b * 8 * kGN;
+#pragma GCC unroll 8
+        for (int k4 = 0; k4 < 8; ++k4) {
+            I32 w0, w1;
+            std::memcpy(&w0, wb + k4 * kGN, sizeof w0);
+            std::memcpy(&w1, wb + k4 * kGN + 8, sizeof w1);
+            for (int i = 0; i < MT; ++i) {
+                int32_t x4;
+                std::memcpy(&x4, xu + (m0 + i) * K + 32 * b + 4 * k4, sizeof x4);
+                const U8 xb = (U8)(I32{} + x4);
+                ia[i][0] = dot_us(ia[i][0], xb, (S8)w0);
+                ia[i][1] = dot_us(ia[i][1], xb, (S8)w1);
+            }
+        }
+        F32 d0, d1;
+        std::memcpy(&d0, d + b * kGN, sizeof d0);
+        std::memcpy(&d1, d + b * kGN + 8, sizeof d1);
+        for (int i = 0; i < MT; ++i) {
+            const float s = dx[(m0 + i) * nb + b];
+            fa[i][0] += to_f32(ia[i][0]) * (d0 * s);
+            fa[i][1] += to_f32(ia[i][1]) * (d1 * s);
+        }
+    }
+    for (int i = 0; i < MT; ++i) {
+        std::memcpy(out + i * kGN, &fa[i][0], sizeof fa[i][0]);
+        std::memcpy(out + i * kGN + 8, &fa[i][1], sizeof fa[i][1]);
+    }
+}
+
+// Rows of activations, and blocks of K, per pass over the repacked columns: the rows' q + 128
+// stay in L2 (64 rows of 512: 32 KiB) and a group's slice of weights in L1 (16 blocks x 16
+// columns: 8 KiB) while every tile of rows passes over it; y holds the sums between passes.
+constexpr int64_t kGemmRowBlock = 64;
+constexpr int64_t kGemmDepth = 16;  // blocks of 32
+
+// I8: rtpcore's int8 rows, each column's scale[n] folded into its block scales.
+template <gguf::Type T, bool I8 = false>
+static void qgemm(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* scale, const float* bias, float* y,
+                  int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    const int64_t K = a.K, nb = K / 32, row_bytes = I8 ? K : gguf::row_bytes(T, K);
+    const int64_t groups = (n1 - n0 + kGN - 1) / kGN;
+    Repacked& r = repacked();
+    const uint8_t* xu = a.qu;
+    if (!xu) {  // activations quantized without their unsigned copy
+        r.xu.resize(static_cast<size_t>(M * K));
+        for (int64_t i = 0; i < M * K; ++i) r.xu[i] = static_cast<uint8_t>(a.qs[i]) ^ 0x80u;
+        xu = r.xu.data();
+    }
+    r.w.resize(static_cast<size_t>(groups * nb * 8 * kGN));
+    r.off.resize(static_cast<size_t>(groups * nb * kGN));
+    r.d.resize(static_cast<size_t>(groups * nb * kGN));
+    for (int64_t g = 0; g < groups; ++g) {  // every column of the range, once
+        int32_t* gw = &r.w[g * nb * 8 * kGN];
+        int32_t* goff = &r.off[g * nb * kGN];
+        float* gd = &r.d[g * nb * kGN];
+        for (int c = 0; c < kGN; ++c) {
+            const int64_t n = n0 + g * kGN + c;
+            const uint8_t* row = w + n * row_bytes;
+            for (int64_t b = 0; b < nb; ++b) {
+                float d = 0.0f;
+                S8 q = S8{};
+                if (n < n1) {
+                    q = signed_block<T, I8>(row, b, d);
+                    if constexpr (I8) d = scale[n];
+                }
+                int32_t sum = 0;
+                for (int j = 0; j < 32; ++j) sum += q[j];
+                goff[b * kGN + c] = -128 * sum;
+                gd[b * kGN + c] = d;
+                for (int k4 = 0; k4 < 8; ++k4)
+                    std::memcpy(&gw[(b * 8 + k4) * kGN + c], reinterpret_cast<const char*>(&q) + 4 * k4, 4);
+            }
+        }
+    }
+    float out[kGMT * kGN];
+    for (int64_t mb = 0; mb < M; mb += kGemmRowBlock) {
+        const int64_t me = mb + kGemmRowBlock < M ? mb + kGemmRowBlock : M;
+        for (int64_t b0 = 0; b0 < nb; b0 += kGemmDepth) {
+            const int64_t b1 = b0 + kGemmDepth < nb ? b0 + kGemmDepth : nb;
+            const bool first = b0 == 0;
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t g0 = n0 + g * kGN;
+                const int cols = static_cast<int>(n1 - g0 < kGN ? n1 - g0 : kGN);
+                const int32_t* gw = &r.w[g * nb * 8 * kGN];
+                const int32_t* goff = &r.off[g * nb * kGN];
+                const float* gd = &r.d[g * nb * kGN];
+                auto store = [&](int64_t m0, int rows) {
+                    for (int i = 0; i < rows; ++i) {
+                        float* dst = y + (m0 + i) * N + g0;
+                        const float* src = out + i * kGN;
+                        if (cols == kGN) {  // two vectors
+                            for (int h = 0; h < kGN; h += 8) {
+                                F32 v, bv = F32{};
+                                std::memcpy(&v, src + h, sizeof v);
+                                if (bias && first) std::memcpy(&bv, bias + g0 + h, sizeof bv);
+                                v += bv;
+                                if (!first || accumulate) {
+                                    F32 prev;
+                                    std::memcpy(&prev, dst + h, sizeof prev);
+                                    v += prev;
+                                }
+                                std::memcpy(dst + h, &v, sizeof v);
+                            }
+                        } else if (!first || accumulate)
+                            for (int c = 0; c < cols; ++c) dst[c] += src[c] + (first && bias ? bias[g0 + c] : 0.0f);
+                        else
+                            for (int c = 0; c < cols; ++c) dst[c] = src[c] + (bias ? bias[g0 + c] : 0.0f);
+                    }
+                };
+                int64_t m = mb;
+                for (; m + kGMT <= me; m += kGMT) {
+                    gemm_tile<kGMT>(xu, a.d, K, nb, b0, b1, m, gw, goff, gd, out);
+                    store(m, kGMT);
+                }
+                for (; m < me; ++m) {
+                    gemm_tile<1>(xu, a.d, K, nb, b0, b1, m, gw, goff, gd, out);
+                    store(m, 1);
+                }
+            }
+        }
+    }
+}
+#endif
+
 template <gguf::Type T>
 static void qlinear(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* bias, float* y, int64_t N,
                     bool accumulate, int64_t n0, int64_t n1) {
+#if RTPCORE_Q_VNNI
+    if constexpr (T == gguf::Type::q8_0 || T == gguf::Type::q4_0 || T == gguf::Type::q5_0) {
+        if (M >= kGemmRows) return qgemm<T>(a, M, w, nullptr, bias, y, N, accumulate, n0, n1);
+    }
+#endif
     qlinear_rows<T>(a, M, w, nullptr, bias, y, N, accumulate, n0, n1);
 }
 
@@ -483,6 +673,11 @@ static void qlinear(const gguf::QActs& a, int64_t M, const uint8_t* w, const flo
 // activations quantized to q8_0-style blocks: y = scale[n] * sum_b d_x[b] dot(w_b, q_x[b]).
 static void linear_i8(const gguf::QActs& a, int64_t M, const int8_t* w, const float* scale, const float* bias,
                       float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+#if RTPCORE_Q_VNNI
+    if (M >= kGemmRows)
+        return qgemm<gguf::Type::q8_0, true>(a, M, reinterpret_cast<const uint8_t*>(w), scale, bias, y, N, accumulate,
+                                             n0, n1);
+#endif
     qlinear_rows<gguf::Type::q8_0, true>(a, M, reinterpret_cast<const uint8_t*>(w), scale, bias, y, N, accumulate,
                                          n0, n1);
 }
@@ -631,6 +826,10 @@ constexpr QLinearFn kQLinear[7] = {
     qlinear<gguf::Type::q4_k>, qlinear<gguf::Type::q5_k>, qlinear<gguf::Type::q6_k>,
 };
 
-constexpr gguf::QKernels kQKernels = {quantize, dequantize, linear_i8};
+#if RTPCORE_Q_VNNI
+constexpr gguf::QKernels kQKernels = {quantize, dequantize, linear_i8, kGemmRows};
+#else
+constexpr gguf::QKernels kQKernels = {quantize, dequantize, linear_i8, 0};
+#endif
 
 #undef RTPCORE_QINLINE

@@ -588,6 +588,12 @@ gguf::QActs quantize_acts(const Kernels& k, const float* x, int64_t M, int64_t K
             k.q->quantize(x + m0 * K, m1 - m0, part);
         });
     }
+    if (block == 32 && k.q->gemm_rows > 0 && M >= k.q->gemm_rows) {  // for the VNNI GEMM: once per product
+        static std::vector<uint8_t> qu;
+        qu.resize(M * K);
+        for (int64_t i = 0; i < M * K; ++i) qu[i] = static_cast<uint8_t>(qs[i]) ^ 0x80u;
+        a.qu = qu.data();
+    }
     return a;
 }
 
@@ -634,8 +640,11 @@ void linear_bf16p_parallel(const Kernels& k, const LinearW& l, const float* x, c
 // 0.15, at 2 rows 0.13-0.15 against 0.16-0.17, at 4 rows 0.23-0.27 against 0.22.
 constexpr int64_t kInt8QuantizedRows = 4;
 
-bool int8_quantized(const LinearW& l, int64_t M) {
-    return l.kind == WeightKind::i8 && l.K % 32 == 0 && M < kInt8QuantizedRows;
+// With VNNI, from the set's gemm_rows on, the activations are quantized again: the GEMM over
+// repacked int8 weights (_gguf_isa.hpp) is 2-3x the float kernel there.
+bool int8_quantized(const Kernels& k, const LinearW& l, int64_t M) {
+    if (l.kind != WeightKind::i8 || l.K % 32 != 0) return false;
+    return M < kInt8QuantizedRows || (k.q->gemm_rows > 0 && M >= k.q->gemm_rows);
 }
 
 // y (M, N) (+)= x (M, K) @ W.T (* scale) + bias over the pool, split by output rows. For a
@@ -660,7 +669,7 @@ void linear_parallel(const LinearW& l, const float* x, int64_t M, float* y, bool
     Pool& p = pool();
     gguf::QActs acts;
     const bool quantized = is_gguf(l.kind) && gguf_type(l.kind) != gguf::Type::f16;
-    const bool i8q = int8_quantized(l, M);
+    const bool i8q = int8_quantized(k, l, M);
     if (quantized) acts = quantize_acts(k, x, M, l.K, gguf::info(gguf_type(l.kind)).block);
     if (i8q) acts = quantize_acts(k, x, M, l.K, 32);
     // Small products do not pay for waking the pool.
@@ -1043,6 +1052,9 @@ class LlamaDecoder {
 PYBIND11_MODULE(_kernels, m) {
     m.doc() = "CPU decode kernels for float32 activations (rtpcore.models.native drives them)";
 
+    m.def("gemm_rows", [] { return kernels().q->gemm_rows; },
+          "From how many rows q8_0, q4_0, q5_0 and int8 weights multiply as a GEMM over repacked weights with "
+          "the byte dot products of VNNI, activations quantized per block of 32 (0: this kernel set has none).");
     m.attr("INT8_QUANTIZED_ROWS") = kInt8QuantizedRows;  // int8 weights: integer kernel below this many rows
     m.def("isa", [] { return std::string(kernels().name); }, "The instruction set the kernels run with.");
     m.def("default_isa", &default_isa, "The best supported kernel set at or below the caps (isa_cap); "

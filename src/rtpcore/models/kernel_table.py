@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from rtpcore.checkpoint.gguf.linear import GEMM_ROWS
+from rtpcore.checkpoint.gguf.linear import GEMM_ROWS, NEVER
 from rtpcore.models.cpu_isa import native_kernels
 from rtpcore.models.layers import Linear, linear_kernels, weight_quantization
 from rtpcore.models.native import NativeLlamaDecode, native_operands
@@ -131,7 +131,7 @@ def _probe_layer(kind: str) -> tuple[Linear, torch.dtype]:
 def _segments(label: Any, low: int) -> list[dict[str, str]]:
     """``label(rows)`` over rows ``low..``, as runs of equal labels: ``[{"rows": "1", "kernel": ...},
     {"rows": "2-95", ...}, {"rows": "96+", ...}]`` (the labels change only at 2 and at a type's GEMM_ROWS)."""
-    cuts = sorted({low, *(r for r in (2, *GEMM_ROWS.values()) if r > low)})
+    cuts = sorted({low, *(r for r in (2, *GEMM_ROWS.values()) if low < r < NEVER)})
     runs: list[list[Any]] = []  # [first row, last row or None, kernel]
     for i, start in enumerate(cuts):
         last = cuts[i + 1] - 1 if i + 1 < len(cuts) else None

@@ -9,7 +9,8 @@ without the GIL: matrix-vector products tiled for the CPU's registers (AMX, AVX5
 AVX-512, AVX2 or the x86-64 baseline, chosen at import; ``ONEDNN_MAX_CPU_ISA`` caps it as it
 caps oneDNN), over float32 weights or the int8 weights of ``quantization="int8"`` (one scale
 per output row; below ``INT8_QUANTIZED_ROWS`` sequences integer dot products over activations
-quantized per block of 32 as llama.cpp's Q8_0, from it on widened in registers), attention
+quantized per block of 32 as llama.cpp's Q8_0, from it on widened in registers, from
+``gemm_rows()`` on with VNNI quantized again), attention
 read in place from the paged pools through the block tables, and a thread pool of the
 extension's own sized by torch's thread count.
 

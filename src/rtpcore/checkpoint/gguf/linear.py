@@ -98,17 +98,18 @@ def _native_weights(layer: Any) -> list[Any] | None:
 #: as on an EPYC (Zen 4 executes a 512-bit FMA as two halves), the integer block kernels about
 #: as fast on both, so :data:`GEMM_ROWS` is chosen once per process by :func:`gemm_rows`.
 #:
-#: Intel (Xeon with AVX-512 VNNI; every vendor but AMD): the 32-element types break even at about
-#: 32 rows (q8_0 1024 x 2816: 2.3 ms against 2.2 at 32 rows, 3.5 against 2.5 at 48), the K types
+#: Intel (Xeon with AVX-512 VNNI, before the VNNI GEMM below; every vendor but AMD): the
+#: 32-element types break even at about 32 rows (q8_0 1024 x 2816: 2.3 ms against 2.2 at 32 rows, 3.5 against 2.5 at 48), the K types
 #: at about 96 (q4_k 1024 x 2816: 2.5 against 2.9 ms at 64, 3.7 both ways at 96, 4.9 against 4.6
 #: at 128; with the AVX2 kernels and MKL capped at AVX2, 5.1 against 5.6 at 96, 6.6 against 7.0
 #: at 128), f16 (a float32 kernel) at about 96.
 GEMM_ROWS_INTEL = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q5_1": 32, "q4_k": 96, "q5_k": 96, "q6_k": 96, "f16": 96}
-#: AMD (EPYC, Zen 4) with the AVX-512 VNNI kernels: the 32-element types break even at 128 rows
+#: AMD (EPYC, Zen 4) with the AVX-512 VNNI kernels (before the VNNI GEMM below, which now takes
+#: q8_0, q4_0 and q5_0 at every row count): the 32-element types break even at 128 rows
 #: on SmolLM2's widths and stay ahead there on wider ones (q8_0 2816 x 1024: 4.2 ms against 5.7
 #: at 64 rows, 8.3 against 10.0 at 128, 16.4 against 16.7 at 256; q8_0 576 x 1536: 2.5 against
 #: 2.5 at 128; q4_0 1536 x 576: 2.9 against 2.8 at 128); the K types and f16 stay ahead at 512
-#: rows, the most a step of the default token budget holds (q4_k 1024 x 2816: 21.4 against
+#: rows, twice a CPU step's default token budget (q4_k 1024 x 2816: 21.4 against
 #: 31.0 ms, q6_k 19.8 against 31.5, q5_k 22.9 against 38.4, f16 31.2 against 35.1).
 GEMM_ROWS_AMD = {"q8_0": 128, "q4_0": 128, "q5_0": 128, "q5_1": 128, "q4_k": 512, "q5_k": 512, "q6_k": 512,
                  "f16": 512}
@@ -120,18 +121,37 @@ GEMM_ROWS_AMD_AVX2 = {"q8_0": 64, "q4_0": 64, "q5_0": 64, "q5_1": 64, "q4_k": 51
                       "f16": 96}
 
 
+#: A threshold no step reaches: the block kernels at every row count.
+NEVER = 1 << 62
+#: The kernel sets with byte dot products (VNNI), and the types they multiply from 16 rows on as a
+#: GEMM over weights repacked per 16 columns (``src/rtpcore_native/_gguf_isa.hpp``, ``qgemm``): on
+#: the EPYC above (AVX-512 VNNI, one thread, CPU time) q8_0 2816 x 1024 takes 0.94 ms against
+#: dequantize + GEMM's 2.97 at 32 rows, 5.4 against 16.7 at 256, 10.6 against 33.0 at 512; 576 x
+#: 1536 3.8 against 9.3 at 512; q4_0 and q5_0 alike (2-3x), so torch's GEMM never wins. On a Xeon
+#: the same instructions run; its float32 GEMM is about twice as fast per cycle, against which
+#: the old kernel broke even at 32 rows and this one is 2-3x that kernel's speed from 32 rows on:
+#: the Xeon's tables take the same value (not measured there yet: ``--crossover`` does).
+VNNI_SETS = ("amx", "avx512_bf16", "avx512_vnni", "avx2_vnni")
+VNNI_GEMM_TYPES = ("q8_0", "q4_0", "q5_0")
+
+
 def gemm_rows(vendor: str | None = None, kernel_set: str | None = None) -> dict[str, int]:
     """The row counts from which each GGML type's weight is dequantized for torch's GEMM on
     this CPU (``vendor``: CPUID's vendor string; ``kernel_set``: the native kernel set the
-    caps allow, ``rtpcore_native._kernels.default_isa()``)."""
+    caps allow, ``rtpcore_native._kernels.default_isa()``); :data:`NEVER` where the block
+    kernels win at every row count."""
     kernels = gguf_native()
     if vendor is None:
         vendor = kernels.cpu_vendor() if kernels is not None else ""
-    if vendor != "AuthenticAMD":
-        return dict(GEMM_ROWS_INTEL)
     if kernel_set is None:
         kernel_set = kernels.default_isa() if kernels is not None else "baseline"
-    return dict(GEMM_ROWS_AMD if kernel_set.startswith(("avx512", "amx")) else GEMM_ROWS_AMD_AVX2)
+    if vendor != "AuthenticAMD":
+        table = dict(GEMM_ROWS_INTEL)
+    else:
+        table = dict(GEMM_ROWS_AMD if kernel_set.startswith(("avx512", "amx")) else GEMM_ROWS_AMD_AVX2)
+    if kernel_set in VNNI_SETS:
+        table.update(dict.fromkeys(VNNI_GEMM_TYPES, NEVER))
+    return table
 
 
 #: This process's thresholds (:func:`gemm_rows` at import: the CPU's vendor and the kernel set
