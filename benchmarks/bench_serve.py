@@ -787,7 +787,7 @@ def run_load(ckpt: Path, tmp: Path, args: argparse.Namespace) -> dict[str, LoadR
 
 # ---------------------------------------------------------------- llama-server on the same GGUF file
 
-LLAMACPP_SLOT_TOKENS = 2048  # llama-server's context per slot (-c = slots x this): SmolLM2's whole context
+LLAMACPP_SLOT_TOKENS = 4096  # llama-server's context per slot (-c = slots x this): 512 words of benchmarks/_smollm2.py's 8000-piece vocabulary reach ~2000 tokens, + --tokens
 
 
 def llama_server(llamacpp: Path, gguf: Path, tmp: Path, slots: int, name: str) -> Server:
