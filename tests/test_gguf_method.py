@@ -262,7 +262,7 @@ def test_gemm_rows_follow_the_cpus_vendor_and_kernel_set() -> None:
     """The thresholds in force are those of this CPU: CPUID's vendor string is the kernel's
     (/proc/cpuinfo's vendor_id), an EPYC's tables (its float32 GEMM slower per cycle) start
     torch's GEMM later than a Xeon's for every type, later still for the K types, and with VNNI
-    q8_0, q4_0 and q5_0 never leave the block kernels."""
+    the 32-element types never leave the block kernels."""
     from rtpcore.checkpoint.gguf import linear
 
     vendor = gguf_native().cpu_vendor()
@@ -281,7 +281,7 @@ def test_gemm_rows_follow_the_cpus_vendor_and_kernel_set() -> None:
         assert all(amd[t] >= old[t] for t in old) and min(amd[t] for t in ("q4_k", "q5_k", "q6_k")) > amd["q8_0"]
     for vendor in ("GenuineIntel", "AuthenticAMD"):  # with VNNI the GEMM over repacked blocks always wins
         vnni = linear.gemm_rows(vendor, "avx512_vnni")
-        assert {t for t, rows in vnni.items() if rows == linear.NEVER} == {"q8_0", "q4_0", "q5_0"}
+        assert {t for t, rows in vnni.items() if rows == linear.NEVER} == {"q8_0", "q4_0", "q5_0", "q5_1"}
         assert vnni["q4_k"] == linear.gemm_rows(vendor, "avx512")["q4_k"]
 
 

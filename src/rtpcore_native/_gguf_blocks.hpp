@@ -267,7 +267,7 @@ struct QKernels {
     // over x quantized to blocks of 32.
     void (*linear_i8)(const QActs& a, int64_t M, const int8_t* w, const float* scale, const float* bias, float* y,
                       int64_t N, bool accumulate, int64_t n0, int64_t n1);
-    // From this many rows q8_0, q4_0, q5_0 and int8 weights multiply as a GEMM over repacked
+    // From this many rows q8_0, q4_0, q5_0, q5_1 and int8 weights multiply as a GEMM over repacked
     // weights (the byte dot products of VNNI); 0: this set has no such GEMM.
     int64_t gemm_rows;
 };

@@ -1053,7 +1053,7 @@ PYBIND11_MODULE(_kernels, m) {
     m.doc() = "CPU decode kernels for float32 activations (rtpcore.models.native drives them)";
 
     m.def("gemm_rows", [] { return kernels().q->gemm_rows; },
-          "From how many rows q8_0, q4_0, q5_0 and int8 weights multiply as a GEMM over repacked weights with "
+          "From how many rows q8_0, q4_0, q5_0, q5_1 and int8 weights multiply as a GEMM over repacked weights with "
           "the byte dot products of VNNI, activations quantized per block of 32 (0: this kernel set has none).");
     m.attr("INT8_QUANTIZED_ROWS") = kInt8QuantizedRows;  // int8 weights: integer kernel below this many rows
     m.def("isa", [] { return std::string(kernels().name); }, "The instruction set the kernels run with.");

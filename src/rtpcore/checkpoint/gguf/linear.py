@@ -105,7 +105,7 @@ def _native_weights(layer: Any) -> list[Any] | None:
 #: at 128), f16 (a float32 kernel) at about 96.
 GEMM_ROWS_INTEL = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q5_1": 32, "q4_k": 96, "q5_k": 96, "q6_k": 96, "f16": 96}
 #: AMD (EPYC, Zen 4) with the AVX-512 VNNI kernels (before the VNNI GEMM below, which now takes
-#: q8_0, q4_0 and q5_0 at every row count): the 32-element types break even at 128 rows
+#: the 32-element types at every row count): the 32-element types break even at 128 rows
 #: on SmolLM2's widths and stay ahead there on wider ones (q8_0 2816 x 1024: 4.2 ms against 5.7
 #: at 64 rows, 8.3 against 10.0 at 128, 16.4 against 16.7 at 256; q8_0 576 x 1536: 2.5 against
 #: 2.5 at 128; q4_0 1536 x 576: 2.9 against 2.8 at 128); the K types and f16 stay ahead at 512
@@ -127,12 +127,13 @@ NEVER = 1 << 62
 #: GEMM over weights repacked per 16 columns (``src/rtpcore_native/_gguf_isa.hpp``, ``qgemm``): on
 #: the EPYC above (AVX-512 VNNI, one thread, CPU time) q8_0 2816 x 1024 takes 0.94 ms against
 #: dequantize + GEMM's 2.97 at 32 rows, 5.4 against 16.7 at 256, 10.6 against 33.0 at 512; 576 x
-#: 1536 3.8 against 9.3 at 512; q4_0 and q5_0 alike (2-3x), so torch's GEMM never wins. On a Xeon
+#: 1536 3.8 against 9.3 at 512; q4_0, q5_0 and q5_1 alike (2-3x: q5_1 576 x 1536 4.7 against 10.0
+#: at 512), so torch's GEMM never wins. On a Xeon
 #: the same instructions run; its float32 GEMM is about twice as fast per cycle, against which
 #: the old kernel broke even at 32 rows and this one is 2-3x that kernel's speed from 32 rows on:
 #: the Xeon's tables take the same value (not measured there yet: ``--crossover`` does).
 VNNI_SETS = ("amx", "avx512_bf16", "avx512_vnni", "avx2_vnni")
-VNNI_GEMM_TYPES = ("q8_0", "q4_0", "q5_0")
+VNNI_GEMM_TYPES = ("q8_0", "q4_0", "q5_0", "q5_1")
 
 
 def gemm_rows(vendor: str | None = None, kernel_set: str | None = None) -> dict[str, int]:
