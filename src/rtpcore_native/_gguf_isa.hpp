@@ -496,8 +496,8 @@ constexpr int64_t kGemmRows = 16;                       // from this many rows o
 // at most 31); off (kGN): -128 * the column's sum of them; d (kGN): the column's scale; mn
 // (kGN, q5_1 only): the column's min m. The weight is d * w + mn.
 // (The K types keep qlinear_rows: their sub-block scales, applied in integers per 256, make it
-// as fast as this GEMM would be with a float step per 32; measured, one thread: q4_k 576 x 1536
-// at 512 rows 6.5 ms against 10.0, q6_k 5.9 against 10.4.)
+// faster than this GEMM with its float step per 32 was for them; measured, one thread: q4_k
+// 576 x 1536 at 512 rows 6.5 ms against 10.0, q6_k 5.9 against 10.4.)
 struct Repacked {
     std::vector<int32_t> w, off;
     std::vector<float> d, mn;
