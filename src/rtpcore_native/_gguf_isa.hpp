@@ -509,24 +509,17 @@ static Repacked& repacked() {
     return r;
 }
 
-template <gguf::Type T, bool I8>
-struct Gemm {
-    static constexpr int BK = 32;
-    static constexpr bool kMin = !I8 && T == gguf::Type::q5_1;
-};
-
 // Column c of a group: weight row `row`'s blocks, repacked (see Repacked).
 template <gguf::Type T, bool I8>
 static void repack_column(const uint8_t* row, int64_t K, const float* scale_n, int c, int32_t* w, int32_t* off,
                           float* d, float* mn) {
-    constexpr int BK = Gemm<T, I8>::BK, S = BK / 4;
     auto put = [&](int64_t j, const int8_t* q, float dj, float mj) {
         int32_t sum = 0;
-        for (int e = 0; e < BK; ++e) sum += q[e];
+        for (int e = 0; e < 32; ++e) sum += q[e];
         off[j * kGN + c] = -128 * sum;
         d[j * kGN + c] = dj;
-        if constexpr (Gemm<T, I8>::kMin) mn[j * kGN + c] = mj;
-        for (int k4 = 0; k4 < S; ++k4) std::memcpy(&w[(j * S + k4) * kGN + c], q + 4 * k4, 4);
+        if (mn) mn[j * kGN + c] = mj;
+        for (int k4 = 0; k4 < 8; ++k4) std::memcpy(&w[(j * 8 + k4) * kGN + c], q + 4 * k4, 4);
     };
     if constexpr (I8) {
         for (int64_t j = 0; j < K / 32; ++j) put(j, reinterpret_cast<const int8_t*>(row + 32 * j), *scale_n, 0.0f);
@@ -543,12 +536,11 @@ static void repack_column(const uint8_t* row, int64_t K, const float* scale_n, i
 
 // out (MT, kGN) = the float sums over blocks [j0, j1) of activation rows [m0, m0 + MT) against
 // one group's columns.
-template <int MT, int BK, bool MIN>
+template <int MT, bool MIN>
 __attribute__((noinline)) static void gemm_tile(const uint8_t* xu, const gguf::QActs& a, int64_t j0, int64_t j1,
                                                 int64_t m0, const int32_t* w, const int32_t* off, const float* d,
                                                 const float* mn, float* out) {
-    constexpr int S = BK / 4;
-    const int64_t K = a.K, nab = K / a.block, per = a.block / BK;  // weight blocks per activation block
+    const int64_t K = a.K, nb = K / 32;
     F32 fa[MT][2];
     for (int i = 0; i < MT; ++i) fa[i][0] = fa[i][1] = F32{};
     for (int64_t j = j0; j < j1; ++j) {
@@ -560,15 +552,15 @@ __attribute__((noinline)) static void gemm_tile(const uint8_t* xu, const gguf::Q
             ia[i][0] = o0;
             ia[i][1] = o1;
         }
-        const int32_t* wj = w + j * S * kGN;
+        const int32_t* wj = w + j * 8 * kGN;
 #pragma GCC unroll 8
-        for (int k4 = 0; k4 < S; ++k4) {
+        for (int k4 = 0; k4 < 8; ++k4) {
             I32 w0, w1;
             std::memcpy(&w0, wj + k4 * kGN, sizeof w0);
             std::memcpy(&w1, wj + k4 * kGN + 8, sizeof w1);
             for (int i = 0; i < MT; ++i) {
                 int32_t x4;
-                std::memcpy(&x4, xu + (m0 + i) * K + BK * j + 4 * k4, sizeof x4);
+                std::memcpy(&x4, xu + (m0 + i) * K + 32 * j + 4 * k4, sizeof x4);
                 const U8 xb = (U8)(I32{} + x4);
                 ia[i][0] = dot_us(ia[i][0], xb, (S8)w0);
                 ia[i][1] = dot_us(ia[i][1], xb, (S8)w1);
@@ -578,7 +570,7 @@ __attribute__((noinline)) static void gemm_tile(const uint8_t* xu, const gguf::Q
         std::memcpy(&d0, d + j * kGN, sizeof d0);
         std::memcpy(&d1, d + j * kGN + 8, sizeof d1);
         for (int i = 0; i < MT; ++i) {
-            const float s = a.d[(m0 + i) * nab + j / per];
+            const float s = a.d[(m0 + i) * nb + j];
             fa[i][0] += to_f32(ia[i][0]) * (d0 * s);
             fa[i][1] += to_f32(ia[i][1]) * (d1 * s);
         }
@@ -588,7 +580,7 @@ __attribute__((noinline)) static void gemm_tile(const uint8_t* xu, const gguf::Q
             std::memcpy(&n1, mn + j * kGN + 8, sizeof n1);
             for (int i = 0; i < MT; ++i) {
                 const int16_t* bs = a.bsum + (m0 + i) * (K / 16) + 2 * j;
-                const float sx = a.d[(m0 + i) * nab + j / per] * static_cast<float>(bs[0] + bs[1]);
+                const float sx = a.d[(m0 + i) * nb + j] * static_cast<float>(bs[0] + bs[1]);
                 fa[i][0] += n0 * sx;
                 fa[i][1] += n1 * sx;
             }
@@ -604,16 +596,15 @@ __attribute__((noinline)) static void gemm_tile(const uint8_t* xu, const gguf::Q
 // (64 rows of 512: 32 KiB) and a group's slice of weights in L1 (512 k x 16 columns: 8 KiB)
 // while every tile of rows passes over it; y holds the sums between passes.
 constexpr int64_t kGemmRowBlock = 64;
-constexpr int64_t kGemmDepth = 512;
+constexpr int64_t kGemmDepth = 16;  // blocks of 32
 
 // y[:, n0:n1] (+)= x @ dequant(W[n0:n1]).T (* scale) + bias from the quantized activations `a`
 // (I8: rtpcore's int8 rows, each column's scale[n] folded into its scales).
 template <gguf::Type T, bool I8 = false>
 static void qgemm(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* scale, const float* bias, float* y,
                   int64_t N, bool accumulate, int64_t n0, int64_t n1) {
-    constexpr int BK = Gemm<T, I8>::BK, S = BK / 4;
-    constexpr bool MIN = Gemm<T, I8>::kMin;
-    const int64_t K = a.K, ng = K / BK, row_bytes = I8 ? K : gguf::row_bytes(T, K);
+    constexpr bool MIN = !I8 && T == gguf::Type::q5_1;
+    const int64_t K = a.K, nb = K / 32, row_bytes = I8 ? K : gguf::row_bytes(T, K);
     const int64_t groups = (n1 - n0 + kGN - 1) / kGN;
     Repacked& r = repacked();
     const uint8_t* xu = a.qu;
@@ -622,7 +613,7 @@ static void qgemm(const gguf::QActs& a, int64_t M, const uint8_t* w, const float
         for (int64_t i = 0; i < M * K; ++i) r.xu[i] = static_cast<uint8_t>(a.qs[i]) ^ 0x80u;
         xu = r.xu.data();
     }
-    const int64_t gw_size = ng * S * kGN, gs_size = ng * kGN;
+    const int64_t gw_size = nb * 8 * kGN, gs_size = nb * kGN;
     r.w.assign(static_cast<size_t>(groups * gw_size), 0);
     r.off.assign(static_cast<size_t>(groups * gs_size), 0);
     r.d.assign(static_cast<size_t>(groups * gs_size), 0.0f);
@@ -634,11 +625,10 @@ static void qgemm(const gguf::QActs& a, int64_t M, const uint8_t* w, const float
                                  &r.off[g * gs_size], &r.d[g * gs_size], MIN ? &r.mn[g * gs_size] : nullptr);
         }
     float out[kGMT * kGN];
-    constexpr int64_t depth = kGemmDepth / BK;
     for (int64_t mb = 0; mb < M; mb += kGemmRowBlock) {
         const int64_t me = mb + kGemmRowBlock < M ? mb + kGemmRowBlock : M;
-        for (int64_t j0 = 0; j0 < ng; j0 += depth) {
-            const int64_t j1 = j0 + depth < ng ? j0 + depth : ng;
+        for (int64_t j0 = 0; j0 < nb; j0 += kGemmDepth) {
+            const int64_t j1 = j0 + kGemmDepth < nb ? j0 + kGemmDepth : nb;
             const bool first = j0 == 0;
             for (int64_t g = 0; g < groups; ++g) {
                 const int64_t g0 = n0 + g * kGN;
@@ -673,11 +663,11 @@ static void qgemm(const gguf::QActs& a, int64_t M, const uint8_t* w, const float
                 };
                 int64_t m = mb;
                 for (; m + kGMT <= me; m += kGMT) {
-                    gemm_tile<kGMT, BK, MIN>(xu, a, j0, j1, m, gw, goff, gd, gmn, out);
+                    gemm_tile<kGMT, MIN>(xu, a, j0, j1, m, gw, goff, gd, gmn, out);
                     store(m, kGMT);
                 }
                 for (; m < me; ++m) {
-                    gemm_tile<1, BK, MIN>(xu, a, j0, j1, m, gw, goff, gd, gmn, out);
+                    gemm_tile<1, MIN>(xu, a, j0, j1, m, gw, goff, gd, gmn, out);
                     store(m, 1);
                 }
             }
