@@ -99,10 +99,10 @@ def _native_weights(layer: Any) -> list[Any] | None:
 #: as fast on both, so :data:`GEMM_ROWS` is chosen once per process by :func:`gemm_rows`.
 #:
 #: Intel (Xeon with AVX-512 VNNI, before the VNNI GEMM below; every vendor but AMD): the
-#: 32-element types break even at about 32 rows (q8_0 1024 x 2816: 2.3 ms against 2.2 at 32 rows, 3.5 against 2.5 at 48), the K types
-#: at about 96 (q4_k 1024 x 2816: 2.5 against 2.9 ms at 64, 3.7 both ways at 96, 4.9 against 4.6
-#: at 128; with the AVX2 kernels and MKL capped at AVX2, 5.1 against 5.6 at 96, 6.6 against 7.0
-#: at 128), f16 (a float32 kernel) at about 96.
+#: 32-element types break even at about 32 rows (q8_0 1024 x 2816: 2.3 ms against 2.2 at 32
+#: rows, 3.5 against 2.5 at 48), the K types at about 96 (q4_k 1024 x 2816: 2.5 against 2.9 ms
+#: at 64, 3.7 both ways at 96, 4.9 against 4.6 at 128; with the AVX2 kernels and MKL capped at
+#: AVX2, 5.1 against 5.6 at 96, 6.6 against 7.0 at 128), f16 (a float32 kernel) at about 96.
 GEMM_ROWS_INTEL = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q5_1": 32, "q4_k": 96, "q5_k": 96, "q6_k": 96, "f16": 96}
 #: AMD (EPYC, Zen 4) with the AVX-512 VNNI kernels (before the VNNI GEMM below, which now takes
 #: the 32-element types at every row count): the 32-element types break even at 128 rows
@@ -128,10 +128,11 @@ NEVER = 1 << 62
 #: the EPYC above (AVX-512 VNNI, one thread, CPU time) q8_0 2816 x 1024 takes 0.94 ms against
 #: dequantize + GEMM's 2.97 at 32 rows, 5.4 against 16.7 at 256, 10.6 against 33.0 at 512; 576 x
 #: 1536 3.8 against 9.3 at 512; q4_0, q5_0 and q5_1 alike (2-3x: q5_1 576 x 1536 4.7 against 10.0
-#: at 512), so torch's GEMM never wins. On a Xeon
-#: the same instructions run; its float32 GEMM is about twice as fast per cycle, against which
-#: the old kernel broke even at 32 rows and this one is 2-3x that kernel's speed from 32 rows on:
-#: the Xeon's tables take the same value (not measured there yet: ``--crossover`` does).
+#: at 512), so torch's GEMM never wins. On a Xeon the same instructions run; its float32 GEMM is
+#: about twice as fast per cycle, against which the old kernel broke even at 32 rows and this one
+#: is 2-3x that kernel's speed from 32 rows on: the Xeon's tables take the same value (not
+#: measured there yet: ``--crossover`` does). VNNI_SETS are the sets whose
+#: ``rtpcore_native._kernels.gemm_rows()`` is not 0 (tests/test_gguf_kernels.py holds them equal).
 VNNI_SETS = ("amx", "avx512_bf16", "avx512_vnni", "avx2_vnni")
 VNNI_GEMM_TYPES = ("q8_0", "q4_0", "q5_0", "q5_1")
 
