@@ -750,6 +750,39 @@ LinearW make_linear(uintptr_t w, const std::string& dtype, uintptr_t scale, uint
     return l;
 }
 
+// ---- paged attention of one-token rows (the decode step's and paged_decode_attention's)
+
+// Checks what attending row b dereferences: its context length fits its block table and every
+// block it reads lies in the pool of `slots` rows; std::out_of_range naming the row otherwise.
+void check_context(int64_t b, const int64_t* ctx, const int64_t* tables, int64_t width, int64_t tpb, int64_t slots) {
+    auto row = [b] { return "sequence " + std::to_string(b); };  // built only for an error
+    if (ctx[b] < 1 || (ctx[b] + tpb - 1) / tpb > width)
+        throw std::out_of_range(row() + ": context length " + std::to_string(ctx[b]) + " does not fit its block table of " +
+                                std::to_string(width) + " blocks of " + std::to_string(tpb));
+    for (int64_t j = 0; j < (ctx[b] + tpb - 1) / tpb; ++j) {
+        const int64_t blk = tables[b * width + j];
+        if (blk < 0 || (blk + 1) * tpb > slots)
+            throw std::out_of_range(row() + ": block " + std::to_string(blk) + " outside the KV pools");
+    }
+}
+
+// out row b (heads of D, row stride out_ld) = attention of q row b (stride q_ld) over its
+// sequence's ctx[b] cached positions (the last `window` when window > 0), read in place from the
+// pools; over the pool, one task per (row, KV head). `longest`: the largest ctx[b].
+void attend_rows(const Kernels& k, int64_t B, int64_t H, int64_t Hkv, int64_t D, const float* q, int64_t q_ld,
+                 const void* k_pool, const void* v_pool, bool bf16, const int64_t* tables, int64_t width, int64_t tpb,
+                 const int64_t* ctx, int64_t longest, int64_t window, float scale, float* out, int64_t out_ld) {
+    const int64_t G = H / Hkv;
+    pool().run(B * Hkv, [&](int64_t task) {
+        thread_local std::vector<float> scores;
+        const int64_t b = task / Hkv, kvh = task % Hkv;
+        const int64_t start = (window > 0 && ctx[b] > window) ? ctx[b] - window : 0;
+        if (static_cast<int64_t>(scores.size()) < G * longest) scores.resize(G * longest);
+        k.attend[bf16](q + b * q_ld + kvh * G * D, G, D, k_pool, v_pool, kvh, Hkv, tables + b * width, tpb, start,
+                       ctx[b], scale, scores.data(), out + b * out_ld + kvh * G * D);
+    });
+}
+
 // ---- the Llama-family decode step
 
 struct Layer {
@@ -889,7 +922,7 @@ class LlamaDecoder {
         const auto* ctx = as_ptr<const int64_t>(ctx_p);
         const auto* cos = as_ptr<const float>(cos_p);
         const auto* sin = as_ptr<const float>(sin_p);
-        const int64_t Q = H_ * D_, KV = Hkv_ * D_, G = H_ / Hkv_;
+        const int64_t Q = H_ * D_, KV = Hkv_ * D_;
         // Every index this step dereferences, checked once (the torch modules would raise too).
         int64_t longest = 0, slots_n = layers_[0].slots;
         for (const Layer& l : layers_) slots_n = l.slots < slots_n ? l.slots : slots_n;
@@ -898,11 +931,7 @@ class LlamaDecoder {
             if (ids[b] < 0 || ids[b] >= vocab_rows_) throw std::out_of_range(row() + ": token id " + std::to_string(ids[b]) + " outside the embedding's " + std::to_string(vocab_rows_) + " rows");
             if (pos[b] < 0 || pos[b] >= positions) throw std::out_of_range(row() + ": position " + std::to_string(pos[b]) + " outside the RoPE table's " + std::to_string(positions) + " rows");
             if (slots[b] < 0 || slots[b] >= slots_n) throw std::out_of_range(row() + ": slot " + std::to_string(slots[b]) + " outside the KV pools' " + std::to_string(slots_n) + " slots");
-            if (ctx[b] < 1 || (ctx[b] + tpb - 1) / tpb > width) throw std::out_of_range(row() + ": context length " + std::to_string(ctx[b]) + " does not fit its block table of " + std::to_string(width) + " blocks of " + std::to_string(tpb));
-            for (int64_t j = 0; j < (ctx[b] + tpb - 1) / tpb; ++j) {
-                int64_t blk = tables[b * width + j];
-                if (blk < 0 || (blk + 1) * tpb > slots_n) throw std::out_of_range(row() + ": block " + std::to_string(blk) + " outside the KV pools");
-            }
+            check_context(b, ctx, tables, width, tpb, slots_n);
             longest = ctx[b] > longest ? ctx[b] : longest;
         }
         x_.resize(B * E_);
@@ -959,15 +988,8 @@ class LlamaDecoder {
                     std::memcpy(static_cast<float*>(l.v_pool) + slots[b] * KV, row + Q + KV, sizeof(float) * KV);
                 }
             }
-            p.run(B * Hkv_, [&](int64_t task) {
-                std::vector<float>& scores = scratch();
-                const int64_t b = task / Hkv_, kvh = task % Hkv_;
-                const int64_t start = (l.window > 0 && ctx[b] > l.window) ? ctx[b] - l.window : 0;
-                if (static_cast<int64_t>(scores.size()) < G * (ctx[b] - start)) scores.resize(G * longest);
-                const float* q = &qkv_[b * (Q + 2 * KV) + kvh * G * D_];
-                k.attend[l.pool_bf16](q, G, D_, l.k_pool, l.v_pool, kvh, Hkv_, tables + b * width, tpb, start, ctx[b],
-                                      scale(), scores.data(), &attn_[b * Q + kvh * G * D_]);
-            });
+            attend_rows(k, B, H_, Hkv_, D_, qkv_.data(), Q + 2 * KV, l.k_pool, l.v_pool, l.pool_bf16, tables, width, tpb,
+                        ctx, longest, l.window, scale(), attn_.data(), Q);
             linear_parallel(l.o, attn_.data(), B, x_.data(), true);
             for (int64_t b = 0; b < B; ++b) k.rms_norm(&x_[b * E_], l.norm2, eps_, &h_[b * E_], E_);
             if (l.parts) {
@@ -1030,10 +1052,6 @@ class LlamaDecoder {
                                         "), got (" + std::to_string(l.N) + ", " + std::to_string(l.K) + ")");
     }
     float scale() const { return 1.0f / std::sqrt(static_cast<float>(D_)); }
-    static std::vector<float>& scratch() {
-        thread_local std::vector<float> s;
-        return s;
-    }
 
     const int64_t E_, H_, Hkv_, D_, I_, V_;
     const float eps_;
@@ -1148,39 +1166,18 @@ PYBIND11_MODULE(_kernels, m) {
                                         std::to_string(D) + ")");
         if (dtype != "float32" && dtype != "bfloat16")
             throw std::invalid_argument("paged_decode_attention reads float32 and bfloat16 pools, got '" + dtype + "'");
-        const bool bf16 = dtype == "bfloat16";
         const auto* tables = as_ptr<const int64_t>(tables_p);
         const auto* ctx = as_ptr<const int64_t>(ctx_p);
         int64_t longest = 0;
         for (int64_t b = 0; b < B; ++b) {  // every index dereferenced, checked first
-            auto row = [b] { return "sequence " + std::to_string(b); };
-            if (ctx[b] < 1 || (ctx[b] + tpb - 1) / tpb > width)
-                throw std::out_of_range(row() + ": context length " + std::to_string(ctx[b]) +
-                                        " does not fit its block table of " + std::to_string(width) + " blocks of " +
-                                        std::to_string(tpb));
-            for (int64_t j = 0; j < (ctx[b] + tpb - 1) / tpb; ++j) {
-                const int64_t blk = tables[b * width + j];
-                if (blk < 0 || (blk + 1) * tpb > slots)
-                    throw std::out_of_range(row() + ": block " + std::to_string(blk) + " outside the KV pool");
-            }
+            check_context(b, ctx, tables, width, tpb, slots);
             longest = ctx[b] > longest ? ctx[b] : longest;
         }
         py::gil_scoped_release release;
         std::lock_guard<std::mutex> lock(g_call_mutex);
-        const Kernels& k = kernels();
-        const auto* q = as_ptr<const float>(q_p);
-        auto* out = as_ptr<float>(out_p);
-        const int64_t G = H / Hkv;
-        const void* kp = reinterpret_cast<const void*>(k_pool);
-        const void* vp = reinterpret_cast<const void*>(v_pool);
-        pool().run(B * Hkv, [&](int64_t task) {
-            thread_local std::vector<float> scores;
-            const int64_t b = task / Hkv, kvh = task % Hkv;
-            const int64_t start = (window > 0 && ctx[b] > window) ? ctx[b] - window : 0;
-            if (static_cast<int64_t>(scores.size()) < G * longest) scores.resize(G * longest);
-            k.attend[bf16](q + (b * H + kvh * G) * D, G, D, kp, vp, kvh, Hkv, tables + b * width, tpb, start, ctx[b],
-                           static_cast<float>(scale), scores.data(), out + (b * H + kvh * G) * D);
-        });
+        attend_rows(kernels(), B, H, Hkv, D, as_ptr<const float>(q_p), H * D, reinterpret_cast<const void*>(k_pool),
+                    reinterpret_cast<const void*>(v_pool), dtype == "bfloat16", tables, width, tpb, ctx, longest, window,
+                    static_cast<float>(scale), as_ptr<float>(out_p), H * D);
     }, py::arg("q"), py::arg("rows"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("k_pool"),
        py::arg("v_pool"), py::arg("dtype"), py::arg("slots"), py::arg("tables"), py::arg("width"),
        py::arg("tokens_per_block"), py::arg("context_lens"), py::arg("window"), py::arg("scale"), py::arg("out"),
