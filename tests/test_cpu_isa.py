@@ -281,7 +281,7 @@ def test_the_metrics_expose_steps_by_kernel(ckpt: Path) -> None:
 @pytest.mark.slow
 def test_kernel_calls_of_a_gguf_model_follow_the_tables_rows(tmp_path: Path) -> None:
     """Q8_0 blocks: a short prompt's prefill in the native block kernels, one of GEMM_ROWS tokens
-    or more in torch's float32 GEMM (with VNNI there is no such count: a 40-token prompt stays in
+    or more in torch's float32 GEMM (with VNNI, or AVX2 on an EPYC, there is no such count: a 40-token prompt stays in
     the block kernels' GEMM), decode steps in the native step (the table's rows)."""
     pytest.importorskip("gguf")
     from gguf_files import write_gguf

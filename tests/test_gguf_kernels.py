@@ -160,7 +160,7 @@ def test_linear_is_within_the_bound_for_any_shape(
 @given(dtype=st.sampled_from([t for t in TYPES if t != "f16"]), rows=st.integers(16, 37), n=st.integers(1, 50),
        blocks=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_many_rows_equal_one_row_at_a_time(dtype: str, rows: int, n: int, blocks: int, seed: int) -> None:
-    """From 16 rows the quantized types run (with VNNI) as a GEMM over weights repacked per 16
+    """From 16 rows the 32-element types run (with any vector set) as a GEMM over weights repacked per 16
     columns: the same integer sums per scale group as one row at a time, so the rows agree to
     float32 rounding of the sums, under every set (ragged column groups and row tiles, several
     passes over k included)."""
@@ -182,8 +182,8 @@ def test_many_rows_equal_one_row_at_a_time(dtype: str, rows: int, n: int, blocks
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 37), n=st.integers(1, 50), blocks=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_int8_weights_many_rows(rows: int, n: int, blocks: int, seed: int) -> None:
-    """rtpcore's int8 weights (one scale per row): below INT8_QUANTIZED_ROWS rows and, with VNNI,
-    from gemm_rows() rows on, over activations quantized per block of 32 (within that rounding's
+    """rtpcore's int8 weights (one scale per row): below INT8_QUANTIZED_ROWS rows and, with a vector
+    set, from gemm_rows() rows on, over activations quantized per block of 32 (within that rounding's
     bound of the exact product, and the GEMM within float rounding of one row at a time); between
     the two, float32 activations (within float rounding of the exact product)."""
     rng = np.random.default_rng(seed)
@@ -217,13 +217,60 @@ def test_int8_weights_many_rows(rows: int, n: int, blocks: int, seed: int) -> No
                 assert ((y.double() - ref).abs() <= slack).all(), name
 
 
-def test_the_vnni_sets_have_the_gemm() -> None:
-    """The sets with the GEMM are those GEMM_ROWS takes for VNNI sets."""
-    from rtpcore.checkpoint.gguf.linear import VNNI_SETS
+def extreme_blocks(dtype: str, n: int, k: int) -> np.ndarray:
+    """(n, row bytes): every weight integer at an end of its range (row n % 2 == 0: the largest
+    unsigned integer the block stores, 127 for q8_0; odd rows: 0, -128 for q8_0), scales 1/128."""
+    qtype = TYPES[dtype]
+    size, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = np.zeros((n, k // size, nbytes), dtype=np.uint8)
+    high = np.arange(n) % 2 == 0
+    half = np.array([1 / 128], dtype=np.float16).view(np.uint8)
+    blocks[:, :, 0:2] = half
+    if dtype == "q8_0":
+        blocks[high, :, 2:] = 127
+        blocks[~high, :, 2:] = 0x80  # -128
+    else:
+        ints = {"q4_0": 2, "q5_0": 6, "q5_1": 8}[dtype]
+        blocks[high, :, ints:] = 0xFF  # nibbles 15 (and fifth bits set: 31)
+        if dtype != "q4_0":
+            blocks[high, :, ints - 4 : ints] = 0xFF  # qh
+        if dtype == "q5_1":
+            blocks[:, :, 2:4] = half  # the min
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q5_0", "q5_1"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 37])
+def test_integers_at_the_ends_of_their_ranges_do_not_saturate(dtype: str, rows: int) -> None:
+    """Weight integers at the ends of their ranges against activations at +-127 (all of one sign,
+    or alternating): the byte products' 16-bit partial sums (AVX2's, kept over several steps of
+    the GEMM before they are widened) must not saturate. Within the bound of the dequantized
+    product under every set, below and from the GEMM's 16 rows, over 8 blocks of k."""
+    n, k = 34, 256
+    w = extreme_blocks(dtype, n, k)
+    dense = dequantized(dtype, w)
+    signs = torch.ones(rows, k)
+    signs[1::3] = -1.0
+    signs[2::3, 1::2] = -1.0
+    x = signs * torch.linspace(0.5, 2.0, rows)[:, None]
+    ref = x.double() @ dense.double().T
+    tol = bound(x, dense, None, dtype)
+    kernels.set_num_threads(2)
+    for name in ISAS:
+        with isa(name):
+            y = run_linear(w, dtype, x, None, n)
+        assert ((y.double() - ref).abs() <= tol).all(), (name, (y.double() - ref).abs().max().item())
+
+
+def test_every_vector_set_has_the_gemm() -> None:
+    """Every vector kernel set multiplies many rows as a GEMM over repacked weights (VNNI's byte
+    dot products or AVX2's); the portable baseline does not; GEMM_ROWS' sets are among them."""
+    from rtpcore.checkpoint.gguf.linear import GEMM_SETS_AMD, VNNI_SETS
 
     for name in ISAS:
         with isa(name):
-            assert (kernels.gemm_rows() > 0) == (name in VNNI_SETS), name
+            assert (kernels.gemm_rows() > 0) == (name != "baseline"), name
+    assert "baseline" not in VNNI_SETS + GEMM_SETS_AMD
 
 
 def one_hot_blocks(dtype: str, k: int) -> np.ndarray:

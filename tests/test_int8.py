@@ -5,7 +5,7 @@ logit (teacher-forced on the int8 output), so the two part only at near-ties.
 
 Two tolerances, one per kernel. Batched decode (4 sequences) keeps float32 activations: the int8
 weights are the only difference, INT8_LOGIT_TOL; so does a prefill step of fewer than
-rtpcore_native._kernels.gemm_rows() tokens (16 with VNNI; more are quantized per block of 32 for
+rtpcore_native._kernels.gemm_rows() tokens (16 with a vector kernel set; more are quantized per block of 32 for
 the byte-dot-product GEMM, as llama.cpp's Q8_0 prefill: this test's first step, 19 tokens, is one
 such, and stays within INT8_LOGIT_TOL). Decode of fewer than
 rtpcore_native._kernels.INT8_QUANTIZED_ROWS sequences also quantizes the activations to int8 per

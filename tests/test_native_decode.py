@@ -63,7 +63,7 @@ def greedy_until_near_tie(model: Any, prompt: list[int], got: list[int]) -> int:
 def int8_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The native int8 product's distance from x @ (q * scale).T, (rows, out) float64: float32
     rounding (1e-5 of |x| @ |W|.T), plus, where the kernel quantizes the activations (fewer than
-    INT8_QUANTIZED_ROWS rows or, with VNNI, from gemm_rows() rows on, and in_features a multiple
+    INT8_QUANTIZED_ROWS rows or from gemm_rows() rows on (0: never), and in_features a multiple
     of 32, as llama.cpp's Q8_0 product does), their rounding to int8 per block of 32 values: each
     moves by at most max|x_b| / 254, so scale_n * sum_b max|x_b| * sum_{i in b} |q_ni| / 254."""
     rows, inp = x.shape
@@ -84,7 +84,7 @@ def test_linear_matches_torch_for_float32_and_int8_weights(isa: str, rows: int, 
     """Every tile shape and tail (rows not a multiple of the tile, in_features not a multiple
     of the vector width, a row count above the pool's split size) against F.linear; int8 within
     int8_bound (its activations quantized at few rows, float32 at more, quantized again from
-    gemm_rows() rows with VNNI: (40, 50, 64))."""
+    gemm_rows() rows on: (40, 50, 64))."""
     gen = torch.Generator().manual_seed(rows * 1000 + out)
     x, w, bias = torch.randn(rows, inp, generator=gen), torch.randn(out, inp, generator=gen), torch.randn(out, generator=gen)
     kernels.set_num_threads(2)

@@ -188,7 +188,7 @@ class Int8Method(QuantizationMethod):
     Q8_0 product does and meet the weights in integer dot products (VNNI where the CPU has it),
     each activation off by at most ``max|x_block| / 254`` besides; from it on (prefill, larger
     batches) the weight is widened to float32 in registers and the products summed in float32,
-    except from ``rtpcore_native._kernels.gemm_rows()`` rows on (16, on a CPU with VNNI), where
+    except from ``rtpcore_native._kernels.gemm_rows()`` rows on (16, with VNNI or AVX2), where
     the activations are quantized again and the weights, repacked, meet them in a byte-dot-product
     GEMM, 2-3x the float kernel (tolerances: tests/test_native_decode.py ``int8_bound``, tests/test_int8.py). On the CPU."""
 

@@ -216,7 +216,7 @@ struct QActs {
     float* s = nullptr;
     int16_t* bsum = nullptr;
     // q + 128 as unsigned bytes, (M, K), for the 32-element blocks of a product of many rows
-    // (the VNNI GEMM of _gguf_isa.hpp); null when not made.
+    // (the VNNI GEMM of _gguf_isa.hpp; AVX2's takes q signed); null when not made.
     const uint8_t* qu = nullptr;
 };
 
@@ -268,8 +268,10 @@ struct QKernels {
     void (*linear_i8)(const QActs& a, int64_t M, const int8_t* w, const float* scale, const float* bias, float* y,
                       int64_t N, bool accumulate, int64_t n0, int64_t n1);
     // From this many rows q8_0, q4_0, q5_0, q5_1 and int8 weights multiply as a GEMM over repacked
-    // weights (the byte dot products of VNNI); 0: this set has no such GEMM.
+    // weights (byte dot products: VNNI's or AVX2's); 0: this set has no such GEMM (the baseline).
     int64_t gemm_rows;
+    // Whether that GEMM takes the activations as q + 128 (QActs::qu: VNNI's unsigned operand).
+    bool gemm_unsigned;
 };
 
 }  // namespace gguf

@@ -473,28 +473,47 @@ static void qlinear_rows(const gguf::QActs& a, int64_t M, const uint8_t* w, cons
     }
 }
 
-#if RTPCORE_Q_VNNI
-// ---- many activation rows with VNNI: the 32-element types and int8 as a GEMM over repacked weights
+#if RTPCORE_Q_SIMD
+// ---- many activation rows: the 32-element types and int8 as a GEMM over repacked weights
 //
 // qlinear_rows computes one weight row against a tile of activation rows: each (row, block) pair
 // ends in a horizontal sum's worth of float work (convert, scale, add), as many float operations
 // as byte dot products. Here, for kGN output columns at a time, the blocks are decoded once
-// into int8 values and repacked as the byte dot product wants them: per block, per 4
-// consecutive k, the kGN columns' 4 bytes side by side (a vector holds 8 columns x 4 k). An
-// activation row's 4 bytes, broadcast, meet 8 columns in one vpdpbusd; per block and row the
-// float work is one convert and one multiply-add per 8 columns. vpdpbusd multiplies unsigned by
-// signed bytes: the activations enter as q + 128 (unsigned) and each column's integer sum starts
-// at -128 times its block's sum of weights; q5_1's min meets the activations' block sums. The
-// integers are those of qlinear_rows (the same sum of q_w q_x per block); the float sums run in
-// another order.
-constexpr int kGN = 16;                                 // output columns per group: two vectors
-constexpr int kGMT = RTPCORE_Q_VNNI == 2 ? 4 : 2;       // activation rows per tile (32 / 16 registers)
-constexpr int64_t kGemmRows = 16;                       // from this many rows on (fewer: qlinear_rows)
+// into bytes and repacked as the byte dot product wants them: per block, per 4 consecutive k,
+// the kGN columns' 4 bytes side by side (a vector holds 8 columns x 4 k). An activation row's 4
+// bytes, broadcast, meet 8 columns in one byte dot product; per block and row the float work is
+// one convert and one multiply-add per 8 columns. The integers are those of qlinear_rows (the
+// same sum of q_w q_x per block); the float sums run in another order.
+//
+// With VNNI (vpdpbusd: unsigned by signed bytes, summed into int32 lanes) the activations enter
+// as q + 128 (unsigned), the weights as signed int8 with their offsets folded in, and each
+// column's integer sum starts at -128 times its block's sum of weights; q5_1's min meets the
+// activations' block sums.
+//
+// Without VNNI (AVX2's vpmaddubsw: unsigned by signed bytes into int16 pairs, which saturate;
+// vpmaddwd then widens to int32) the activations stay signed (|q| <= 127) and:
+//   q4_0, q5_0, q5_1 keep their unsigned integers u (at most 15 / 31): a pair u q + u' q' is at
+//     most 3810 / 7874, so the int16 pairs of 8 / 4 consecutive steps add up before one
+//     vpmaddwd widens them (a vpmaddwd per 8 / 4 products instead of one each); the offset or
+//     min c (-8 d, -16 d, m) multiplies the activations' block sum s_x;
+//   q8_0 and int8 are signed on both sides: |q_x| (once per row and 4 k) times q_w with q_x's
+//     sign (|q_w| <= 128: a pair fits int16), a vpmaddwd per product.
+constexpr int kGN = 16;  // output columns per group: two vectors
+#if RTPCORE_Q_VNNI
+constexpr bool kGemmUnsigned = true;                   // activations as q + 128
+constexpr int kGMT = RTPCORE_Q_VNNI == 2 ? 4 : 2;      // activation rows per tile (32 / 16 registers)
+#else
+constexpr bool kGemmUnsigned = false;
+constexpr int kGMT = RTPCORE_Q_MT > 4 ? 4 : 2;         // 32 registers (AVX-512's set) / 16 (AVX2)
+#endif
+constexpr int64_t kGemmRows = 16;  // from this many rows on (fewer: qlinear_rows)
 
 // The weights of a group, per block j of 32 k: w (8, kGN) 4 bytes per (k / 4, column), each
-// column's integers as int8 (q8_0, q4_0, q5_0, int8: signed, offsets folded in; q5_1: unsigned,
-// at most 31); off (kGN): -128 * the column's sum of them; d (kGN): the column's scale; mn
-// (kGN, q5_1 only): the column's min m. The weight is d * w + mn.
+// column's integers as bytes (with VNNI: q8_0, q4_0, q5_0, int8 signed, offsets folded in; q5_1
+// unsigned; without: q8_0 and int8 signed, the others unsigned); off (kGN, VNNI only): -128 *
+// the column's sum of them; d (kGN): the column's scale; mn (kGN): the coefficient of the
+// activations' block sum (with VNNI q5_1's min m only; without, q4_0's -8 d, q5_0's -16 d,
+// q5_1's m). The weight is d * w + mn.
 // (The K types keep qlinear_rows: their sub-block scales, applied in integers per 256, make it
 // faster than this GEMM with its float step per 32 was for them; measured, one thread: q4_k
 // 576 x 1536 at 512 rows 6.5 ms against 10.0, q6_k 5.9 against 10.4.)
@@ -509,14 +528,25 @@ static Repacked& repacked() {
     return r;
 }
 
+// Whether type T (or int8) multiplies with the coefficient mn of the activations' block sums.
+template <gguf::Type T, bool I8>
+constexpr bool gemm_min() {
+    if constexpr (I8 || T == gguf::Type::q8_0)
+        return false;
+    else
+        return !kGemmUnsigned || T == gguf::Type::q5_1;
+}
+
 // Column c of a group: weight row `row`'s blocks, repacked (see Repacked).
 template <gguf::Type T, bool I8>
 static void repack_column(const uint8_t* row, int64_t K, const float* scale_n, int c, int32_t* w, int32_t* off,
                           float* d, float* mn) {
     auto put = [&](int64_t j, const int8_t* q, float dj, float mj) {
-        int32_t sum = 0;
-        for (int e = 0; e < 32; ++e) sum += q[e];
-        off[j * kGN + c] = -128 * sum;
+        if constexpr (kGemmUnsigned) {
+            int32_t sum = 0;
+            for (int e = 0; e < 32; ++e) sum += q[e];
+            off[j * kGN + c] = -128 * sum;
+        }
         d[j * kGN + c] = dj;
         if (mn) mn[j * kGN + c] = mj;
         for (int k4 = 0; k4 < 8; ++k4) std::memcpy(&w[(j * 8 + k4) * kGN + c], q + 4 * k4, 4);
@@ -527,16 +557,26 @@ static void repack_column(const uint8_t* row, int64_t K, const float* scale_n, i
         for (int64_t j = 0; j < K / 32; ++j) {
             const Block32 wb = decode32<T>(row + j * gguf::info(T).bytes);
             S8 q = (S8)wb.q;
-            if constexpr (T == gguf::Type::q4_0) q = q - 8;
-            if constexpr (T == gguf::Type::q5_0) q = q - 16;
-            put(j, reinterpret_cast<const int8_t*>(&q), wb.d, wb.c);  // q5_1: wb.c = m
+            if constexpr (kGemmUnsigned && T == gguf::Type::q4_0) q = q - 8;
+            if constexpr (kGemmUnsigned && T == gguf::Type::q5_0) q = q - 16;
+            put(j, reinterpret_cast<const int8_t*>(&q), wb.d, wb.c);  // wb.c: -8 d, -16 d, m
         }
     }
 }
 
+// Without VNNI: how many steps of 4 k a block's int16 pairs add up before vpmaddwd widens them
+// (see above); 0: q8_0 and int8, signed, widened every step.
+template <gguf::Type T, bool I8>
+constexpr int gemm_steps() {
+    if constexpr (I8 || T == gguf::Type::q8_0)
+        return 0;
+    else
+        return T == gguf::Type::q4_0 ? 8 : 4;
+}
+
 // out (MT, kGN) = the float sums over blocks [j0, j1) of activation rows [m0, m0 + MT) against
-// one group's columns.
-template <int MT, bool MIN>
+// one group's columns (xu: the activations as q + 128, with VNNI only).
+template <int MT, bool MIN, int STEPS>
 __attribute__((noinline)) static void gemm_tile(const uint8_t* xu, const gguf::QActs& a, int64_t j0, int64_t j1,
                                                 int64_t m0, const int32_t* w, const int32_t* off, const float* d,
                                                 const float* mn, float* out) {
@@ -544,15 +584,16 @@ __attribute__((noinline)) static void gemm_tile(const uint8_t* xu, const gguf::Q
     F32 fa[MT][2];
     for (int i = 0; i < MT; ++i) fa[i][0] = fa[i][1] = F32{};
     for (int64_t j = j0; j < j1; ++j) {
+        I32 ia[MT][2];
+        const int32_t* wj = w + j * 8 * kGN;
+#if RTPCORE_Q_VNNI
         I32 o0, o1;
         std::memcpy(&o0, off + j * kGN, sizeof o0);
         std::memcpy(&o1, off + j * kGN + 8, sizeof o1);
-        I32 ia[MT][2];
         for (int i = 0; i < MT; ++i) {
             ia[i][0] = o0;
             ia[i][1] = o1;
         }
-        const int32_t* wj = w + j * 8 * kGN;
 #pragma GCC unroll 8
         for (int k4 = 0; k4 < 8; ++k4) {
             I32 w0, w1;
@@ -566,6 +607,49 @@ __attribute__((noinline)) static void gemm_tile(const uint8_t* xu, const gguf::Q
                 ia[i][1] = dot_us(ia[i][1], xb, (S8)w1);
             }
         }
+#else
+        (void)xu;
+        (void)off;
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int i = 0; i < MT; ++i) ia[i][0] = ia[i][1] = I32{};
+        // (Not unrolled: unrolled, GCC sums the 8 steps' products as a tree and spills them.)
+        if constexpr (STEPS == 0) {  // signed: |q_w| times q_x with q_w's sign
+#pragma GCC unroll 1
+            for (int k4 = 0; k4 < 8; ++k4) {
+                __m256i w0, w1;
+                std::memcpy(&w0, wj + k4 * kGN, sizeof w0);
+                std::memcpy(&w1, wj + k4 * kGN + 8, sizeof w1);
+                const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+                for (int i = 0; i < MT; ++i) {
+                    int32_t x4;
+                    std::memcpy(&x4, a.qs + (m0 + i) * K + 32 * j + 4 * k4, sizeof x4);
+                    const __m256i xb = _mm256_set1_epi32(x4);
+                    ia[i][0] += (I32)_mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones);
+                    ia[i][1] += (I32)_mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones);
+                }
+            }
+        } else {  // unsigned weights: int16 pairs summed over STEPS steps, then widened
+            for (int s0 = 0; s0 < 8; s0 += STEPS) {
+                I16 p[MT][2];
+                for (int i = 0; i < MT; ++i) p[i][0] = p[i][1] = I16{};
+#pragma GCC unroll 1
+                for (int k4 = s0; k4 < s0 + STEPS; ++k4) {
+                    __m256i w0, w1;
+                    std::memcpy(&w0, wj + k4 * kGN, sizeof w0);
+                    std::memcpy(&w1, wj + k4 * kGN + 8, sizeof w1);
+                    for (int i = 0; i < MT; ++i) {
+                        int32_t x4;
+                        std::memcpy(&x4, a.qs + (m0 + i) * K + 32 * j + 4 * k4, sizeof x4);
+                        const __m256i xb = _mm256_set1_epi32(x4);
+                        p[i][0] += (I16)_mm256_maddubs_epi16(w0, xb);
+                        p[i][1] += (I16)_mm256_maddubs_epi16(w1, xb);
+                    }
+                }
+                for (int i = 0; i < MT; ++i)
+                    for (int h = 0; h < 2; ++h) ia[i][h] += (I32)_mm256_madd_epi16((__m256i)p[i][h], ones);
+            }
+        }
+#endif
         F32 d0, d1;
         std::memcpy(&d0, d + j * kGN, sizeof d0);
         std::memcpy(&d1, d + j * kGN + 8, sizeof d1);
@@ -574,13 +658,12 @@ __attribute__((noinline)) static void gemm_tile(const uint8_t* xu, const gguf::Q
             fa[i][0] += to_f32(ia[i][0]) * (d0 * s);
             fa[i][1] += to_f32(ia[i][1]) * (d1 * s);
         }
-        if constexpr (MIN) {  // + mn * (the activations' sum over the block: two sums of 16)
+        if constexpr (MIN) {  // + mn * the activations' block sum s_x = d_x sum q_x
             F32 n0, n1;
             std::memcpy(&n0, mn + j * kGN, sizeof n0);
             std::memcpy(&n1, mn + j * kGN + 8, sizeof n1);
             for (int i = 0; i < MT; ++i) {
-                const int16_t* bs = a.bsum + (m0 + i) * (K / 16) + 2 * j;
-                const float sx = a.d[(m0 + i) * nb + j] * static_cast<float>(bs[0] + bs[1]);
+                const float sx = a.s[(m0 + i) * nb + j];
                 fa[i][0] += n0 * sx;
                 fa[i][1] += n1 * sx;
             }
@@ -603,26 +686,28 @@ constexpr int64_t kGemmDepth = 16;  // blocks of 32
 template <gguf::Type T, bool I8 = false>
 static void qgemm(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* scale, const float* bias, float* y,
                   int64_t N, bool accumulate, int64_t n0, int64_t n1) {
-    constexpr bool MIN = !I8 && T == gguf::Type::q5_1;
+    constexpr bool MIN = gemm_min<T, I8>();
+    constexpr int STEPS = gemm_steps<T, I8>();
     const int64_t K = a.K, nb = K / 32, row_bytes = I8 ? K : gguf::row_bytes(T, K);
     const int64_t groups = (n1 - n0 + kGN - 1) / kGN;
     Repacked& r = repacked();
     const uint8_t* xu = a.qu;
-    if (!xu) {  // activations quantized without their unsigned copy
+    if (kGemmUnsigned && !xu) {  // activations quantized without their unsigned copy
         r.xu.resize(static_cast<size_t>(M * K));
         for (int64_t i = 0; i < M * K; ++i) r.xu[i] = static_cast<uint8_t>(a.qs[i]) ^ 0x80u;
         xu = r.xu.data();
     }
     const int64_t gw_size = nb * 8 * kGN, gs_size = nb * kGN;
     r.w.assign(static_cast<size_t>(groups * gw_size), 0);
-    r.off.assign(static_cast<size_t>(groups * gs_size), 0);
+    r.off.assign(kGemmUnsigned ? static_cast<size_t>(groups * gs_size) : 0, 0);
     r.d.assign(static_cast<size_t>(groups * gs_size), 0.0f);
     r.mn.assign(MIN ? static_cast<size_t>(groups * gs_size) : 0, 0.0f);
     for (int64_t g = 0; g < groups; ++g)  // every column of the range, once (padding columns stay 0)
         for (int c = 0; c < kGN && n0 + g * kGN + c < n1; ++c) {
             const int64_t n = n0 + g * kGN + c;
             repack_column<T, I8>(w + n * row_bytes, K, I8 ? scale + n : nullptr, c, &r.w[g * gw_size],
-                                 &r.off[g * gs_size], &r.d[g * gs_size], MIN ? &r.mn[g * gs_size] : nullptr);
+                                 kGemmUnsigned ? &r.off[g * gs_size] : nullptr, &r.d[g * gs_size],
+                                 MIN ? &r.mn[g * gs_size] : nullptr);
         }
     float out[kGMT * kGN];
     for (int64_t mb = 0; mb < M; mb += kGemmRowBlock) {
@@ -634,7 +719,7 @@ static void qgemm(const gguf::QActs& a, int64_t M, const uint8_t* w, const float
                 const int64_t g0 = n0 + g * kGN;
                 const int cols = static_cast<int>(n1 - g0 < kGN ? n1 - g0 : kGN);
                 const int32_t* gw = &r.w[g * gw_size];
-                const int32_t* goff = &r.off[g * gs_size];
+                const int32_t* goff = kGemmUnsigned ? &r.off[g * gs_size] : nullptr;
                 const float* gd = &r.d[g * gs_size];
                 const float* gmn = MIN ? &r.mn[g * gs_size] : nullptr;
                 auto store = [&](int64_t m0, int rows) {
@@ -663,11 +748,11 @@ static void qgemm(const gguf::QActs& a, int64_t M, const uint8_t* w, const float
                 };
                 int64_t m = mb;
                 for (; m + kGMT <= me; m += kGMT) {
-                    gemm_tile<kGMT, MIN>(xu, a, j0, j1, m, gw, goff, gd, gmn, out);
+                    gemm_tile<kGMT, MIN, STEPS>(xu, a, j0, j1, m, gw, goff, gd, gmn, out);
                     store(m, kGMT);
                 }
                 for (; m < me; ++m) {
-                    gemm_tile<1, MIN>(xu, a, j0, j1, m, gw, goff, gd, gmn, out);
+                    gemm_tile<1, MIN, STEPS>(xu, a, j0, j1, m, gw, goff, gd, gmn, out);
                     store(m, 1);
                 }
             }
@@ -679,7 +764,7 @@ static void qgemm(const gguf::QActs& a, int64_t M, const uint8_t* w, const float
 template <gguf::Type T>
 static void qlinear(const gguf::QActs& a, int64_t M, const uint8_t* w, const float* bias, float* y, int64_t N,
                     bool accumulate, int64_t n0, int64_t n1) {
-#if RTPCORE_Q_VNNI
+#if RTPCORE_Q_SIMD
     if constexpr (gguf::info(T).block == 32) {
         if (M >= kGemmRows) return qgemm<T>(a, M, w, nullptr, bias, y, N, accumulate, n0, n1);
     }
@@ -691,7 +776,7 @@ static void qlinear(const gguf::QActs& a, int64_t M, const uint8_t* w, const flo
 // activations quantized to q8_0-style blocks: y = scale[n] * sum_b d_x[b] dot(w_b, q_x[b]).
 static void linear_i8(const gguf::QActs& a, int64_t M, const int8_t* w, const float* scale, const float* bias,
                       float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
-#if RTPCORE_Q_VNNI
+#if RTPCORE_Q_SIMD
     if (M >= kGemmRows)
         return qgemm<gguf::Type::q8_0, true>(a, M, reinterpret_cast<const uint8_t*>(w), scale, bias, y, N, accumulate,
                                              n0, n1);
@@ -844,10 +929,10 @@ constexpr QLinearFn kQLinear[7] = {
     qlinear<gguf::Type::q4_k>, qlinear<gguf::Type::q5_k>, qlinear<gguf::Type::q6_k>,
 };
 
-#if RTPCORE_Q_VNNI
-constexpr gguf::QKernels kQKernels = {quantize, dequantize, linear_i8, kGemmRows};
+#if RTPCORE_Q_SIMD
+constexpr gguf::QKernels kQKernels = {quantize, dequantize, linear_i8, kGemmRows, kGemmUnsigned};
 #else
-constexpr gguf::QKernels kQKernels = {quantize, dequantize, linear_i8, 0};
+constexpr gguf::QKernels kQKernels = {quantize, dequantize, linear_i8, 0, false};
 #endif
 
 #undef RTPCORE_QINLINE

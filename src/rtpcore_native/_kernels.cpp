@@ -588,7 +588,7 @@ gguf::QActs quantize_acts(const Kernels& k, const float* x, int64_t M, int64_t K
             k.q->quantize(x + m0 * K, m1 - m0, part);
         });
     }
-    if (block == 32 && k.q->gemm_rows > 0 && M >= k.q->gemm_rows) {  // for the VNNI GEMM: once per product
+    if (block == 32 && k.q->gemm_unsigned && M >= k.q->gemm_rows) {  // for the VNNI GEMM: once per product
         static std::vector<uint8_t> qu;
         qu.resize(M * K);
         for (int64_t i = 0; i < M * K; ++i) qu[i] = static_cast<uint8_t>(qs[i]) ^ 0x80u;

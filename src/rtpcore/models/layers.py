@@ -53,8 +53,8 @@ The kernels, and what each promises (``layer.kernel`` says which one runs):
   with rtpcore_native's int8 kernels for float32 inputs (``rtpcore.models.native``; below
   ``INT8_QUANTIZED_ROWS`` rows the activations quantized to int8 per block of 32 and integer
   dot products, as llama.cpp's Q8_0; from it on the weight widened to float32 in registers,
-  products summed in float32, up to ``gemm_rows()`` rows with VNNI, from which the activations
-  are quantized again for a byte-dot-product GEMM: ``rtpcore.quantization.Int8Method``) and with torch's
+  products summed in float32, up to ``gemm_rows()`` rows (16 with any vector kernel set), from which
+  the activations are quantized again for a byte-dot-product GEMM: ``rtpcore.quantization.Int8Method``) and with torch's
   int8-weight CPU kernel for bf16/fp16 inputs. A weight element is off by at most half a
   step (``amax / 254`` of its row); the checkpoint stays float.
 

@@ -10,7 +10,7 @@ AVX-512, AVX2 or the x86-64 baseline, chosen at import; ``ONEDNN_MAX_CPU_ISA`` c
 caps oneDNN), over float32 weights or the int8 weights of ``quantization="int8"`` (one scale
 per output row; below ``INT8_QUANTIZED_ROWS`` sequences integer dot products over activations
 quantized per block of 32 as llama.cpp's Q8_0, from it on widened in registers, from
-``gemm_rows()`` on with VNNI quantized again), attention
+``gemm_rows()`` on quantized again), attention
 read in place from the paged pools through the block tables, and a thread pool of the
 extension's own sized by torch's thread count.
 

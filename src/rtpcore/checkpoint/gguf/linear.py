@@ -104,35 +104,43 @@ def _native_weights(layer: Any) -> list[Any] | None:
 #: at 64, 3.7 both ways at 96, 4.9 against 4.6 at 128; with the AVX2 kernels and MKL capped at
 #: AVX2, 5.1 against 5.6 at 96, 6.6 against 7.0 at 128), f16 (a float32 kernel) at about 96.
 GEMM_ROWS_INTEL = {"q8_0": 32, "q4_0": 32, "q5_0": 32, "q5_1": 32, "q4_k": 96, "q5_k": 96, "q6_k": 96, "f16": 96}
-#: AMD (EPYC, Zen 4) with the AVX-512 VNNI kernels (before the VNNI GEMM below, which now takes
-#: the 32-element types at every row count): the 32-element types break even at 128 rows
-#: on SmolLM2's widths and stay ahead there on wider ones (q8_0 2816 x 1024: 4.2 ms against 5.7
+#: AMD (EPYC, Zen 4) with the AVX-512 VNNI kernels (before the byte-dot-product GEMM below, which now
+#: takes the 32-element types at every row count): the 32-element types broke even at 128 rows
+#: on SmolLM2's widths and stayed ahead there on wider ones (q8_0 2816 x 1024: 4.2 ms against 5.7
 #: at 64 rows, 8.3 against 10.0 at 128, 16.4 against 16.7 at 256; q8_0 576 x 1536: 2.5 against
 #: 2.5 at 128; q4_0 1536 x 576: 2.9 against 2.8 at 128); the K types and f16 stay ahead at 512
 #: rows, twice a CPU step's default token budget (q4_k 1024 x 2816: 21.4 against
 #: 31.0 ms, q6_k 19.8 against 31.5, q5_k 22.9 against 38.4, f16 31.2 against 35.1).
 GEMM_ROWS_AMD = {"q8_0": 128, "q4_0": 128, "q5_0": 128, "q5_1": 128, "q4_k": 512, "q5_k": 512, "q6_k": 512,
                  "f16": 512}
-#: AMD with the AVX2 kernels (``--cpu-isa avx2``, MKL capped at AVX2; an AVX2-only EPYC): q8_0
-#: breaks even at 64 rows (1024 x 2816: 5.2 against 5.4 ms; 10.6 against 9.8 at 128), the K
-#: types stay ahead at 512 (q4_k 1024 x 2816: 28.4 against 36.6 ms; q6_k 2816 x 1024: 28.7
-#: against 34.6), f16 as on Intel (not measured apart).
+#: AMD with the AVX2 kernels (an AVX2-only EPYC, Zen 3; or ``--cpu-isa avx2``): the K types stay
+#: ahead at 512 rows (on the AVX2-only EPYC, one thread, CPU time: q4_k 2816 x 1024 36.6 against
+#: 39.7 ms, 1024 x 2816 38.7 against 46.9; q6_k 37.8 against 51.0, 576 x 1536 16.8 against 14.1),
+#: f16 as on Intel (not measured apart); the 32-element types: see GEMM_SETS.
 GEMM_ROWS_AMD_AVX2 = {"q8_0": 64, "q4_0": 64, "q5_0": 64, "q5_1": 64, "q4_k": 512, "q5_k": 512, "q6_k": 512,
                       "f16": 96}
 
 
 #: A threshold no step reaches: the block kernels at every row count.
 NEVER = 1 << 62
-#: The kernel sets with byte dot products (VNNI), and the types they multiply from 16 rows on as a
-#: GEMM over weights repacked per 16 columns (``src/rtpcore_native/_gguf_isa.hpp``, ``qgemm``): on
-#: the EPYC above (AVX-512 VNNI, one thread, CPU time) q8_0 2816 x 1024 takes 0.94 ms against
-#: dequantize + GEMM's 2.97 at 32 rows, 5.4 against 16.7 at 256, 10.6 against 33.0 at 512; 576 x
-#: 1536 3.8 against 9.3 at 512; q4_0, q5_0 and q5_1 alike (2-3x: q5_1 576 x 1536 4.7 against 10.0
-#: at 512), so torch's GEMM never wins. On a Xeon the same instructions run; its float32 GEMM is
-#: about twice as fast per cycle, against which the old kernel broke even at 32 rows and this one
-#: is 2-3x that kernel's speed from 32 rows on: the Xeon's tables take the same value (not
-#: measured there yet: ``--crossover`` does). VNNI_SETS are the sets whose
-#: ``rtpcore_native._kernels.gemm_rows()`` is not 0 (tests/test_gguf_kernels.py holds them equal).
+#: The 32-element types (and rtpcore's int8) multiply from ``rtpcore_native._kernels.gemm_rows()``
+#: rows on (16) as a GEMM over weights repacked per 16 columns (``src/rtpcore_native/_gguf_isa.hpp``,
+#: ``qgemm``) on every vector kernel set; torch's GEMM never takes them where that GEMM was
+#: measured ahead of it at every row count:
+#: - with VNNI (vpdpbusd), on the Zen 4 EPYC (AVX-512 VNNI, one thread, CPU time): q8_0 2816 x 1024
+#:   0.94 ms against dequantize + GEMM's 2.97 at 32 rows, 5.4 against 16.7 at 256, 10.6 against
+#:   33.0 at 512; 576 x 1536 3.8 against 9.3 at 512; q4_0, q5_0 and q5_1 alike (2-3x: q5_1
+#:   576 x 1536 4.7 against 10.0 at 512). On a Xeon the same instructions run; its float32 GEMM is
+#:   about twice as fast per cycle, against which the old per-row kernel broke even at 32 rows
+#:   and this one is 2-3x that kernel's speed from 32 rows on: the Xeon's tables take the same
+#:   value (not measured there yet: ``--crossover`` does);
+#: - with AVX2's vpmaddubsw on AMD (the AVX2-only EPYC, Zen 3, one thread, CPU time): q8_0
+#:   576 x 1536 0.42 ms against 0.87 at 16 rows, 1.37 against 1.91 at 64, 9.8 against 11.2 at 512
+#:   (the per-row kernel: 23.3); q4_0 6.7 against 12.8 at 512, q5_1 7.6 against 11.6; q8_0
+#:   2816 x 1024 34.6 against 44.0 at 512. On an AMD CPU with AVX-512 but no VNNI (only
+#:   ``--cpu-isa avx512`` on a Zen 4) the same code runs with more registers: taken alike, not
+#:   measured. On Intel without VNNI the old crossover (32 rows) stands: not measured there.
+GEMM_SETS_AMD = ("avx512", "avx2")
 VNNI_SETS = ("amx", "avx512_bf16", "avx512_vnni", "avx2_vnni")
 VNNI_GEMM_TYPES = ("q8_0", "q4_0", "q5_0", "q5_1")
 
@@ -151,7 +159,7 @@ def gemm_rows(vendor: str | None = None, kernel_set: str | None = None) -> dict[
         table = dict(GEMM_ROWS_INTEL)
     else:
         table = dict(GEMM_ROWS_AMD if kernel_set.startswith(("avx512", "amx")) else GEMM_ROWS_AMD_AVX2)
-    if kernel_set in VNNI_SETS:
+    if kernel_set in VNNI_SETS or (vendor == "AuthenticAMD" and kernel_set in GEMM_SETS_AMD):
         table.update(dict.fromkeys(VNNI_GEMM_TYPES, NEVER))
     return table
 
