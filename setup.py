@@ -27,7 +27,8 @@ ext_modules = [
                  "src/rtpcore_native/_bf16_isa.hpp", "src/rtpcore_native/_gguf_blocks.hpp",
                  "src/rtpcore_native/_gguf_isa.hpp"],
         cxx_std=17,
-        extra_compile_args=["-O3"],
+        extra_compile_args=["-O3", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
     ),
 ]
 

@@ -186,7 +186,8 @@ def test_the_cap_hides_bf16_and_fp16_dot_products(tmp_path: Path, monkeypatch: p
 
 def check_info_schema(info: dict[str, Any]) -> None:
     assert set(info) == {"cpu", "native_kernels", "features", "amx_probe", "caps", "kernel_set",
-                         "supported_kernel_sets", "supported_cpu_isas", "kernels"}
+                         "supported_kernel_sets", "supported_cpu_isas", "thread_pool", "kernels"}
+    assert info["thread_pool"] in ("openmp", "threads")
     assert info["features"] == {**FEATURES, "amx_permitted": info["features"]["amx_permitted"]}
     assert set(info["amx_probe"]) == {"ok", "reason"}
     assert set(info["caps"]) == {"RTPCORE_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
@@ -212,6 +213,7 @@ def test_info_through_the_cli() -> None:
     assert info["supported_cpu_isas"] == kernels.supported_cpu_isas()
     text = rtpcore("info").stdout
     assert f"kernel set: {info['kernel_set']} " in text
+    assert info["thread_pool"] == kernels.pool_kind() and f"thread pool: {info['thread_pool']} " in text
     assert f"  float32   decode   {info['kernels'][0]['kernels'][0]['kernel']}" in text
     if "avx2" not in kernels.supported_cpu_isas():
         return

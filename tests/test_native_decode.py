@@ -291,10 +291,28 @@ def test_the_instruction_set_honours_onednn_max_cpu_isa(tmp_path: Path) -> None:
         assert got == {"isa": isa, "kernel": "native", "tokens": want}
 
 
+def test_the_kernels_share_torchs_openmp_runtime() -> None:
+    """Built with OpenMP, the kernels' parallel regions run on torch's OpenMP threads: one
+    libgomp in the process (a second runtime would bring a second set of threads competing for
+    the same cores), and RTPCORE_NATIVE_POOL=threads gives the extension's own threads instead."""
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        pytest.skip("needs /proc/self/maps")
+    gomp = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
+    assert len(gomp) <= 1, gomp
+    if kernels.pool_kind() == "openmp":
+        assert len(gomp) == 1
+    code = "import rtpcore_native._kernels as k; print(k.pool_kind())"
+    env = {**os.environ, "RTPCORE_NATIVE_POOL": "threads"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "threads"
+
+
 def test_a_forked_child_runs_the_kernels_on_a_pool_of_its_own() -> None:
-    """The parent's thread pool does not survive fork (its workers are gone in the child); the
-    child builds its own and computes the same product (a stale pool would hang or crash).
-    The child runs the native kernel only: torch's own OpenMP pool is not fork-safe."""
+    """The parent's pool does not survive fork (its threads, the extension's or OpenMP's, are
+    gone in the child: libgomp's first region there would hang); the child runs the kernels on
+    threads of its own and computes the same product. The child runs the native kernel only:
+    torch's own OpenMP pool is not fork-safe."""
     gen = torch.Generator().manual_seed(5)
     x, w = torch.randn(2, 256, generator=gen), torch.randn(4096, 256, generator=gen)
     weights = kernels.LinearWeights(w.data_ptr(), "float32", 0, 0, 4096, 256)
@@ -309,12 +327,13 @@ def test_a_forked_child_runs_the_kernels_on_a_pool_of_its_own() -> None:
     if pid == 0:  # pragma: no cover - the child
         try:
             kernels.linear(weights, x.data_ptr(), 2, y.data_ptr())
-            os.write(write, y.numpy().tobytes())
+            os.write(write, kernels.pool_kind().encode().ljust(8) + y.numpy().tobytes())
         finally:
             os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as f:
         data = f.read()
     os.waitpid(pid, 0)
-    got = torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(2, 4096) if data else None
+    assert data[:8].strip() == b"threads"
+    got = torch.frombuffer(bytearray(data[8:]), dtype=torch.float32).reshape(2, 4096) if data else None
     assert got is not None and torch.equal(got, want)

@@ -73,6 +73,8 @@ def _print(report: dict[str, Any]) -> None:
     print(f"kernel set: {report['kernel_set'] or 'none (no rtpcore_native._kernels)'} (this CPU runs: "
           f"{', '.join(report['supported_kernel_sets']) or 'none'}; --cpu-isa values: "
           f"{', '.join(report['supported_cpu_isas']) or 'none'})")
+    if report.get("thread_pool"):
+        print(f"thread pool: {report['thread_pool']} (openmp: torch's OpenMP threads; threads: the kernels' own)")
     print()
     print("kernels per step (a Llama-family model, default options; rows: the step's tokens):")
     width = max(len(row["weights"]) for row in report["kernels"])

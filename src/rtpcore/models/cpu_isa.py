@@ -190,13 +190,15 @@ def announce_kernels(log: logging.Logger) -> str | None:
 
 def environment() -> dict[str, Any]:
     """What ``rtpcore info`` shows of the CPU: its model name, its features, the AMX probe,
-    the caps in force and the kernel set chosen (JSON-ready)."""
+    the caps in force, the kernel set chosen and where its parallel regions run (``thread_pool``:
+    ``rtpcore_native._kernels.pool_kind()``) (JSON-ready)."""
     k = native_kernels()
     caps = {n: os.environ.get(n) for n in (CPU_ISA_ENV, "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
                                            "MKL_ENABLE_INSTRUCTIONS")}
     if k is None:
         return {"cpu": cpu_model_name(), "native_kernels": None, "features": {}, "amx_probe": None,
-                "caps": caps, "kernel_set": None, "supported_kernel_sets": [], "supported_cpu_isas": []}
+                "caps": caps, "kernel_set": None, "supported_kernel_sets": [], "supported_cpu_isas": [],
+                "thread_pool": None}
     ok, reason = k.amx_probe()
     return {
         "cpu": cpu_model_name(),
@@ -207,6 +209,7 @@ def environment() -> dict[str, Any]:
         "kernel_set": str(k.isa()),
         "supported_kernel_sets": list(k.supported_isas()),
         "supported_cpu_isas": list(k.supported_cpu_isas()),
+        "thread_pool": str(k.pool_kind()),
     }
 
 

@@ -11,8 +11,8 @@ caps oneDNN), over float32 weights or the int8 weights of ``quantization="int8"`
 per output row; below ``INT8_QUANTIZED_ROWS`` sequences integer dot products over activations
 quantized per block of 32 as llama.cpp's Q8_0, from it on widened in registers, from
 ``gemm_rows()`` on quantized again), attention
-read in place from the paged pools through the block tables, and a thread pool of the
-extension's own sized by torch's thread count.
+read in place from the paged pools through the block tables, and parallel regions sized by
+torch's thread count on torch's own OpenMP threads (``rtpcore_native._kernels.pool_kind()``).
 
 Qwen3's per-head RMSNorm of queries and keys before RoPE runs in the step too
 (``LlamaDecoder.set_qk_norm``).
