@@ -292,19 +292,28 @@ def test_the_instruction_set_honours_onednn_max_cpu_isa(tmp_path: Path) -> None:
 
 
 def test_the_kernels_share_torchs_openmp_runtime() -> None:
-    """Built with OpenMP, the kernels' parallel regions run on torch's OpenMP threads: one
-    libgomp in the process (a second runtime would bring a second set of threads competing for
-    the same cores), and RTPCORE_NATIVE_POOL=threads gives the extension's own threads instead."""
-    maps = Path("/proc/self/maps")
-    if not maps.is_file():
+    """Built with OpenMP, the kernels' parallel regions run on torch's OpenMP threads: in a fresh
+    process, importing the extension after torch maps no OpenMP runtime besides torch's (a second
+    one would bring a second set of threads competing for the same cores); RTPCORE_NATIVE_POOL=
+    threads gives the extension's own threads instead."""
+    if not Path("/proc/self/maps").is_file():
         pytest.skip("needs /proc/self/maps")
-    gomp = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
-    assert len(gomp) <= 1, gomp
-    if kernels.pool_kind() == "openmp":
-        assert len(gomp) == 1
-    code = "import rtpcore_native._kernels as k; print(k.pool_kind())"
+    code = (
+        "import json, torch\n"
+        "def gomp():\n"
+        "    return sorted({l.split()[-1] for l in open('/proc/self/maps') if 'gomp' in l})\n"
+        "torch.set_num_threads(2); torch.ones(4096).sum()\n"
+        "before = gomp()\n"
+        "import rtpcore_native._kernels as k\n"
+        "print(json.dumps({'before': before, 'after': gomp(), 'pool': k.pool_kind()}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["after"] == got["before"], got
+    assert got["pool"] == kernels.pool_kind()
     env = {**os.environ, "RTPCORE_NATIVE_POOL": "threads"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", "import rtpcore_native._kernels as k; print(k.pool_kind())"],
+                         env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "threads"
 
 
