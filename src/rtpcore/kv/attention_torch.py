@@ -20,20 +20,25 @@ ForwardBatch = Any  # rtpcore.batch.ForwardBatch, a stage above
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    *, causal: bool = False,
 ) -> torch.Tensor:
     """Grouped-query attention: q (B, H, Tq, D), k/v (B, Hkv, L, D) in any float dtype (the
     cache's), mask (B|1, 1, Tq, L) bool or None (every key visible) -> (B, H, Tq, D), q's dtype.
+    ``causal`` (with no mask, Tq == L): query i sees keys 0..i, and the fused kernel skips the
+    blocks above the diagonal (with the same condition as a mask it computes them all and
+    throws them away: half a fresh prompt's attention).
 
     torch's fused kernel, as transformers' default ("sdpa") uses; float32 gives its bits. On
     the CPU, bf16/fp16 inputs are attended in float32 (the kernel is about 4x faster there, and
     it accumulates in float32 either way): within rounding of transformers, not its bits.
     """
     if q.dtype != torch.float32 and q.device.type == "cpu":
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
+                                             is_causal=causal, enable_gqa=True)
         return out.to(q.dtype)
     k, v = k.to(q.dtype), v.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal, enable_gqa=True)
 
 
 def causal_mask(
@@ -120,9 +125,11 @@ def attend_spans(
     causal, for every sequence from ``first`` on, one fused call each (q, out: (T, H, D))."""
     for span in batch.spans(first):
         kc, vc = cache.read(batch.block_tables[span.b : span.b + 1], span.context_len)  # (1, L, Hkv, D)
-        mask = causal_mask(span.num_tokens, span.context_len, window, q.device)
+        # a whole prompt (no cached prefix, no window): the kernel's own causal rule
+        fresh = span.num_tokens == span.context_len > 1 and (window is None or window >= span.context_len)
+        mask = None if fresh else causal_mask(span.num_tokens, span.context_len, window, q.device)
         qs = q[span.start : span.end].transpose(0, 1)[None]  # (1, H, n, D)
-        o = attend(qs, kc.transpose(1, 2), vc.transpose(1, 2), mask, scale)  # (1, H, n, D)
+        o = attend(qs, kc.transpose(1, 2), vc.transpose(1, 2), mask, scale, causal=fresh)  # (1, H, n, D)
         out[span.start : span.end] = o[0].transpose(0, 1)
 
 def torch_paged_mla(
