@@ -496,8 +496,9 @@ static void qlinear_rows(const gguf::QActs& a, int64_t M, const uint8_t* w, cons
 //     most 3810 / 7874, so the int16 pairs of 8 / 4 consecutive steps add up before one
 //     vpmaddwd widens them (a vpmaddwd per 8 / 4 products instead of one each); the offset or
 //     min c (-8 d, -16 d, m) multiplies the activations' block sum s_x;
-//   q8_0 and int8 are signed on both sides: |q_x| (once per row and 4 k) times q_w with q_x's
-//     sign (|q_w| <= 128: a pair fits int16), a vpmaddwd per product.
+//   q8_0 and int8 are signed on both sides: |q_w| (once per 4 k, for every row of the tile)
+//     times q_x with q_w's sign (|q_x| <= 127, |q_w| <= 128: a pair fits int16, and a weight of
+//     -128 is exact), a vpmaddwd per product.
 constexpr int kGN = 16;  // output columns per group: two vectors
 #if RTPCORE_Q_VNNI
 constexpr bool kGemmUnsigned = true;                   // activations as q + 128

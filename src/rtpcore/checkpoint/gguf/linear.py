@@ -116,7 +116,7 @@ GEMM_ROWS_AMD = {"q8_0": 128, "q4_0": 128, "q5_0": 128, "q5_1": 128, "q4_k": 512
 #: AMD with the AVX2 kernels (an AVX2-only EPYC, Zen 3; or ``--cpu-isa avx2``): the K types stay
 #: ahead at 512 rows (on the AVX2-only EPYC, one thread, CPU time: q4_k 2816 x 1024 36.6 against
 #: 39.7 ms, 1024 x 2816 38.7 against 46.9; q6_k 37.8 against 51.0, 576 x 1536 16.8 against 14.1),
-#: f16 as on Intel (not measured apart); the 32-element types: see GEMM_SETS.
+#: f16 as on Intel (not measured apart); the 32-element types: see GEMM_SETS_AMD.
 GEMM_ROWS_AMD_AVX2 = {"q8_0": 64, "q4_0": 64, "q5_0": 64, "q5_1": 64, "q4_k": 512, "q5_k": 512, "q6_k": 512,
                       "f16": 96}
 
