@@ -680,8 +680,9 @@ void linear_bf16p_parallel(const Kernels& k, const LinearW& l, const float* x, c
 // 0.15, at 2 rows 0.13-0.15 against 0.16-0.17, at 4 rows 0.23-0.27 against 0.22.
 constexpr int64_t kInt8QuantizedRows = 4;
 
-// With VNNI, from the set's gemm_rows on, the activations are quantized again: the GEMM over
-// repacked int8 weights (_gguf_isa.hpp) is 2-3x the float kernel there.
+// From the set's gemm_rows on (every vector set), the activations are quantized again: the GEMM
+// over repacked int8 weights (_gguf_isa.hpp) is 2-3x the float kernel there with VNNI, 1.5-1.6x
+// with AVX2's byte products (AVX2-only EPYC, 64 rows).
 bool int8_quantized(const Kernels& k, const LinearW& l, int64_t M) {
     if (l.kind != WeightKind::i8 || l.K % 32 != 0) return false;
     return M < kInt8QuantizedRows || (k.q->gemm_rows > 0 && M >= k.q->gemm_rows);
