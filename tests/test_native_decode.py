@@ -134,6 +134,73 @@ def test_linear_equals_the_reference_formula_for_any_shape(
     assert ((y.double() - ref).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize(("rows", "heads", "head_dim", "width"), [(1, 3, 8, 24), (5, 4, 18, 75), (300, 12, 64, 800)])
+def test_row_kernels_match_the_torch_modules_operations(isa: str, rows: int, heads: int, head_dim: int,
+                                                         width: int) -> None:
+    """rms_norm_rows, rope_rows and silu_mul_rows (a multi-token float32 step's element-wise work,
+    LlamaLayer's row path) against llama_modules' torch functions: widths that are no multiple of
+    the vector width, a RoPE row stride wider than its heads (q and k lead a qkv row, v follows
+    untouched), positions out of order, and (300 rows) calls split over the pool."""
+    from rtpcore.models.llama_modules import rms_norm, rotate
+
+    gen = torch.Generator().manual_seed(rows + width)
+    kernels.set_num_threads(2)
+    x, w = torch.randn(rows, width, generator=gen), torch.rand(width, generator=gen) + 0.5
+    out = torch.full_like(x, float("nan"))
+    kernels.rms_norm_rows(x.data_ptr(), rows, width, w.data_ptr(), 1e-6, out.data_ptr())
+    torch.testing.assert_close(out, rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+    stride = heads * head_dim + 7  # 7 values after the rotated heads, left as they are
+    qkv = torch.randn(rows, stride, generator=gen)
+    table = torch.randn(2 * rows + 3, head_dim, generator=gen)
+    cos, sin = table.cos().contiguous(), table.sin().contiguous()
+    positions = torch.randperm(2 * rows + 3, generator=gen)[:rows]
+    want = qkv.clone()
+    want[:, : heads * head_dim] = rotate(qkv[:, : heads * head_dim].view(rows, heads, head_dim),
+                                         cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)).reshape(rows, -1)
+    kernels.rope_rows(qkv.data_ptr(), rows, stride, heads, head_dim, cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+                      positions.data_ptr())
+    torch.testing.assert_close(qkv, want, rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(rows, 2 * width, generator=gen) * 4
+    act = torch.full((rows, width), float("nan"))
+    kernels.silu_mul_rows(gate_up.data_ptr(), rows, width, act.data_ptr())
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(act, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_row_kernels_reject_a_position_outside_the_table_and_bad_shapes() -> None:
+    x, table = torch.zeros(2, 16), torch.zeros(4, 8)
+    positions = torch.tensor([1, 4])
+    with pytest.raises(IndexError, match="row 1: position 4 outside the RoPE table's 4 rows"):
+        kernels.rope_rows(x.data_ptr(), 2, 16, 2, 8, table.data_ptr(), table.data_ptr(), 4, positions.data_ptr())
+    with pytest.raises(ValueError, match="an even head dim"):
+        kernels.rope_rows(x.data_ptr(), 2, 16, 2, 7, table.data_ptr(), table.data_ptr(), 4, positions.data_ptr())
+    with pytest.raises(ValueError, match=r"rms_norm_rows: rows and width must be positive, got \(0, 16\)"):
+        kernels.rms_norm_rows(x.data_ptr(), 0, 16, x.data_ptr(), 1e-6, x.data_ptr())
+    with pytest.raises(ValueError, match=r"silu_mul_rows: rows and width must be positive"):
+        kernels.silu_mul_rows(x.data_ptr(), 2, 0, x.data_ptr())
+
+
+@pytest.mark.parametrize(("options", "row_kernels"), [({}, True), ({"native_decode": False}, False),
+                                                      ({"dtype": "bfloat16"}, False)])
+def test_multi_token_steps_run_the_row_kernels_only_on_the_native_float32_path(
+    tmp_path: Path, options: dict[str, Any], row_kernels: bool
+) -> None:
+    """A prefill of a float32 model whose native_decode is on takes the row kernels (and stays
+    within float32 rounding of transformers: test_native_decode_logits_match_transformers); with
+    native_decode=False (the torch modules, bit-identical to transformers) or a bf16 model, it
+    does not."""
+    make_checkpoint(tmp_path)
+    with Engine.from_pretrained(tmp_path, **options) as engine:
+        model = engine.model
+        x = torch.nn.functional.embedding(torch.tensor(PROMPTS[1]), model.embed)  # a 14-token prompt's rows
+        assert (model._row_ops(x, torch.arange(len(PROMPTS[1]))) is not None) == row_kernels
+        got = engine.generate([PROMPTS[1]], max_new_tokens=4, stop_token_ids=[])
+    with Engine.from_pretrained(tmp_path, native_decode=False, **{k: v for k, v in options.items()
+                                                                  if k != "native_decode"}) as ref:
+        assert ref.generate([PROMPTS[1]], max_new_tokens=4, stop_token_ids=[]) == got
+
+
 def test_stubs_match_the_kernels_extension() -> None:
     """_kernels.pyi agrees with the compiled module (mypy.stubtest)."""
     out = subprocess.run([sys.executable, "-m", "mypy.stubtest", "rtpcore_native._kernels"],

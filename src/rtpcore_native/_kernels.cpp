@@ -577,6 +577,22 @@ inline int64_t chunk_size(int64_t total, int threads, int64_t align) {
     return per < align ? align : per;
 }
 
+// fn(r) for every row r in [0, rows) of `width` values each, over the pool in chunks of rows
+// (one thread below 16K values: a small call does not pay for waking the pool).
+template <typename Fn>
+void for_rows(int64_t rows, int64_t width, Fn fn) {
+    Pool& p = pool();
+    if (rows * width < (1 << 14) || p.threads() == 1) {
+        for (int64_t r = 0; r < rows; ++r) fn(r);
+        return;
+    }
+    const int64_t per = chunk_size(rows, p.threads(), 1);
+    p.run((rows + per - 1) / per, [&](int64_t c) {
+        const int64_t r1 = (c + 1) * per < rows ? (c + 1) * per : rows;
+        for (int64_t r = c * per; r < r1; ++r) fn(r);
+    });
+}
+
 // ---- linear layers
 
 // float32, int8 (one scale per output row), bfloat16 rows, bfloat16 in the blocked layout
@@ -1230,6 +1246,59 @@ PYBIND11_MODULE(_kernels, m) {
        "sequence's context_lens[b] cached positions (the last `window` of them when window > 0), read in place "
        "from the paged pools (slot rows of kv_heads x head_dim, float32 or bfloat16) through tables "
        "(rows x width, int64).");
+
+    // The element-wise work around a multi-token step's products (rtpcore.models.llama_modules's
+    // fused path): the decode step's per-row kernels over many rows, split over the pool by rows.
+    m.def("rms_norm_rows", [](uintptr_t x_p, int64_t rows, int64_t E, uintptr_t w_p, double eps, uintptr_t out_p) {
+        if (rows <= 0 || E <= 0)
+            throw std::invalid_argument("rms_norm_rows: rows and width must be positive, got (" + std::to_string(rows) +
+                                        ", " + std::to_string(E) + ")");
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        const Kernels& k = kernels();
+        const auto* x = as_ptr<const float>(x_p);
+        const auto* w = as_ptr<const float>(w_p);
+        auto* out = as_ptr<float>(out_p);
+        for_rows(rows, E, [&](int64_t r) { k.rms_norm(x + r * E, w, static_cast<float>(eps), out + r * E, E); });
+    }, py::arg("x"), py::arg("rows"), py::arg("width"), py::arg("weight"), py::arg("eps"), py::arg("out"),
+       "out (rows, width) = weight * x / sqrt(mean(x^2) + eps) per row, float32 (out may be x).");
+
+    m.def("rope_rows", [](uintptr_t x_p, int64_t rows, int64_t row_stride, int64_t heads, int64_t D, uintptr_t cos_p,
+                          uintptr_t sin_p, int64_t positions, uintptr_t pos_p) {
+        if (rows <= 0 || heads <= 0 || D <= 0 || D % 2 != 0 || row_stride < heads * D)
+            throw std::invalid_argument("rope_rows: bad shape (rows " + std::to_string(rows) + ", stride " +
+                                        std::to_string(row_stride) + ", heads " + std::to_string(heads) +
+                                        ", head dim " + std::to_string(D) + "; an even head dim, heads * head dim "
+                                        "within the stride)");
+        const auto* pos = as_ptr<const int64_t>(pos_p);
+        for (int64_t r = 0; r < rows; ++r)
+            if (pos[r] < 0 || pos[r] >= positions)
+                throw std::out_of_range("rope_rows: row " + std::to_string(r) + ": position " + std::to_string(pos[r]) +
+                                        " outside the RoPE table's " + std::to_string(positions) + " rows");
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        const Kernels& k = kernels();
+        auto* x = as_ptr<float>(x_p);
+        const auto* cos = as_ptr<const float>(cos_p);
+        const auto* sin = as_ptr<const float>(sin_p);
+        for_rows(rows, heads * D, [&](int64_t r) { k.rope(x + r * row_stride, heads, D, cos + pos[r] * D, sin + pos[r] * D); });
+    }, py::arg("x"), py::arg("rows"), py::arg("row_stride"), py::arg("heads"), py::arg("head_dim"), py::arg("cos"),
+       py::arg("sin"), py::arg("positions"), py::arg("row_positions"),
+       "Rotate-half RoPE in place of the first heads * head_dim values of each row of x (row_stride apart), with "
+       "the rows of cos / sin (positions, head_dim) float32 that row_positions (rows,) int64 name.");
+
+    m.def("silu_mul_rows", [](uintptr_t gu_p, int64_t rows, int64_t I, uintptr_t out_p) {
+        if (rows <= 0 || I <= 0)
+            throw std::invalid_argument("silu_mul_rows: rows and width must be positive, got (" + std::to_string(rows) +
+                                        ", " + std::to_string(I) + ")");
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        const Kernels& k = kernels();
+        const auto* gu = as_ptr<const float>(gu_p);
+        auto* out = as_ptr<float>(out_p);
+        for_rows(rows, I, [&](int64_t r) { k.silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I); });
+    }, py::arg("gate_up"), py::arg("rows"), py::arg("width"), py::arg("out"),
+       "out (rows, width) = silu(gate) * up, gate and up the halves of each row of gate_up (rows, 2 width), float32.");
 
     m.def("linear_bf16", [](const LinearW& l, uintptr_t x, int64_t rows, uintptr_t y) {
         if (rows <= 0) throw std::invalid_argument("linear_bf16 needs at least one row, got " + std::to_string(rows));

@@ -85,7 +85,10 @@ class LlamaLayer(nn.Module):
         cache: LayerKVCache,
         window: int | None = None,  # the layer's sliding window
         masks: dict[Any, Any] | None = None,  # this forward's attention masks, shared by the layers
+        rows: RowOps | None = None,  # rtpcore_native's row kernels for the element-wise work, or None
     ) -> torch.Tensor:
+        if rows is not None:
+            return self._forward_rows(x, batch, cache, window, masks, rows)
         t = x.shape[0]
         qkv = self.qkv(rms_norm(x, self.norm1, self.eps))  # (T, q + 2 kv)
         qk = qkv[:, : self.qk_size].view(t, self.heads + self.kv_heads, self.head_dim)  # (T, H + Hkv, D)
@@ -98,6 +101,48 @@ class LlamaLayer(nn.Module):
         x = x + self.o(out.reshape(t, -1))  # (T, E)
         gate, up = self.gate_up(rms_norm(x, self.norm2, self.eps)).chunk(2, dim=-1)  # (T, I) each
         return x + self.down(F.silu(gate) * up)
+
+    def _forward_rows(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerKVCache, window: int | None,
+                      masks: dict[Any, Any] | None, rows: RowOps) -> torch.Tensor:
+        """:meth:`forward` of a float32 step with the norms, RoPE and SiLU in rtpcore_native's row
+        kernels (those of its decode step: one pass each, over the pool), the products and
+        attention as in :meth:`forward`."""
+        t, k = x.shape[0], rows.kernels
+        h = torch.empty_like(x)
+        k.rms_norm_rows(x.data_ptr(), t, x.shape[1], self.norm1.data_ptr(), self.eps, h.data_ptr())
+        qkv = self.qkv(h).contiguous()  # (T, q + 2 kv)
+        heads = self.heads + self.kv_heads
+        if self.qk_norm is not None:  # (T, H + Hkv, D), a new contiguous tensor
+            qk = rms_norm(qkv[:, : self.qk_size].view(t, heads, self.head_dim), self.qk_norm, self.eps).contiguous()
+            rows.rope(qk, heads * self.head_dim, heads, self.head_dim)
+        else:  # in place: q and k lead each row of qkv
+            rows.rope(qkv, qkv.shape[1], heads, self.head_dim)
+            qk = qkv[:, : self.qk_size].view(t, heads, self.head_dim)
+        q, key = qk.split((self.heads, self.kv_heads), dim=1)  # (T, H, D), (T, Hkv, D)
+        cache.write(batch.slots, key, qkv[:, self.qk_size :].view(t, self.kv_heads, self.head_dim))
+        out = paged_attention(q, cache, batch, scale=self.scale, window=window, masks=masks)  # (T, H, D)
+        x = x + self.o(out.reshape(t, -1))  # (T, E)
+        k.rms_norm_rows(x.data_ptr(), t, x.shape[1], self.norm2.data_ptr(), self.eps, h.data_ptr())
+        gate_up = self.gate_up(h).contiguous()  # (T, 2 I)
+        inter = gate_up.shape[1] // 2
+        act = torch.empty(t, inter, dtype=x.dtype)
+        k.silu_mul_rows(gate_up.data_ptr(), t, inter, act.data_ptr())
+        return x + self.down(act)
+
+
+class RowOps:
+    """One forward's view of rtpcore_native's row kernels (``rms_norm_rows``, ``rope_rows``,
+    ``silu_mul_rows``): the kernels module and the step's RoPE rows."""
+
+    def __init__(self, kernels: Any, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor):
+        self.kernels = kernels
+        self.cos, self.sin = cos, sin  # (P, D) float32, contiguous
+        self.positions = positions  # (T,) int64, contiguous
+
+    def rope(self, x: torch.Tensor, row_stride: int, heads: int, head_dim: int) -> None:
+        """RoPE in place on the first ``heads`` heads of each row of ``x`` (contiguous, float32)."""
+        self.kernels.rope_rows(x.data_ptr(), x.shape[0], row_stride, heads, head_dim, self.cos.data_ptr(),
+                               self.sin.data_ptr(), self.cos.shape[0], self.positions.data_ptr())
 
 
 class LlamaModel(nn.Module):
@@ -166,6 +211,20 @@ class LlamaModel(nn.Module):
                 logger.info("decode steps run torch's modules: %s", problem)
         return self._native
 
+    def _row_ops(self, x: torch.Tensor, positions: torch.Tensor) -> RowOps | None:
+        """The row kernels for this forward's element-wise work: where the model may use
+        rtpcore_native (its ``native_decode`` choice), this build has the kernels and the step
+        computes in float32 on the CPU; None (torch's operations) otherwise. The torch operations
+        are the ones bit-identical to transformers (``native_decode=False``); the kernels' sums
+        run in another order (float32 rounding, as the native decode step's)."""
+        if not self.native_enabled or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        kernels = native_kernels()
+        if kernels is None:
+            return None
+        kernels.set_num_threads(torch.get_num_threads())
+        return RowOps(kernels, self.cos.contiguous(), self.sin.contiguous(), positions.to(torch.int64).contiguous())
+
     def _grow_rope(self, positions: int) -> None:
         """Precompute the RoPE tables for ``positions`` positions, as transformers computes
         them (float32 angles, cos/sin cast to the model dtype)."""
@@ -184,11 +243,15 @@ class LlamaModel(nn.Module):
             if native is not None:
                 return native(batch, kv_caches)
         x = F.embedding(batch.input_ids, self.embed)  # (T, E)
-        cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
-        sin = self.sin[batch.positions].unsqueeze(1)
         masks: dict[Any, Any] = {}
+        row_ops = self._row_ops(x, batch.positions)
+        if row_ops is None:
+            cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
+            sin = self.sin[batch.positions].unsqueeze(1)
+        else:  # the layers read the tables' rows themselves
+            cos = sin = self.cos
         for layer, cache, window in zip(self.layers, kv_caches, self.config.sliding_windows, strict=True):
-            x = layer(x, cos, sin, batch, cache, window, masks)
+            x = layer(x, cos, sin, batch, cache, window, masks, row_ops)
         rows = batch.logits_index
         if rows is not None:
             x = x[rows]  # (B, E), or (N, E) for logits_indices
