@@ -178,49 +178,51 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
     """``native_cpu``: the ``rtpcore_native`` kernels on the CPU, for float32 and bfloat16
     multi-head / grouped-query pools. A Llama-family model whose every layer has it runs its
     decode steps as one native call (``rtpcore.models.native``: attention and the layers around
-    it). In every other step (a mixed step's decodes beside prompt chunks, any model without a
-    native decode step) the one-token sequences at the head of the batch attend in one native
-    call reading the pool in place (``rtpcore_native._kernels.paged_decode_attention``, the
-    native decode step's attention: no gathered copy of their contexts, float32 sums in its
-    own order, within float32 rounding of the reference), and every longer span (a prompt
-    chunk, a speculative verification) through the reference's fused attention over its own
-    context."""
+    it). In every other step (prompt chunks, a mixed step's decodes beside them, speculative
+    verifications, any model without a native decode step) a layer's attention is two native
+    calls reading the pool in place, no gathered copy of any context: the one-token sequences
+    at the head of the batch through ``rtpcore_native._kernels.paged_decode_attention`` (the
+    native decode step's attention), every longer span through ``paged_span_attention`` (causal
+    over the span's own context, blocks of keys with an online softmax). Both sum in float32 in
+    their own order, within float32 rounding of the reference; a bf16 model's queries are
+    widened to float32 and its outputs rounded back."""
 
     name = "native_cpu"
     priority = 10
 
     def attention(self, q: Any, cache: Any, batch: ForwardBatch, *, scale: float, window: int | None = None,
                   masks: dict[Any, Any] | None = None) -> Any:
-        d = batch.num_decodes
         pool_dtype = _POOL_DTYPES.get(str(cache.k.dtype))
-        if d == 0 or pool_dtype is None or cache.k.dtype is not cache.v.dtype or cache.k.dim() != 3:
+        if pool_dtype is None or cache.k.dtype is not cache.v.dtype or cache.k.dim() != 3:
             return super().attention(q, cache, batch, scale=scale, window=window, masks=masks)
         import torch
 
         from rtpcore_native import _kernels
 
-        key = ("native_decode_rows", d)  # the decodes' tables and lengths as int64, once per forward
-        rows = masks.get(key) if masks is not None else None
+        d = batch.num_decodes
+        rows = masks.get("native_rows") if masks is not None else None  # once per forward, shared by the layers
         if rows is None:
-            rows = (batch.block_tables[:d].to(torch.int64).contiguous(),
-                    batch.context_lens[:d].to(torch.int64).contiguous())
+            rows = _NativeRows(batch, d)
             if masks is not None:
-                masks[key] = rows
-        tables, lens = rows
+                masks["native_rows"] = rows
         t, h, dim = q.shape
-        qd = q[:d].to(torch.float32).contiguous()
-        od = torch.empty_like(qd)
-        _kernels.paged_decode_attention(
-            qd.data_ptr(), d, h, cache.k.shape[1], dim, cache.k.data_ptr(), cache.v.data_ptr(),
-            pool_dtype, cache.k.shape[0], tables.data_ptr(), tables.shape[1],
-            cache.tokens_per_block, lens.data_ptr(), window or 0, scale, od.data_ptr(),
-        )
-        if d == t:
-            return od.to(q.dtype)
-        out = torch.empty_like(q)
-        out[:d] = od
-        _reference().attend_spans(q, cache, batch, out, d, scale=scale, window=window)
-        return out
+        qf = q.to(torch.float32).contiguous()  # (T, H, D)
+        out = torch.empty_like(qf)
+        hkv, slots = cache.k.shape[1], cache.k.shape[0]
+        if d:
+            _kernels.paged_decode_attention(
+                qf.data_ptr(), d, h, hkv, dim, cache.k.data_ptr(), cache.v.data_ptr(), pool_dtype, slots,
+                rows.tables.data_ptr(), rows.tables.shape[1], cache.tokens_per_block, rows.lens.data_ptr(),
+                window or 0, scale, out.data_ptr(),
+            )
+        if rows.spans:
+            _kernels.paged_span_attention(
+                qf.data_ptr(), t, h, hkv, dim, cache.k.data_ptr(), cache.v.data_ptr(), pool_dtype, slots,
+                rows.tables.data_ptr(), rows.tables.shape[0], rows.tables.shape[1], cache.tokens_per_block,
+                rows.spans, rows.starts.data_ptr(), rows.counts.data_ptr(), rows.span_lens.data_ptr(),
+                rows.index.data_ptr(), window or 0, scale, out.data_ptr(),
+            )
+        return out.to(q.dtype)
 
     @classmethod
     def supports(cls, kv_spec: Any, device: torch.device, dtype: torch.dtype) -> bool | str:
@@ -236,6 +238,22 @@ class NativeCpuAttentionBackend(TorchAttentionBackend):
 
 
 _POOL_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16"}
+
+
+class _NativeRows:
+    """A step's rows as the native attention kernels read them (int64, contiguous): the block
+    tables and context lengths of every sequence, and per span after the ``decodes`` one-token
+    sequences at the head: its first row, its new tokens, its context length, its table row."""
+
+    def __init__(self, batch: ForwardBatch, decodes: int):
+        import torch
+
+        self.tables = batch.block_tables.to(torch.int64).contiguous()  # (B, width)
+        self.lens = batch.context_lens.to(torch.int64).contiguous()  # (B,)
+        spans = list(batch.spans(decodes))
+        self.spans = len(spans)
+        cols = list(zip(*((s.start, s.num_tokens, s.context_len, s.b) for s in spans), strict=True)) or [(), (), (), ()]
+        self.starts, self.counts, self.span_lens, self.index = (torch.tensor(c, dtype=torch.int64) for c in cols)
 
 
 # -- what a model calls -------------------------------------------------------------------------

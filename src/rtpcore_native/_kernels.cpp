@@ -38,6 +38,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -250,12 +251,16 @@ struct Kernels {
                       int64_t, int64_t, int64_t, float, float*, float*);
     // the activation quantizer, dequantizer and int8 product beside the quantized products
     const gguf::QKernels* q;
+    // attention of a span of new tokens over float32 / bfloat16 pools (attend_span)
+    void (*attend_span[2])(const float*, int64_t, int64_t, int64_t, int64_t, const void*, const void*, int64_t,
+                           int64_t, const int64_t*, int64_t, int64_t, int64_t, float, float*, int64_t, float*);
 };
 
 #define RTPCORE_KERNELS_DOT(ns, qns, label, dot, amx, to_bf16)                                              \
     Kernels{label,           ns::linear_f32, ns::linear_i8, ns::linear_bf16, ns::linear_f16, ns::linear_bf16p, \
             dot,             amx,            to_bf16,       qns::kQLinear,   ns::rms_norm,   ns::silu_mul,     \
-            ns::rope,        {ns::attend_f32, ns::attend_bf16}, &qns::kQKernels}
+            ns::rope,        {ns::attend_f32, ns::attend_bf16}, &qns::kQKernels,                              \
+            {ns::attend_span_f32, ns::attend_span_bf16}}
 #define RTPCORE_KERNELS(ns, qns, label) RTPCORE_KERNELS_DOT(ns, qns, label, nullptr, nullptr, nullptr)
 
 // The sets, best first: the float kernels differ by vector width, the quantized ones also by
@@ -811,16 +816,24 @@ LinearW make_linear(uintptr_t w, const std::string& dtype, uintptr_t scale, uint
 
 // Checks what attending row b dereferences: its context length fits its block table and every
 // block it reads lies in the pool of `slots` rows; std::out_of_range naming the row otherwise.
-void check_context(int64_t b, const int64_t* ctx, const int64_t* tables, int64_t width, int64_t tpb, int64_t slots) {
-    auto row = [b] { return "sequence " + std::to_string(b); };  // built only for an error
-    if (ctx[b] < 1 || (ctx[b] + tpb - 1) / tpb > width)
-        throw std::out_of_range(row() + ": context length " + std::to_string(ctx[b]) + " does not fit its block table of " +
+// Checks what attending a context of `ctx` positions through `table` dereferences: it fits the
+// table's `width` blocks and every block it reads lies in the pool of `slots` rows;
+// std::out_of_range starting with name() otherwise.
+template <typename Name>
+void check_table(Name name, int64_t ctx, const int64_t* table, int64_t width, int64_t tpb, int64_t slots) {
+    if (ctx < 1 || (ctx + tpb - 1) / tpb > width)
+        throw std::out_of_range(name() + ": context length " + std::to_string(ctx) + " does not fit its block table of " +
                                 std::to_string(width) + " blocks of " + std::to_string(tpb));
-    for (int64_t j = 0; j < (ctx[b] + tpb - 1) / tpb; ++j) {
-        const int64_t blk = tables[b * width + j];
+    for (int64_t j = 0; j < (ctx + tpb - 1) / tpb; ++j) {
+        const int64_t blk = table[j];
         if (blk < 0 || (blk + 1) * tpb > slots)
-            throw std::out_of_range(row() + ": block " + std::to_string(blk) + " outside the KV pools");
+            throw std::out_of_range(name() + ": block " + std::to_string(blk) + " outside the KV pools");
     }
+}
+
+// check_table for row b of a batch: the sequence's context length ctx[b], its table row b.
+void check_context(int64_t b, const int64_t* ctx, const int64_t* tables, int64_t width, int64_t tpb, int64_t slots) {
+    check_table([b] { return "sequence " + std::to_string(b); }, ctx[b], tables + b * width, width, tpb, slots);
 }
 
 // out row b (heads of D, row stride out_ld) = attention of q row b (stride q_ld) over its
@@ -837,6 +850,41 @@ void attend_rows(const Kernels& k, int64_t B, int64_t H, int64_t Hkv, int64_t D,
         if (static_cast<int64_t>(scores.size()) < G * longest) scores.resize(G * longest);
         k.attend[bf16](q + b * q_ld + kvh * G * D, G, D, k_pool, v_pool, kvh, Hkv, tables + b * width, tpb, start,
                        ctx[b], scale, scores.data(), out + b * out_ld + kvh * G * D);
+    });
+}
+
+// out rows of each span s (rows starts[s] .. starts[s] + counts[s], heads of D, stride H D) =
+// causal attention of its queries (q, same layout) over its sequence's cache: the span's new
+// tokens sit at positions ctx[s] - counts[s] .. ctx[s] - 1 and their keys are in the pools
+// already; table row rows[s] of `tables`. Over the pool, one task per (span, KV head, block of
+// kSpanRows rows), the longest first.
+void attend_spans(const Kernels& k, int64_t S, const int64_t* starts, const int64_t* counts, const int64_t* ctx,
+                  const int64_t* rows, int64_t H, int64_t Hkv, int64_t D, const float* q, const void* k_pool,
+                  const void* v_pool, bool bf16, const int64_t* tables, int64_t width, int64_t tpb, int64_t window,
+                  float scale, float* out) {
+    constexpr int64_t QB = isa_avx2::kSpanRows;
+    const int64_t G = H / Hkv;
+    struct Task {
+        int64_t s, kvh, r0, n;
+    };
+    std::vector<Task> tasks;
+    for (int64_t s = 0; s < S; ++s)
+        for (int64_t r0 = 0; r0 < counts[s]; r0 += QB)
+            for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+                tasks.push_back({s, kvh, r0, counts[s] - r0 < QB ? counts[s] - r0 : QB});
+    // later blocks see more keys: claimed first, the short ones fill in behind them
+    std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+        return ctx[a.s] - counts[a.s] + a.r0 > ctx[b.s] - counts[b.s] + b.r0;
+    });
+    const int64_t scratch = isa_avx2::span_scratch(G, D);
+    pool().run(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+        thread_local std::vector<float> buf;
+        if (static_cast<int64_t>(buf.size()) < scratch) buf.resize(scratch);
+        const Task& t = tasks[i];
+        const int64_t row = starts[t.s] + t.r0;
+        k.attend_span[bf16](q + row * H * D + t.kvh * G * D, H * D, t.n, G, D, k_pool, v_pool, t.kvh, Hkv,
+                            tables + rows[t.s] * width, tpb, ctx[t.s] - counts[t.s] + t.r0, window, scale,
+                            out + row * H * D + t.kvh * G * D, H * D, buf.data());
     });
 }
 
@@ -1299,6 +1347,49 @@ PYBIND11_MODULE(_kernels, m) {
         for_rows(rows, I, [&](int64_t r) { k.silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I); });
     }, py::arg("gate_up"), py::arg("rows"), py::arg("width"), py::arg("out"),
        "out (rows, width) = silu(gate) * up, gate and up the halves of each row of gate_up (rows, 2 width), float32.");
+
+    m.def("paged_span_attention", [](uintptr_t q_p, int64_t T, int64_t H, int64_t Hkv, int64_t D, uintptr_t k_pool,
+                                     uintptr_t v_pool, const std::string& dtype, int64_t slots, uintptr_t tables_p,
+                                     int64_t table_rows, int64_t width, int64_t tpb, int64_t S, uintptr_t starts_p,
+                                     uintptr_t counts_p, uintptr_t ctx_p, uintptr_t rows_p, int64_t window, double scale,
+                                     uintptr_t out_p) {
+        if (T <= 0 || S <= 0 || H <= 0 || Hkv <= 0 || D <= 0 || H % Hkv != 0 || tpb <= 0 || width <= 0)
+            throw std::invalid_argument("paged_span_attention: bad shape (rows " + std::to_string(T) + ", spans " +
+                                        std::to_string(S) + ", heads " + std::to_string(H) + ", kv heads " +
+                                        std::to_string(Hkv) + ", head dim " + std::to_string(D) + ")");
+        if (dtype != "float32" && dtype != "bfloat16")
+            throw std::invalid_argument("paged_span_attention reads float32 and bfloat16 pools, got '" + dtype + "'");
+        const auto* tables = as_ptr<const int64_t>(tables_p);
+        const auto* starts = as_ptr<const int64_t>(starts_p);
+        const auto* counts = as_ptr<const int64_t>(counts_p);
+        const auto* ctx = as_ptr<const int64_t>(ctx_p);
+        const auto* rows = as_ptr<const int64_t>(rows_p);
+        for (int64_t s = 0; s < S; ++s) {  // every index dereferenced, checked first
+            auto span = [s] { return "span " + std::to_string(s); };
+            if (counts[s] < 1 || starts[s] < 0 || starts[s] + counts[s] > T)
+                throw std::out_of_range(span() + ": rows " + std::to_string(starts[s]) + " + " + std::to_string(counts[s]) +
+                                        " outside the " + std::to_string(T) + " rows of q");
+            if (counts[s] > ctx[s])
+                throw std::out_of_range(span() + ": " + std::to_string(counts[s]) + " new tokens in a context of " +
+                                        std::to_string(ctx[s]));
+            if (rows[s] < 0 || rows[s] >= table_rows)
+                throw std::out_of_range(span() + ": table row " + std::to_string(rows[s]) + " outside the " +
+                                        std::to_string(table_rows) + " rows of tables");
+            check_table(span, ctx[s], tables + rows[s] * width, width, tpb, slots);
+        }
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(g_call_mutex);
+        attend_spans(kernels(), S, starts, counts, ctx, rows, H, Hkv, D, as_ptr<const float>(q_p),
+                     reinterpret_cast<const void*>(k_pool), reinterpret_cast<const void*>(v_pool), dtype == "bfloat16",
+                     tables, width, tpb, window, static_cast<float>(scale), as_ptr<float>(out_p));
+    }, py::arg("q"), py::arg("rows"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("k_pool"),
+       py::arg("v_pool"), py::arg("dtype"), py::arg("slots"), py::arg("tables"), py::arg("table_rows"), py::arg("width"),
+       py::arg("tokens_per_block"), py::arg("spans"), py::arg("starts"), py::arg("counts"), py::arg("context_lens"),
+       py::arg("table_index"), py::arg("window"), py::arg("scale"), py::arg("out"),
+       "out rows of each span (rows starts[s] .. starts[s] + counts[s] of q and out, (rows, heads, head_dim) "
+       "float32) = causal attention of the span's new tokens (positions context_lens[s] - counts[s] onwards, their "
+       "keys already in the pools) over their sequence's cache, read in place through row table_index[s] of tables "
+       "(table_rows x width, int64); within the last `window` positions when window > 0.");
 
     m.def("linear_bf16", [](const LinearW& l, uintptr_t x, int64_t rows, uintptr_t y) {
         if (rows <= 0) throw std::invalid_argument("linear_bf16 needs at least one row, got " + std::to_string(rows));

@@ -38,6 +38,11 @@ def paged_decode_attention(
     q: int, rows: int, heads: int, kv_heads: int, head_dim: int, k_pool: int, v_pool: int, dtype: str, slots: int,
     tables: int, width: int, tokens_per_block: int, context_lens: int, window: int, scale: float, out: int,
 ) -> None: ...
+def paged_span_attention(
+    q: int, rows: int, heads: int, kv_heads: int, head_dim: int, k_pool: int, v_pool: int, dtype: str, slots: int,
+    tables: int, table_rows: int, width: int, tokens_per_block: int, spans: int, starts: int, counts: int,
+    context_lens: int, table_index: int, window: int, scale: float, out: int,
+) -> None: ...
 def rms_norm_rows(x: int, rows: int, width: int, weight: int, eps: float, out: int) -> None: ...
 def rope_rows(
     x: int, rows: int, row_stride: int, heads: int, head_dim: int, cos: int, sin: int, positions: int,

@@ -88,6 +88,22 @@ static inline float hsum(V v) {
 #endif
 }
 
+// The largest of a vector's lanes.
+static inline float hmax(V v) {
+#if RTPCORE_VBYTES == 64
+    return _mm512_reduce_max_ps((__m512)v);
+#elif RTPCORE_VBYTES == 32
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+#else
+    float m = v[0];
+    for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
+    return m;
+#endif
+}
+
 // exp(x) for float32 lanes: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for
 // e^r, n added to the exponent. Relative error under 2e-7 on [-87, 88]; below -87 it
 // returns 0, above 88 +inf (as expf does).
@@ -293,6 +309,204 @@ static void attend_bf16(const float* q, int64_t G, int64_t D, const void* kc, co
                         float* out) {
     attend_one(q, G, D, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), kvh, Hkv, table, tpb,
                start, ctx, scale, scores, out);
+}
+
+// ---- attention of a span of new tokens (a prompt chunk, a speculative verification)
+//
+// The queries of up to kSpanRows consecutive rows of one sequence (positions pos0, pos0 + 1, ...)
+// for the G query heads of one KV head, against its keys read in place from the pools, in
+// blocks of kSpanKeys keys with an online softmax (the running max and sum per query, the
+// partial output rescaled when the max grows), causal: a query at position p sees the keys
+// [p + 1 - window, p] (window > 0) or [0, p]. Per key block, the scores are a small product of
+// the queries (R = rows x G, pre-scaled) with the block's keys transposed, kLanes keys per
+// vector (the query values broadcast: no horizontal sums), and the output the product of the
+// probabilities with the block's values, the head dimension across the lanes.
+constexpr int64_t kSpanRows = 64;
+constexpr int64_t kSpanKeys = 32;
+constexpr int kSpanNV = static_cast<int>(kSpanKeys / kLanes);  // vectors per row of scores
+// queries per register tile: of the scores (kSpanNV accumulators each) and of the outputs (4)
+constexpr int kSpanQT = RTPCORE_VBYTES == 64 ? 8 : RTPCORE_VBYTES == 32 ? 2 : 1;
+constexpr int kSpanVT = RTPCORE_VBYTES == 64 ? 4 : 2;
+
+static inline V bcast(const float* p) {
+#if RTPCORE_VBYTES == 64
+    return (V)_mm512_set1_ps(*p);
+#elif RTPCORE_VBYTES == 32
+    return (V)_mm256_set1_ps(*p);
+#else
+    return (V)_mm_set1_ps(*p);
+#endif
+}
+
+// sc (RT, keys) = q (RT, D) @ kt (D, keys)
+template <int RT>
+static inline void span_scores(const float* q, int64_t D, const float* kt, float* sc) {
+    V a[RT][kSpanNV];
+    for (int t = 0; t < RT; ++t)
+        for (int v = 0; v < kSpanNV; ++v) a[t][v] = V{};
+    for (int64_t d = 0; d < D; ++d) {
+        V kv[kSpanNV];
+        for (int v = 0; v < kSpanNV; ++v) kv[v] = load(kt + d * kSpanKeys + v * kLanes);
+        for (int t = 0; t < RT; ++t) {
+            const V b = bcast(q + t * D + d);
+            for (int v = 0; v < kSpanNV; ++v) a[t][v] += b * kv[v];
+        }
+    }
+    for (int t = 0; t < RT; ++t)
+        for (int v = 0; v < kSpanNV; ++v) store(sc + t * kSpanKeys + v * kLanes, a[t][v]);
+}
+
+// acc (RT, D) += p (RT, keys; the first nk) @ vb (keys, D)
+template <int RT>
+static inline void span_values(const float* p, int64_t nk, const float* vb, int64_t D, float* acc) {
+    int64_t d0 = 0;
+    for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) {
+        V a[RT][4];
+        for (int t = 0; t < RT; ++t)
+            for (int c = 0; c < 4; ++c) a[t][c] = load(acc + t * D + d0 + c * kLanes);
+        for (int64_t j = 0; j < nk; ++j) {
+            V vv[4];
+            for (int c = 0; c < 4; ++c) vv[c] = load(vb + j * D + d0 + c * kLanes);
+            for (int t = 0; t < RT; ++t) {
+                const V b = bcast(p + t * kSpanKeys + j);
+                for (int c = 0; c < 4; ++c) a[t][c] += b * vv[c];
+            }
+        }
+        for (int t = 0; t < RT; ++t)
+            for (int c = 0; c < 4; ++c) store(acc + t * D + d0 + c * kLanes, a[t][c]);
+    }
+    for (; d0 + kLanes <= D; d0 += kLanes)
+        for (int t = 0; t < RT; ++t) {
+            V a = load(acc + t * D + d0);
+            for (int64_t j = 0; j < nk; ++j) a += bcast(p + t * kSpanKeys + j) * load(vb + j * D + d0);
+            store(acc + t * D + d0, a);
+        }
+    for (; d0 < D; ++d0)
+        for (int t = 0; t < RT; ++t) {
+            float a = acc[t * D + d0];
+            for (int64_t j = 0; j < nk; ++j) a += p[t * kSpanKeys + j] * vb[j * D + d0];
+            acc[t * D + d0] = a;
+        }
+}
+
+// Scratch floats attend_span needs for G query heads of D.
+inline int64_t span_scratch(int64_t G, int64_t D) {
+    const int64_t R = kSpanRows * G;
+    return 2 * R * D + D * kSpanKeys + R * kSpanKeys + kSpanKeys * D + 2 * R;
+}
+
+template <typename T>
+static void attend_span(const float* q, int64_t q_ld, int64_t n, int64_t G, int64_t D, const T* kc, const T* vc,
+                        int64_t kvh, int64_t Hkv, const int64_t* table, int64_t tpb, int64_t pos0, int64_t window,
+                        float scale, float* out, int64_t out_ld, float* scratch) {
+    const int64_t R = n * G;
+    float* qs = scratch;               // (R, D) the queries, scaled
+    float* acc = qs + R * D;           // (R, D) the unnormalised outputs
+    float* kt = acc + R * D;           // (D, kSpanKeys) the block's keys, transposed
+    float* sc = kt + D * kSpanKeys;    // (R, kSpanKeys) scores, then probabilities
+    float* vb = sc + R * kSpanKeys;    // (kSpanKeys, D) the block's values
+    float* mx = vb + kSpanKeys * D;    // (R,) running max
+    float* sum = mx + R;               // (R,) running sum
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+            const float* src = q + i * q_ld + g * D;
+            float* dst = qs + (i * G + g) * D;
+            int64_t d = 0;
+            for (; d + kLanes <= D; d += kLanes) store(dst + d, load(src + d) * scale);
+            for (; d < D; ++d) dst[d] = src[d] * scale;
+        }
+    std::memset(acc, 0, sizeof(float) * R * D);
+    for (int64_t r = 0; r < R; ++r) {
+        mx[r] = -__builtin_inff();
+        sum[r] = 0.0f;
+    }
+    const int64_t lo = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0, hi = pos0 + n;
+    for (int64_t kb = lo; kb < hi; kb += kSpanKeys) {
+        const int64_t nk = hi - kb < kSpanKeys ? hi - kb : kSpanKeys;
+        for (int64_t j = 0; j < kSpanKeys; ++j) {
+            if (j < nk) {
+                const int64_t pos = kb + j, slot = table[pos / tpb] * tpb + pos % tpb;
+                const T* krow = kc + (slot * Hkv + kvh) * D;
+                const T* vrow = vc + (slot * Hkv + kvh) * D;
+                for (int64_t d = 0; d < D; ++d) kt[d * kSpanKeys + j] = to_f32(krow[d]);
+                int64_t d = 0;
+                for (; d + kLanes <= D; d += kLanes) store(vb + j * D + d, load(vrow + d));
+                for (; d < D; ++d) vb[j * D + d] = to_f32(vrow[d]);
+            } else {
+                for (int64_t d = 0; d < D; ++d) kt[d * kSpanKeys + j] = vb[j * D + d] = 0.0f;
+            }
+        }
+        // every query of the span sees every key of this block: no rule to apply
+        const int64_t last = pos0 + n - 1;
+        const bool whole = nk == kSpanKeys && kb + nk - 1 <= pos0 && (window <= 0 || kb >= last + 1 - window);
+        // the queries before the block's first key see none of it: rows from rb on
+        const int64_t rb = (kb > pos0 ? kb - pos0 : 0) * G;
+        // scores: sc (R, keys) = qs (R, D) @ kt (D, keys)
+        {
+            int64_t r0 = rb;
+            for (; r0 + kSpanQT <= R; r0 += kSpanQT) span_scores<kSpanQT>(qs + r0 * D, D, kt, sc + r0 * kSpanKeys);
+            for (; r0 < R; ++r0) span_scores<1>(qs + r0 * D, D, kt, sc + r0 * kSpanKeys);
+        }
+        // the causal (and window) rule, then the online softmax per query
+        for (int64_t r = rb; r < R; ++r) {
+            const int64_t p = pos0 + r / G, first = window > 0 && p + 1 > window ? p + 1 - window : 0;
+            float* s = sc + r * kSpanKeys;
+            if (!whole)
+                for (int64_t j = 0; j < kSpanKeys; ++j)
+                    if (j >= nk || kb + j > p || kb + j < first) s[j] = -__builtin_inff();
+            V mv = load(s);
+            for (int v = 1; v < kSpanNV; ++v) {
+                const V x = load(s + v * kLanes);
+                mv = x > mv ? x : mv;
+            }
+            const float m = hmax(mv);
+            if (m == -__builtin_inff()) {  // no key of this block is visible to this query
+                std::memset(s, 0, sizeof(float) * kSpanKeys);
+                continue;
+            }
+            const float m_new = m > mx[r] ? m : mx[r];
+            const float corr = sexp(mx[r] - m_new);  // 0 for the first visible block
+            mx[r] = m_new;
+            V tot = V{};
+            for (int v = 0; v < kSpanNV; ++v) {
+                const V e = vexp(load(s + v * kLanes) - m_new);  // -inf: 0
+                store(s + v * kLanes, e);
+                tot += e;
+            }
+            sum[r] = sum[r] * corr + hsum(tot);
+            if (corr != 1.0f) {
+                int64_t d = 0;
+                for (; d + kLanes <= D; d += kLanes) store(acc + r * D + d, load(acc + r * D + d) * corr);
+                for (; d < D; ++d) acc[r * D + d] *= corr;
+            }
+        }
+        // acc (R, D) += sc (R, keys) @ vb (keys, D), D across the lanes
+        {
+            int64_t r0 = rb;
+            for (; r0 + kSpanVT <= R; r0 += kSpanVT) span_values<kSpanVT>(sc + r0 * kSpanKeys, nk, vb, D, acc + r0 * D);
+            for (; r0 < R; ++r0) span_values<1>(sc + r0 * kSpanKeys, nk, vb, D, acc + r0 * D);
+        }
+    }
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+            const int64_t r = i * G + g;
+            const float inv = 1.0f / sum[r];  // the query's own key is always visible: sum >= 1
+            for (int64_t d = 0; d < D; ++d) out[i * out_ld + g * D + d] = acc[r * D + d] * inv;
+        }
+}
+
+static void attend_span_f32(const float* q, int64_t q_ld, int64_t n, int64_t G, int64_t D, const void* kc,
+                            const void* vc, int64_t kvh, int64_t Hkv, const int64_t* table, int64_t tpb, int64_t pos0,
+                            int64_t window, float scale, float* out, int64_t out_ld, float* scratch) {
+    attend_span(q, q_ld, n, G, D, static_cast<const float*>(kc), static_cast<const float*>(vc), kvh, Hkv, table, tpb,
+                pos0, window, scale, out, out_ld, scratch);
+}
+
+static void attend_span_bf16(const float* q, int64_t q_ld, int64_t n, int64_t G, int64_t D, const void* kc,
+                             const void* vc, int64_t kvh, int64_t Hkv, const int64_t* table, int64_t tpb, int64_t pos0,
+                             int64_t window, float scale, float* out, int64_t out_ld, float* scratch) {
+    attend_span(q, q_ld, n, G, D, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), kvh, Hkv, table,
+                tpb, pos0, window, scale, out, out_ld, scratch);
 }
 
 static void linear_bf16(const float* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, float* y,
