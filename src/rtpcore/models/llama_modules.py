@@ -186,12 +186,13 @@ class LlamaModel(nn.Module):
         self.register_buffer("sin", torch.empty(0, config.head_dim, dtype=self.dtype, device=device), persistent=False)
         self._grow_rope(min(config.max_position_embeddings, ROPE_TABLE_START))
         self._native: NativeLlamaDecode | None = None
+        self._row_norms: bool | None = None  # whether the row kernels can read the layers' norms (first use)
         # Which kernels serve decode steps: "native" or "torch" (decided at the first decode
         # step, when the KV pools are known; rtpcore.models.native), None before it.
         self.decode_kernel: str | None = None
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:  # .to(), .float(), ...: weights may move
-        self._native, self.decode_kernel = None, None
+        self._native, self.decode_kernel, self._row_norms = None, None, None
         return super()._apply(fn, recurse)
 
     def _decoder(self, kv_caches: Sequence[LayerKVCache]) -> NativeLlamaDecode | None:
@@ -218,6 +219,12 @@ class LlamaModel(nn.Module):
         are the ones bit-identical to transformers (``native_decode=False``); the kernels' sums
         run in another order (float32 rounding, as the native decode step's)."""
         if not self.native_enabled or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        if self._row_norms is None:  # the kernels read the norm weights in place
+            norms = [n for layer in self.layers for n in (layer.norm1, layer.norm2)]
+            self._row_norms = all(isinstance(n, torch.Tensor) and n.dtype == torch.float32 and n.is_contiguous()
+                                  for n in norms)
+        if not self._row_norms:
             return None
         kernels = native_kernels()
         if kernels is None:
