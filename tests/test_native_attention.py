@@ -136,3 +136,26 @@ def test_a_bad_span_is_an_error_naming_it() -> None:
     tables[1, 0] = cache.k.shape[0]  # a block past the pool
     with pytest.raises(IndexError, match=r"span 1: block \d+ outside the KV pools"):
         call([0, 6], [6, 3], [9, 3], [0, 1])
+
+
+@pytest.mark.parametrize("window", [0, 7, 40])
+def test_a_span_split_into_chunks_attends_exactly_as_whole(window: int) -> None:
+    """A prompt's queries get the same bits whether the prompt is one span or two chunks (each
+    chunk over its own context): the kernel's blocks of keys do not depend on where a chunk starts,
+    windows included (chunked prefill does not move greedy tokens)."""
+    cache, batch = mixed_batch(3, [], [(150, 170)], 3, 64, 16, "fp32")
+    q = torch.randn(150, 6, 64, generator=torch.Generator().manual_seed(5))
+    tables = batch.block_tables.contiguous()
+
+    def attend(starts: list[int], counts: list[int], lens: list[int]) -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        s, c, n, i = (torch.tensor(v, dtype=torch.int64) for v in (starts, counts, lens, [0] * len(starts)))
+        _kernels.paged_span_attention(q.data_ptr(), 150, 6, 3, 64, cache.k.data_ptr(), cache.v.data_ptr(), "float32",
+                                      cache.k.shape[0], tables.data_ptr(), 1, tables.shape[1], 16, len(starts),
+                                      s.data_ptr(), c.data_ptr(), n.data_ptr(), i.data_ptr(), window, 0.125,
+                                      out.data_ptr())
+        return out
+
+    whole = attend([0], [150], [170])
+    assert torch.equal(attend([0, 37], [37, 113], [57, 170]), whole)
+    assert torch.equal(attend([0, 70, 101], [70, 31, 49], [90, 121, 170]), whole)

@@ -434,8 +434,10 @@ static void attend_span(const float* q, int64_t q_ld, int64_t n, int64_t G, int6
         mx[r] = -__builtin_inff();
         sum[r] = 0.0f;
     }
+    // Key blocks start at multiples of kSpanKeys whatever the window: a query's sums run over the
+    // same blocks in the same order however its prompt was split into chunks.
     const int64_t lo = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0, hi = pos0 + n;
-    for (int64_t kb = lo; kb < hi; kb += kSpanKeys) {
+    for (int64_t kb = lo - lo % kSpanKeys; kb < hi; kb += kSpanKeys) {
         const int64_t nk = hi - kb < kSpanKeys ? hi - kb : kSpanKeys;
         for (int64_t j = 0; j < kSpanKeys; ++j) {
             if (j < nk) {
