@@ -814,8 +814,6 @@ LinearW make_linear(uintptr_t w, const std::string& dtype, uintptr_t scale, uint
 
 // ---- paged attention of one-token rows (the decode step's and paged_decode_attention's)
 
-// Checks what attending row b dereferences: its context length fits its block table and every
-// block it reads lies in the pool of `slots` rows; std::out_of_range naming the row otherwise.
 // Checks what attending a context of `ctx` positions through `table` dereferences: it fits the
 // table's `width` blocks and every block it reads lies in the pool of `slots` rows;
 // std::out_of_range starting with name() otherwise.

@@ -69,7 +69,16 @@ static inline float to_f32(uint16_t x) {
     return f;
 }
 static inline void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
-static inline V splat(float s) { return V{} + s; }
+// s in every lane (one broadcast: `V{} + s` compiled to an add before it)
+static inline V splat(float s) {
+#if RTPCORE_VBYTES == 64
+    return (V)_mm512_set1_ps(s);
+#elif RTPCORE_VBYTES == 32
+    return (V)_mm256_set1_ps(s);
+#else
+    return (V)_mm_set1_ps(s);
+#endif
+}
 
 // The sum of a vector's lanes, by halving (a lane-by-lane loop costs as much as the products
 // of a short row).
@@ -180,8 +189,6 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
 }
 
-constexpr int64_t kAhead = 1;  // tiles of weight rows between the one computed and the one fetched
-
 // y[:, n0:n1] (+)= x @ w[n0:n1].T * scale + bias; x (M, K), y (M, N).
 template <typename W>
 static void linear_range(const float* x, int64_t M, int64_t K, const W* w, const float* scale, const float* bias,
@@ -194,8 +201,7 @@ static void linear_range(const float* x, int64_t M, int64_t K, const W* w, const
         // weight rows are fetched while it runs. SmolLM2's float32 decode at batch 8, 2 threads,
         // Intel Xeon (AVX-512): 133-139 -> 173-196 tok/s (weights read at 9 -> 12-13 GB/s); two
         // tiles ahead measured no better.
-        const W* next = M > (RTPCORE_MT >= 4 ? 4 : 2) && n + (kAhead + 1) * kNT <= n1 ? w + (n + kAhead * kNT) * K
-                                                                                          : nullptr;
+        const W* next = M > (RTPCORE_MT >= 4 ? 4 : 2) && n + 2 * kNT <= n1 ? w + (n + kNT) * K : nullptr;
         if constexpr (RTPCORE_MT >= 4)
             for (; m + 4 <= M; m += 4)
                 tile_rows<4, kNT>(x, K, w, scale, bias, y, N, accumulate, n, m, m == 0 ? next : nullptr);
@@ -342,16 +348,6 @@ constexpr int kSpanNV = static_cast<int>(kSpanKeys / kLanes);  // vectors per ro
 constexpr int kSpanQT = RTPCORE_VBYTES == 64 ? 8 : RTPCORE_VBYTES == 32 ? 2 : 1;
 constexpr int kSpanVT = RTPCORE_VBYTES == 64 ? 4 : 2;
 
-static inline V bcast(const float* p) {
-#if RTPCORE_VBYTES == 64
-    return (V)_mm512_set1_ps(*p);
-#elif RTPCORE_VBYTES == 32
-    return (V)_mm256_set1_ps(*p);
-#else
-    return (V)_mm_set1_ps(*p);
-#endif
-}
-
 // sc (RT, keys) = q (RT, D) @ kt (D, keys)
 template <int RT>
 static inline void span_scores(const float* q, int64_t D, const float* kt, float* sc) {
@@ -362,7 +358,7 @@ static inline void span_scores(const float* q, int64_t D, const float* kt, float
         V kv[kSpanNV];
         for (int v = 0; v < kSpanNV; ++v) kv[v] = load(kt + d * kSpanKeys + v * kLanes);
         for (int t = 0; t < RT; ++t) {
-            const V b = bcast(q + t * D + d);
+            const V b = splat(q[t * D + d]);
             for (int v = 0; v < kSpanNV; ++v) a[t][v] += b * kv[v];
         }
     }
@@ -382,7 +378,7 @@ static inline void span_values(const float* p, int64_t nk, const float* vb, int6
             V vv[4];
             for (int c = 0; c < 4; ++c) vv[c] = load(vb + j * D + d0 + c * kLanes);
             for (int t = 0; t < RT; ++t) {
-                const V b = bcast(p + t * kSpanKeys + j);
+                const V b = splat(p[t * kSpanKeys + j]);
                 for (int c = 0; c < 4; ++c) a[t][c] += b * vv[c];
             }
         }
@@ -392,7 +388,7 @@ static inline void span_values(const float* p, int64_t nk, const float* vb, int6
     for (; d0 + kLanes <= D; d0 += kLanes)
         for (int t = 0; t < RT; ++t) {
             V a = load(acc + t * D + d0);
-            for (int64_t j = 0; j < nk; ++j) a += bcast(p + t * kSpanKeys + j) * load(vb + j * D + d0);
+            for (int64_t j = 0; j < nk; ++j) a += splat(p[t * kSpanKeys + j]) * load(vb + j * D + d0);
             store(acc + t * D + d0, a);
         }
     for (; d0 < D; ++d0)
