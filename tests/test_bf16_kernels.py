@@ -38,6 +38,9 @@ from test_llama import PROMPTS, make_checkpoint  # noqa: E402
 ISAS = kernels.supported_isas()
 DOT_ISAS = [isa for isa in ("amx", "avx512_bf16") if isa in ISAS]
 NO_DOT = "this CPU (or ONEDNN_MAX_CPU_ISA) has no bf16 dot products (AVX512-BF16 or AMX-BF16)"
+# The default kernels (what a Linear or an Engine picks with no override): the CPU's best set
+# within ONEDNN_MAX_CPU_ISA, which may leave out bf16 dot products the CPU has.
+DEFAULT_DOT = native_bf16_dot()
 # The paths a product over bf16p weights can take here: (set, AMX from this many rows on or None).
 PATHS = [(isa, rows) for isa in ISAS for rows in ((1, None) if isa == "amx" else (None,))]
 PATH_IDS = [isa + ("-amx-every-row" if rows == 1 else "") for isa, rows in PATHS]
@@ -148,7 +151,7 @@ def test_the_kernel_names_follow_the_set_and_the_row_count() -> None:
         kernels.linear_bf16(kernels.LinearWeights(w.data_ptr(), "float32", 0, 0, 4, 4), w.data_ptr(), 1, w.data_ptr())
 
 
-@pytest.mark.skipif(not DOT_ISAS, reason=NO_DOT)
+@pytest.mark.skipif(not DEFAULT_DOT, reason=NO_DOT)
 def test_linear_keeps_one_bf16_copy_in_the_blocked_layout() -> None:
     """On a CPU with bf16 dot products a bf16 Linear is "native-bf16": its weight is the blocked
     layout (Np x Kp bf16: no float32 copy, no second bf16 copy), its output one rounding of
@@ -209,7 +212,7 @@ def test_bf16_greedy_tokens_equal_transformers_up_to_a_bf16_near_tie(tmp_path: P
         greedy_until_bf16_near_tie(hf, prompt, tokens)
 
 
-@pytest.mark.skipif(not DOT_ISAS, reason=NO_DOT)
+@pytest.mark.skipif(not DEFAULT_DOT, reason=NO_DOT)
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-tied"])
 def test_a_bf16_model_holds_its_weights_once_in_bf16(tmp_path: Path, variant: str) -> None:
     """Every storage a bf16 model (and its native decode step) holds adds up to its checkpoint's
