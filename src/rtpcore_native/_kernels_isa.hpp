@@ -189,10 +189,41 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
 }
 
+// dot(x, w) over K, four accumulators.
+template <typename W>
+static inline float dot_row(const float* x, const W* w, int64_t K) {
+    V a0 = V{}, a1 = V{}, a2 = V{}, a3 = V{};
+    int64_t k = 0;
+    for (; k + 4 * kLanes <= K; k += 4 * kLanes) {
+        a0 += load(x + k) * load(w + k);
+        a1 += load(x + k + kLanes) * load(w + k + kLanes);
+        a2 += load(x + k + 2 * kLanes) * load(w + k + 2 * kLanes);
+        a3 += load(x + k + 3 * kLanes) * load(w + k + 3 * kLanes);
+    }
+    for (; k + kLanes <= K; k += kLanes) a0 += load(x + k) * load(w + k);
+    float s = hsum((a0 + a1) + (a2 + a3));
+    for (; k < K; ++k) s += x[k] * to_f32(w[k]);
+    return s;
+}
+
 // y[:, n0:n1] (+)= x @ w[n0:n1].T * scale + bias; x (M, K), y (M, N).
 template <typename W>
 static void linear_range(const float* x, int64_t M, int64_t K, const W* w, const float* scale, const float* bias,
                          float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    // One row of activations: the weight rows one after another, so that each thread reads its
+    // range as one sequential stream (a tile of kNT rows reads kNT interleaved ones). Float32 decode, 2 threads, AMD EPYC (AVX2), GB/s
+    // over SmolLM2's matrix shapes, four alternating runs each: tiles 18.3-20.2, tiles with the
+    // next tile prefetched 19.0-20.6, rows 19.8-22.2; rows with a software prefetch ahead in
+    // the stream (1 or 4 KiB) or of the whole next row measured no better.
+    if (M == 1) {
+        for (int64_t n = n0; n < n1; ++n) {
+            float v = dot_row(x, w + n * K, K);
+            if (scale) v *= scale[n];
+            if (bias) v += bias[n];
+            y[n] = accumulate ? y[n] + v : v;
+        }
+        return;
+    }
     int64_t n = n0;
     for (; n + kNT <= n1; n += kNT) {
         int64_t m = 0;
