@@ -79,12 +79,13 @@ def int8_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.T
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize(("rows", "out", "inp"), [(1, 96, 64), (3, 577, 33), (8, 40, 1536), (5, 13, 7), (17, 130, 100),
-                                                  (40, 50, 64)])
+                                                  (40, 50, 64), (64, 16, 256), (70, 37, 300), (131, 129, 600)])
 def test_linear_matches_torch_for_float32_and_int8_weights(isa: str, rows: int, out: int, inp: int) -> None:
     """Every tile shape and tail (rows not a multiple of the tile, in_features not a multiple
-    of the vector width, a row count above the pool's split size) against F.linear; int8 within
-    int8_bound (its activations quantized at few rows, float32 at more, quantized again from
-    gemm_rows() rows on: (40, 50, 64))."""
+    of the vector width, a row count above the pool's split size) against F.linear, and from 64
+    rows on the float GEMM (outputs not a multiple of its panel, inputs across its blocks of 256);
+    int8 within int8_bound (its activations quantized at few rows, float32 at more, quantized
+    again from gemm_rows() rows on: (40, 50, 64))."""
     gen = torch.Generator().manual_seed(rows * 1000 + out)
     x, w, bias = torch.randn(rows, inp, generator=gen), torch.randn(out, inp, generator=gen), torch.randn(out, generator=gen)
     kernels.set_num_threads(2)
@@ -106,7 +107,7 @@ def test_linear_matches_torch_for_float32_and_int8_weights(isa: str, rows: int, 
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 12), out=st.integers(1, 80), inp=st.integers(1, 90),
+@given(rows=st.one_of(st.integers(1, 12), st.integers(60, 80)), out=st.integers(1, 80), inp=st.integers(1, 300),
        dtype=st.sampled_from(["float32", "int8", "bfloat16"]), bias=st.booleans(), threads=st.integers(1, 3),
        seed=st.integers(0, 2**16))
 def test_linear_equals_the_reference_formula_for_any_shape(
@@ -114,7 +115,8 @@ def test_linear_equals_the_reference_formula_for_any_shape(
 ) -> None:
     """y = x @ (W * scale).T + bias, summed in float64 as the reference, for any shape and
     weight dtype, with 1-3 pool threads and the instruction set chosen at import (int8 within
-    int8_bound: in_features 32 and 64 take the quantized-activation kernel)."""
+    int8_bound: in_features 32 and 64 take the quantized-activation kernel); 60-80 rows cross
+    into the float GEMM (64 rows on)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, inp, generator=gen)
     int8 = dtype == "int8"
@@ -199,6 +201,35 @@ def test_multi_token_steps_run_the_row_kernels_only_on_the_native_float32_path(
     with Engine.from_pretrained(tmp_path, native_decode=False, **{k: v for k, v in options.items()
                                                                   if k != "native_decode"}) as ref:
         assert ref.generate([PROMPTS[1]], max_new_tokens=4, stop_token_ids=[]) == got
+
+
+def test_a_float32_steps_products_run_in_the_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RowOps.linear (the products of LlamaLayer's row path) multiplies a "plain" float32 Linear in
+    rtpcore_native (the residual added into a copy of it), within float32 rounding of the layer's
+    own forward, and every other layer (a bf16 weight, a transposed view) through its forward."""
+    from rtpcore.models.llama_modules import RowOps
+
+    gen = torch.Generator().manual_seed(5)
+    w, b = torch.randn(70, 300, generator=gen), torch.randn(70, generator=gen)
+    layer = Linear(w, b)
+    assert layer.kernel == "plain" and layer.native_float32() is not None
+    assert Linear(torch.randn(300, 70, generator=gen).t()).native_float32() is None  # not contiguous
+    assert Linear(w.bfloat16()).native_float32() is None
+    ops = RowOps(kernels, torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, dtype=torch.int64))
+    native_calls = []
+    real = kernels.linear
+    monkeypatch.setattr(ops, "kernels", type("K", (), {"linear": staticmethod(
+        lambda *a, **k: native_calls.append(a[2]) or real(*a, **k))}))
+    for rows in (3, 64, 100):  # the tile kernel, then the GEMM
+        x, res = torch.randn(rows, 300, generator=gen), torch.randn(rows, 70, generator=gen)
+        torch.testing.assert_close(ops.linear(layer, x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        got = ops.linear(layer, x, residual=res)
+        torch.testing.assert_close(got, res + F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        assert res.data_ptr() != got.data_ptr()  # the residual itself is left as it was
+    assert native_calls == [3, 3, 64, 64, 100, 100]
+    half = Linear(w.bfloat16())
+    x = torch.randn(4, 300, generator=gen)
+    assert torch.equal(ops.linear(half, x.bfloat16()), half(x.bfloat16())) and len(native_calls) == 6
 
 
 def test_stubs_match_the_kernels_extension() -> None:

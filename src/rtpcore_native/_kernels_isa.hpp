@@ -206,6 +206,101 @@ static inline float dot_row(const float* x, const W* w, int64_t K) {
     return s;
 }
 
+// ---- a GEMM for many activation rows
+//
+// The weight rows of [n0, n1) in panels of kGemmNR, each packed once per call as float32,
+// k-major (pk[k * kGemmNR + j] = w[n + j][k], zeros past n1), then multiplied by kGemmMR
+// activation rows at a time as outer products: per k, the panel's kGemmNR values (two vectors)
+// against each row's x[k] broadcast, 2 x kGemmMR accumulators that stay in registers over the
+// whole of K (in blocks of kGemmKC inputs). A tile of the dot-product kernel below loads every
+// activation row again per kNT weight rows and sums horizontally at the end; here each
+// activation value loaded feeds kGemmNR products.
+constexpr int kGemmNR = 2 * kLanes;
+constexpr int kGemmMR = RTPCORE_VBYTES == 64 ? 12 : 6;  // 24 / 12 accumulators of 32 / 16 registers
+
+constexpr int64_t kGemmKC = 256;  // inputs per block: a block of the panel, 16 / 32 KiB, stays in L1
+// From this many activation rows on, products over float32 / bf16 / half / int8 weights take the
+// GEMM: packing costs one pass over the weight range per call, which fewer rows do not repay.
+// AMD EPYC (AVX2), 2 threads, GFLOP/s tiles / GEMM / torch's float32 GEMM over SmolLM2's and
+// Llama-1024x16's shapes: 32 rows 65-73 / 41-70 / 56-78, 48 rows 71-78 / 53-93 / 62-94, 64 rows
+// 73-78 / 67-102 / 68-90, 128 rows 77-86 / 86-127 / 87-114, 256 rows 70-88 / 95-125 / 88-115.
+constexpr int64_t kGemmRows = 64;
+
+// out (MR, kGemmNR) (+)= x (MR rows of ldx, kc inputs) @ pk (kc, kGemmNR)
+template <int MR>
+static inline __attribute__((always_inline)) void gemm_tile(const float* x, int64_t ldx, int64_t kc, const float* pk,
+                                                            float* out, bool add) {
+    V a0[MR], a1[MR];
+    for (int i = 0; i < MR; ++i) {
+        a0[i] = add ? load(out + i * kGemmNR) : V{};
+        a1[i] = add ? load(out + i * kGemmNR + kLanes) : V{};
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+        const V b0 = load(pk + k * kGemmNR), b1 = load(pk + k * kGemmNR + kLanes);
+        for (int i = 0; i < MR; ++i) {
+            const V a = splat(x[i * ldx + k]);
+            a0[i] += a * b0;
+            a1[i] += a * b1;
+        }
+    }
+    for (int i = 0; i < MR; ++i) {
+        store(out + i * kGemmNR, a0[i]);
+        store(out + i * kGemmNR + kLanes, a1[i]);
+    }
+}
+
+template <int MR>
+static void gemm_rows_tile(const float* x, int64_t K, const float* pk, float* out) {
+    for (int64_t k0 = 0; k0 < K; k0 += kGemmKC) {
+        const int64_t kc = K - k0 < kGemmKC ? K - k0 : kGemmKC;
+        gemm_tile<MR>(x + k0, K, kc, pk + k0 * kGemmNR, out, k0 > 0);
+    }
+}
+
+template <typename W>
+static void gemm_range(const float* x, int64_t M, int64_t K, const W* w, const float* scale, const float* bias,
+                       float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    thread_local std::vector<float> packed;
+    if (static_cast<int64_t>(packed.size()) < K * kGemmNR) packed.resize(K * kGemmNR);
+    float* pk = packed.data();
+    float out[kGemmMR * kGemmNR];
+    for (int64_t n = n0; n < n1; n += kGemmNR) {
+        const int64_t nr = n1 - n < kGemmNR ? n1 - n : kGemmNR;
+        const W* rows[kGemmNR];
+        for (int64_t j = 0; j < kGemmNR; ++j) rows[j] = w + (n + (j < nr ? j : 0)) * K;
+        for (int64_t k = 0; k < K; ++k)
+            for (int64_t j = 0; j < kGemmNR; ++j) pk[k * kGemmNR + j] = j < nr ? to_f32(rows[j][k]) : 0.0f;
+        for (int64_t m = 0; m < M; m += kGemmMR) {
+            const int64_t mr = M - m < kGemmMR ? M - m : kGemmMR;
+            const float* xm = x + m * K;
+            switch (mr) {
+                case kGemmMR: gemm_rows_tile<kGemmMR>(xm, K, pk, out); break;
+#if RTPCORE_VBYTES == 64
+                case 11: gemm_rows_tile<11>(xm, K, pk, out); break;
+                case 10: gemm_rows_tile<10>(xm, K, pk, out); break;
+                case 9: gemm_rows_tile<9>(xm, K, pk, out); break;
+                case 8: gemm_rows_tile<8>(xm, K, pk, out); break;
+                case 7: gemm_rows_tile<7>(xm, K, pk, out); break;
+                case 6: gemm_rows_tile<6>(xm, K, pk, out); break;
+#endif
+                case 5: gemm_rows_tile<5>(xm, K, pk, out); break;
+                case 4: gemm_rows_tile<4>(xm, K, pk, out); break;
+                case 3: gemm_rows_tile<3>(xm, K, pk, out); break;
+                case 2: gemm_rows_tile<2>(xm, K, pk, out); break;
+                default: gemm_rows_tile<1>(xm, K, pk, out); break;
+            }
+            for (int64_t i = 0; i < mr; ++i)
+                for (int64_t j = 0; j < nr; ++j) {
+                    float v = out[i * kGemmNR + j];
+                    if (scale) v *= scale[n + j];
+                    if (bias) v += bias[n + j];
+                    float* dst = y + (m + i) * N + n + j;
+                    *dst = accumulate ? *dst + v : v;
+                }
+        }
+    }
+}
+
 // y[:, n0:n1] (+)= x @ w[n0:n1].T * scale + bias; x (M, K), y (M, N).
 template <typename W>
 static void linear_range(const float* x, int64_t M, int64_t K, const W* w, const float* scale, const float* bias,
@@ -222,6 +317,10 @@ static void linear_range(const float* x, int64_t M, int64_t K, const W* w, const
             if (bias) v += bias[n];
             y[n] = accumulate ? y[n] + v : v;
         }
+        return;
+    }
+    if (M >= kGemmRows) {
+        gemm_range(x, M, K, w, scale, bias, y, N, accumulate, n0, n1);
         return;
     }
     int64_t n = n0;

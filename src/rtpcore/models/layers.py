@@ -133,6 +133,7 @@ class Linear(nn.Module):
         self._method: Any = None
         self._native: Any = None
         self._native_weights: Any = None
+        self._f32_weights: Any = None  # native_float32(): None before the first call, False if none
         method = _QUANTIZATION.get()
         if method is not None and method.create_weights(self, weight, bias):
             # The method's form (rtpcore.quantization): it computes the layer too.
@@ -191,6 +192,22 @@ class Linear(nn.Module):
         (:meth:`refresh_native_weights`)."""
         return self._native_weights
 
+    def native_float32(self) -> Any:
+        """rtpcore_native's view (``LinearWeights``, ``"float32"``) of a ``"plain"`` float32 weight
+        on the CPU, made at the first call and kept until the layer moves; None where the kernels
+        cannot read the weight in place (another kernel or dtype, a non-contiguous weight or bias,
+        a build without the kernels). The float32 steps of ``rtpcore.models.llama_modules`` multiply
+        with it where the engine's ``native_decode`` allows rtpcore_native."""
+        if self._f32_weights is None:
+            self._f32_weights = False
+            kernels = native_kernels()
+            w, b = self.weight, self.bias
+            if (kernels is not None and self.kernel == "plain" and w.device.type == "cpu" and w.dtype == torch.float32
+                    and w.is_contiguous() and (b is None or (b.dtype == torch.float32 and b.is_contiguous()))):
+                self._f32_weights = kernels.LinearWeights(w.data_ptr(), "float32", 0, 0 if b is None else b.data_ptr(),
+                                                          self.out_features, self.in_features)
+        return self._f32_weights or None
+
     def native_linear(self, native: Any, rows: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (n, out) float32 = the native int8 product of ``rows`` (n, in) float32."""
         self._native.set_num_threads(torch.get_num_threads())
@@ -198,6 +215,7 @@ class Linear(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:  # .to(), .float(), ...: tensors may move
         out = super()._apply(fn, recurse)
+        self._f32_weights = None
         if self._native_weights is not None:
             self.refresh_native_weights()
         return out

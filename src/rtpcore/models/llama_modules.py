@@ -105,12 +105,13 @@ class LlamaLayer(nn.Module):
     def _forward_rows(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerKVCache, window: int | None,
                       masks: dict[Any, Any] | None, rows: RowOps) -> torch.Tensor:
         """:meth:`forward` of a float32 step with the norms, RoPE and SiLU in rtpcore_native's row
-        kernels (those of its decode step: one pass each, over the pool), the products and
-        attention as in :meth:`forward`."""
+        kernels (those of its decode step: one pass each, over the pool), the products of
+        ``"plain"`` float32 layers in its float32 kernels with the residual adds folded in
+        (:meth:`RowOps.linear`), attention as in :meth:`forward`."""
         t, k = x.shape[0], rows.kernels
         h = torch.empty_like(x)
         k.rms_norm_rows(x.data_ptr(), t, x.shape[1], self.norm1.data_ptr(), self.eps, h.data_ptr())
-        qkv = self.qkv(h).contiguous()  # (T, q + 2 kv)
+        qkv = rows.linear(self.qkv, h)  # (T, q + 2 kv)
         heads = self.heads + self.kv_heads
         if self.qk_norm is not None:  # (T, H + Hkv, D), a new contiguous tensor
             qk = rms_norm(qkv[:, : self.qk_size].view(t, heads, self.head_dim), self.qk_norm, self.eps).contiguous()
@@ -121,13 +122,13 @@ class LlamaLayer(nn.Module):
         q, key = qk.split((self.heads, self.kv_heads), dim=1)  # (T, H, D), (T, Hkv, D)
         cache.write(batch.slots, key, qkv[:, self.qk_size :].view(t, self.kv_heads, self.head_dim))
         out = paged_attention(q, cache, batch, scale=self.scale, window=window, masks=masks)  # (T, H, D)
-        x = x + self.o(out.reshape(t, -1))  # (T, E)
+        x = rows.linear(self.o, out.reshape(t, -1).contiguous(), residual=x)  # (T, E)
         k.rms_norm_rows(x.data_ptr(), t, x.shape[1], self.norm2.data_ptr(), self.eps, h.data_ptr())
-        gate_up = self.gate_up(h).contiguous()  # (T, 2 I)
+        gate_up = rows.linear(self.gate_up, h)  # (T, 2 I)
         inter = gate_up.shape[1] // 2
         act = torch.empty(t, inter, dtype=x.dtype)
         k.silu_mul_rows(gate_up.data_ptr(), t, inter, act.data_ptr())
-        return x + self.down(act)
+        return rows.linear(self.down, act, residual=x)
 
 
 class RowOps:
@@ -138,6 +139,21 @@ class RowOps:
         self.kernels = kernels
         self.cos, self.sin = cos, sin  # (P, D) float32, contiguous
         self.positions = positions  # (T,) int64, contiguous
+
+    def linear(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``layer(x)`` (+ ``residual``), contiguous (T, out): a ``"plain"`` float32 ``Linear`` in
+        rtpcore_native's float32 kernels (the sum added into a copy of ``residual``), any other
+        layer (quantized, sharded, another kernel) as its own forward. ``x``: (T, in), contiguous."""
+        weights = layer.native_float32() if type(layer) is Linear and x.shape[0] else None
+        if weights is None:
+            y = layer(x)
+            return (y if residual is None else residual + y).contiguous()
+        if residual is None:
+            y = torch.empty(x.shape[0], weights.out_features, dtype=torch.float32)
+        else:
+            y = residual.clone(memory_format=torch.contiguous_format)
+        self.kernels.linear(weights, x.data_ptr(), x.shape[0], y.data_ptr(), accumulate=residual is not None)
+        return y
 
     def rope(self, x: torch.Tensor, row_stride: int, heads: int, head_dim: int) -> None:
         """RoPE in place on the first ``heads`` heads of each row of ``x`` (contiguous, float32)."""
