@@ -9,10 +9,11 @@ step's row count. The labels:
 * ``native:<set>`` -- rtpcore_native's kernels of that set (``rtpcore.models.cpu_isa``): int8
   weights with float32 inputs, bf16 weights in the blocked layout (``Linear``'s ``native-bf16``:
   vdpbf16ps, AMX tiles), GGUF blocks below ``GEMM_ROWS`` rows
-  (``rtpcore.checkpoint.gguf.linear``);
+  (``rtpcore.checkpoint.gguf.linear``), float32 weights in the float32 steps of a Llama-family
+  model whose ``native_decode`` is on (``RowOps.linear``: the tile kernel, the GEMM from 64 rows);
 * ``torch (oneDNN)`` -- ``Linear``'s ``packed`` kernel (oneDNN's prepacked bf16 / fp16 GEMM,
   AMX or AVX512-BF16 where the CPU has them), and ``packed+fp32`` for one row;
-* ``torch (float32 GEMM)`` -- torch's float32 GEMM: float32 weights, the float32 copy of
+* ``torch (float32 GEMM)`` -- torch's float32 GEMM: float32 weights otherwise, the float32 copy of
   ``packed+fp32`` from two rows on, GGUF blocks dequantized natively from their type's ``GEMM_ROWS`` rows on;
 * ``torch (F.linear)`` -- ``F.linear`` on reduced-precision weights (no prepacked kernel here);
 * ``torch (int8 weight)`` -- torch's int8-weight kernel (int8 weights with bf16 / fp16 inputs);
@@ -51,9 +52,11 @@ def native_label() -> str:
     return f"native:{k.isa()}" if k is not None else "native:unavailable"
 
 
-def linear_kernel(layer: Any, rows: int, dtype: torch.dtype) -> str:
+def linear_kernel(layer: Any, rows: int, dtype: torch.dtype, native_rows: bool = False) -> str:
     """The label (module doc) of what ``layer`` (an ``rtpcore.models.layers.Linear``) runs for an
-    input of ``rows`` rows of ``dtype``, as its forward decides."""
+    input of ``rows`` rows of ``dtype``, as its forward decides, or, with ``native_rows`` (a
+    float32 step of a Llama-family model whose ``native_decode`` is on), as
+    ``rtpcore.models.llama_modules.RowOps.linear`` decides."""
     if getattr(layer, "gguf_parts", None) is not None:  # rtpcore.checkpoint.gguf.linear.forward
         if layer.gguf_native is None:
             return "torch (reference dequantize)"
@@ -69,6 +72,8 @@ def linear_kernel(layer: Any, rows: int, dtype: torch.dtype) -> str:
     if kernel == "packed":
         return "torch (oneDNN)"
     if kernel == "plain":
+        if native_rows and dtype == torch.float32 and layer.native_float32() is not None:
+            return native_label()
         on_cpu = layer.weight.device.type == "cpu"
         return "torch (float32 GEMM)" if on_cpu and layer.weight.dtype == torch.float32 else "torch (F.linear)"
     return str(kernel)
@@ -92,7 +97,12 @@ def step_kernel(model: Any, batch: Any, linear: Any, dtype: torch.dtype) -> str:
         return f"native_decode[{native_label().removeprefix('native:')}]"
     if linear is None:
         return "torch_step"
-    return f"torch_step[{linear_kernel(linear, batch.num_tokens, dtype)}]"
+    # RowOps.linear multiplies a Linear in place; the representative layer of a shard sits inside
+    # a RowParallel, which it leaves to its own forward
+    parallel = getattr(model, "parallel", None)
+    native_rows = (bool(getattr(model, "native_enabled", False)) and native_kernels() is not None
+                   and (parallel is None or parallel.world_size == 1))
+    return f"torch_step[{linear_kernel(linear, batch.num_tokens, dtype, native_rows)}]"
 
 
 def weight_kinds() -> tuple[str, ...]:
@@ -158,7 +168,8 @@ def kernel_table() -> list[dict[str, Any]]:
         native_decode = k is not None and native_operands(layer) is not None
 
         def torch_step(rows: int, layer: Any = layer, dtype: torch.dtype = dtype) -> str:
-            return f"torch_step[{linear_kernel(layer, rows, dtype)}]"
+            # a Llama-family model's steps take RowOps where native_decode is on (its default)
+            return f"torch_step[{linear_kernel(layer, rows, dtype, k is not None)}]"
 
         for step in STEP_KINDS:
             if step == "decode" and native_decode:
