@@ -212,9 +212,9 @@ def test_a_float32_steps_products_run_in_the_native_kernels(monkeypatch: pytest.
     gen = torch.Generator().manual_seed(5)
     w, b = torch.randn(70, 300, generator=gen), torch.randn(70, generator=gen)
     layer = Linear(w, b)
-    assert layer.kernel == "plain" and layer.native_float32() is not None
-    assert Linear(torch.randn(300, 70, generator=gen).t()).native_float32() is None  # not contiguous
-    assert Linear(w.bfloat16()).native_float32() is None
+    assert layer.kernel == "plain" and layer._native_float32() is not None
+    assert Linear(torch.randn(300, 70, generator=gen).t())._native_float32() is None  # not contiguous
+    assert Linear(w.bfloat16())._native_float32() is None
     ops = RowOps(kernels, torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, dtype=torch.int64))
     native_calls = []
     real = kernels.linear

@@ -72,7 +72,7 @@ def linear_kernel(layer: Any, rows: int, dtype: torch.dtype, native_rows: bool =
     if kernel == "packed":
         return "torch (oneDNN)"
     if kernel == "plain":
-        if native_rows and dtype == torch.float32 and layer.native_float32() is not None:
+        if native_rows and dtype == torch.float32 and layer._native_float32() is not None:
             return native_label()
         on_cpu = layer.weight.device.type == "cpu"
         return "torch (float32 GEMM)" if on_cpu and layer.weight.dtype == torch.float32 else "torch (F.linear)"

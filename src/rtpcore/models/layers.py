@@ -133,7 +133,7 @@ class Linear(nn.Module):
         self._method: Any = None
         self._native: Any = None
         self._native_weights: Any = None
-        self._f32_weights: Any = None  # native_float32(): None before the first call, False if none
+        self._f32_weights: Any = None  # _native_float32(): None before the first call, False if none
         method = _QUANTIZATION.get()
         if method is not None and method.create_weights(self, weight, bias):
             # The method's form (rtpcore.quantization): it computes the layer too.
@@ -192,7 +192,7 @@ class Linear(nn.Module):
         (:meth:`refresh_native_weights`)."""
         return self._native_weights
 
-    def native_float32(self) -> Any:
+    def _native_float32(self) -> Any:
         """rtpcore_native's view (``LinearWeights``, ``"float32"``) of a ``"plain"`` float32 weight
         on the CPU, made at the first call and kept until the layer moves; None where the kernels
         cannot read the weight in place (another kernel or dtype, a non-contiguous weight or bias,

@@ -144,7 +144,7 @@ class RowOps:
         """``layer(x)`` (+ ``residual``), contiguous (T, out): a ``"plain"`` float32 ``Linear`` in
         rtpcore_native's float32 kernels (the sum added into a copy of ``residual``), any other
         layer (quantized, sharded, another kernel) as its own forward. ``x``: (T, in), contiguous."""
-        weights = layer.native_float32() if type(layer) is Linear and x.shape[0] else None
+        weights = layer._native_float32() if type(layer) is Linear and x.shape[0] else None
         if weights is None:
             y = layer(x)
             return (y if residual is None else residual + y).contiguous()
