@@ -201,3 +201,71 @@ def test_float_weights_view_a_copy_on_write_mapping(tmp_path: Path) -> None:
         private = [s for s in mappings(path) if s[2] == "rw-p"]
         assert inside(engine.model.layers[0].o.weight, private)
         assert not inside(engine.model.layers[0].qkv.weight, private)  # fused: a buffer of its own
+
+
+def _resident_pages(spans: list[tuple[int, int, str]]) -> set[int]:
+    """The virtual page numbers of ``spans`` that are mapped into this process now
+    (``/proc/self/pagemap``: bit 63 of each page's entry)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    out: set[int] = set()
+    with open("/proc/self/pagemap", "rb") as f:
+        for lo, hi, _ in spans:
+            f.seek(lo // page * 8)
+            entries = np.frombuffer(f.read((hi - lo) // page * 8), dtype=np.uint64)
+            present = np.nonzero(entries >> np.uint64(63))[0]
+            out.update(int(p) + lo // page for p in present)
+    return out
+
+
+def _pages(t: torch.Tensor) -> set[int]:
+    page = os.sysconf("SC_PAGE_SIZE")
+    end = t.data_ptr() + t.numel() * t.element_size()
+    return set(range(t.data_ptr() // page, (end - 1) // page + 1))
+
+
+@pytest.mark.parametrize("file_type", ["F32", "Q8_0"])
+def test_pages_only_copied_weights_read_are_given_back(tmp_path: Path, file_type: str) -> None:
+    """The weights a model copies at build -- q, k and v joined into the fused qkv (q and k put
+    back in the order the converter permuted), an F32 file's gate and up joined likewise -- read
+    the file's pages once: after the build those pages are unmapped (they would count resident a
+    second time beside the copies), while every page a weight the model keeps views stays
+    mapped, and an F32 model computes the tokens of its safetensors checkpoint."""
+    from gguf_files import write_gguf
+    from test_gguf import BOS, EOS
+    from test_llama import make_checkpoint
+    from tokenizer_files import byte_bpe
+
+    # q of Q8_0 rows 512 wide: 68 pages, more than the kernel's fault-around window (16)
+    make_checkpoint(tmp_path / "st", "llama-gqa", vocab_size=420, hidden_size=512, intermediate_size=1024)
+    path = write_gguf(tmp_path / "st", tmp_path / f"m-{file_type}.gguf", file_type=file_type, tokenizer=byte_bpe(),
+                      bos=BOS, eos=EOS)
+    copied = ("attn_q", "attn_k", "attn_v") + (("ffn_gate", "ffn_up") if file_type == "F32" else ())
+    sources = [t for t in open_gguf(path).tensors.values() if t.name.split(".")[-2] in copied]
+    release_gguf_files()
+    with Engine.from_pretrained(tmp_path / "st", tokens_per_block=4) as engine:
+        want = engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
+    with Engine.from_pretrained(path, tokens_per_block=4) as engine:
+        got = engine.generate(PROMPTS, max_new_tokens=8, stop_token_ids=[])
+        if file_type == "F32":  # the same float weights: the same tokens (Q8_0's are its own)
+            assert got == want
+        kind = "rw-p" if file_type == "F32" else "r--s"
+        model = engine.model
+        # (the tokenizer's reading of the header maps the file again)
+        [span] = [s for s in mappings(path) if s[2] == kind and inside(model.layers[0].o.weight, [s])]
+        viewed: set[int] = set()
+        for t in [*model.parameters(), *model.buffers()]:
+            for v in t.storage_views() if isinstance(t, GGUFBlocks) else (t,):
+                if inside(v, [span]):
+                    viewed |= _pages(v)
+        fused = [layer.qkv.weight for layer in model.layers]
+        if file_type == "F32":
+            fused += [layer.gate_up.weight for layer in model.layers]
+        assert not any(inside(w, [span]) for w in fused)  # the copies, in the process's own memory
+        page = os.sysconf("SC_PAGE_SIZE")
+        read = set().union(*(range((span[0] + t.offset) // page, (span[0] + t.offset + t.nbytes - 1) // page + 1)
+                             for t in sources)) - viewed
+        resident = _resident_pages([span]) & read
+        # A fault maps the page cache's pages around the one it faults in (the kernel's
+        # fault-around): a few pages beside a kept weight's come back that way.
+        assert len(resident) <= 0.1 * len(read), f"{len(resident)} of the {len(read)} pages only copies read"
+        assert viewed <= _resident_pages([span])  # every kept weight's pages, read by the generation

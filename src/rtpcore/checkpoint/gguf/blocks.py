@@ -142,6 +142,11 @@ class GGUFBlocks(torch.Tensor):
             self._parts = _joined(self._pieces)
         return self._parts
 
+    def storage_views(self) -> tuple[torch.Tensor, ...]:
+        """The plain tensors holding this weight's bytes: the pieces it was built from and, once
+        joined, its parts (a GGUFBlocks has no storage of its own)."""
+        return tuple(d for _, d in (*self._pieces, *(self._parts or ())))
+
     @property
     def gguf_types(self) -> tuple[str, ...]:
         """The GGML type of each part."""

@@ -42,6 +42,7 @@ import functools
 import os
 import posixpath
 import re
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -61,6 +62,7 @@ __all__ = [
     "is_gguf",
     "open_gguf",
     "release_gguf_files",
+    "release_unviewed_pages",
     "split_parts",
 ]
 
@@ -118,7 +120,7 @@ class GGUFCheckpoint:
     # numpy view per vocabulary entry, are dropped once the header is read.
     maps: tuple[Any, ...] = field(repr=False, eq=False)
     _mapped: dict[Path, Any] = field(factory=dict, init=False, repr=False, eq=False)  # file -> uint8 torch view
-    _private: dict[Path, Any] = field(factory=dict, init=False, repr=False, eq=False)  # file -> copy-on-write one
+    _private: dict[Path, Any] = field(factory=dict, init=False, repr=False, eq=False)  # file -> (copy-on-write view, its np.memmap)
 
     @property
     def architecture(self) -> str:
@@ -161,9 +163,9 @@ class GGUFCheckpoint:
 
         import torch
 
+        mapping = self.maps[self.files.index(tensor.file)]
         base = self._mapped.get(tensor.file)
         if base is None:
-            mapping = self.maps[self.files.index(tensor.file)]
             with warnings.catch_warnings():
                 # torch has no read-only tensors and warns that a write through this one would
                 # reach the buffer: here it would fault (PROT_READ), and nothing writes.
@@ -171,7 +173,8 @@ class GGUFCheckpoint:
                 base = torch.frombuffer(mapping, dtype=torch.uint8)
             self._mapped[tensor.file] = base
         rows = _count(tensor.shape[:-1]) if len(tensor.shape) > 1 else 1
-        return base[tensor.offset: tensor.offset + tensor.nbytes].view(rows, tensor.nbytes // max(rows, 1))
+        view = base[tensor.offset: tensor.offset + tensor.nbytes].view(rows, tensor.nbytes // max(rows, 1))
+        return _handed_out(view, mapping)
 
     def mapped_floats(self, tensor: GGUFTensor) -> Any:
         """``tensor`` (F32, F16 or BF16) as a torch tensor of its dtype and shape viewing a
@@ -186,8 +189,92 @@ class GGUFCheckpoint:
             raise ValueError(f"tensor {tensor.name!r} is {tensor.type_name}, not F32, F16 or BF16")
         base = self._private.get(tensor.file)
         if base is None:
-            base = self._private[tensor.file] = torch.frombuffer(np.memmap(tensor.file, mode="c"), dtype=torch.uint8)
-        return base[tensor.offset: tensor.offset + tensor.nbytes].view(dtype).view(tensor.shape)
+            mapping = np.memmap(tensor.file, mode="c")
+            base = self._private[tensor.file] = (torch.frombuffer(mapping, dtype=torch.uint8), mapping)
+        view = base[0][tensor.offset: tensor.offset + tensor.nbytes].view(dtype).view(tensor.shape)
+        return _handed_out(view, base[1])
+
+
+# -- pages only gone views read ----------------------------------------------------------------
+#
+# A weight the model does not keep as loaded -- q, k and v joined into one fused buffer, gate and
+# up likewise, rows the converter permuted put back -- is read once from the mapping and copied.
+# The pages it read stay mapped, and counted resident, for as long as the mapping lives (any other
+# weight viewing it keeps it): an F32 file's fused projections counted twice, once in the copy and
+# once in the file's pages. release_unviewed_pages gives those pages back.
+
+#: Each view handed out of a mapping, weakly: (the view, the mapping's np.memmap, first byte, bytes).
+_HANDED: list[tuple[Any, Any, int, int]] = []
+
+
+def _handed_out(view: Any, mapping: Any) -> Any:
+    _HANDED.append((weakref.ref(view), weakref.ref(mapping), view.data_ptr(), view.numel() * view.element_size()))
+    return view
+
+
+def _extent(t: Any) -> tuple[int, int] | None:
+    """``(first byte, end)`` of the memory a CPU tensor's elements lie in (None: no elements)."""
+    try:
+        if t.device.type != "cpu" or t.numel() == 0:
+            return None
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    except RuntimeError:  # a wrapper subclass (no storage of its own): its views are listed instead
+        return None
+
+
+def release_unviewed_pages(live: Iterable[Any]) -> int:
+    """Give back the pages of GGUF file mappings that no weight views any more (a weight copied
+    into a fused or permuted buffer read them once), unmapping them (``madvise(MADV_DONTNEED)``);
+    returns the bytes released. Only mappings a view was handed out of, and still mapped, are
+    touched (a gone mapping's addresses may hold other memory by now), and only after such a
+    view is gone; every page a view still alive, or one of the ``live`` tensors (a model's
+    parameters and buffers, and the views GGUF weights are made of), lies in is kept. A released
+    page is the file's again: read later, it is mapped back from the file (never zeros); a write
+    made to a copy-on-write page through a view now gone is lost with it, which no one can see.
+    Linux (``madvise``); elsewhere, or without libc, nothing."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    page = mmap.PAGESIZE
+    entries, _HANDED[:] = list(_HANDED), []
+    by_mapping: dict[int, tuple[Any, list[tuple[int, int]], bool]] = {}
+    for view_ref, mapping_ref, start, size in entries:
+        mapping = mapping_ref()
+        if mapping is None:
+            continue  # unmapped: its addresses are not ours to give back
+        view = view_ref()
+        if view is not None:
+            _HANDED.append((view_ref, mapping_ref, start, size))
+        held, kept, gone = by_mapping.get(id(mapping), (mapping, [], False))
+        if view is not None:
+            kept.append((start, start + size))
+        by_mapping[id(mapping)] = (held, kept, gone or view is None)
+    if not any(gone for _, _, gone in by_mapping.values()):
+        return 0
+    extents = [e for e in (_extent(t) for t in live) if e is not None]
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    released = 0
+    for mapping, kept, gone in by_mapping.values():
+        if not gone:
+            continue
+        lo = mapping.ctypes.data
+        hi = lo + mapping.nbytes
+        first, last = -(-lo // page), hi // page  # whole pages of the mapping
+        keep = [(max(s, lo) // page, (min(e, hi) - 1) // page) for s, e in (*kept, *extents) if s < hi and e > lo]
+        at = first  # the first page not known to be kept
+        for a, b in [*sorted(keep), (last, last)]:
+            end = min(a, last)
+            if end > at and madvise(at * page, (end - at) * page, mmap.MADV_DONTNEED) == 0:
+                released += (end - at) * page
+            at = max(at, b + 1)
+    return released
 
 
 def _count(shape: tuple[int, ...]) -> int:

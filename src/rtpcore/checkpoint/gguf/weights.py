@@ -26,7 +26,9 @@ are, one copy is made, when the model first needs the rows (``GGUFBlocks.parts``
 the mapping: the Q/K rows llama.cpp's converter permuted are pieces of the mapping in the
 original order (each a strided view, a row is whole blocks), and a fused projection
 (``torch.cat`` of q, k and v) joins them into one fresh buffer; a fused projection of tensors the
-file stores back to back (gate then up) stays a view. Float tensors (norms, biases, an F32 or
+file stores back to back (gate then up) stays a view. Once the model is built,
+:func:`release_unread_pages` unmaps the file pages only such copies read: they would stay
+resident beside the copies for as long as the mapping lives. Float tensors (norms, biases, an F32 or
 BF16 file's weights) stored in the dtype the model wants view a copy-on-write mapping of the
 file instead (``GGUFCheckpoint.mapped_floats``): a model may write its float weights in place,
 and such a write makes a private copy of the page it touches; converted or permuted, they are
@@ -40,7 +42,13 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rtpcore.checkpoint.gguf.config import GGUFTensorName
-from rtpcore.checkpoint.gguf.reader import GGUFCheckpoint, GGUFTensor, _fail, release_gguf_files
+from rtpcore.checkpoint.gguf.reader import (
+    GGUFCheckpoint,
+    GGUFTensor,
+    _fail,
+    release_gguf_files,
+    release_unviewed_pages,
+)
 from rtpcore.checkpoint.patterns import PatternTable
 from rtpcore.errors import CheckpointError, MissingTensorsError
 
@@ -49,7 +57,7 @@ if TYPE_CHECKING:
 
     from rtpcore.checkpoint.gguf.blocks import GGUFBlocks
 
-__all__ = ["blocks_from_gguf", "load_gguf", "renamed_tensors", "tensor_from_gguf"]
+__all__ = ["blocks_from_gguf", "load_gguf", "release_unread_pages", "renamed_tensors", "tensor_from_gguf"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +215,31 @@ def load_gguf(
     # for as long as it stayed open. The tokenizer's reading opens the file again (headers only).
     release_gguf_files()
     return out, nbytes
+
+
+def release_unread_pages(model: Any) -> int:
+    """After a model is built from a GGUF file: give back the file pages only the weights it
+    copied read (:func:`~rtpcore.checkpoint.gguf.reader.release_unviewed_pages`), keeping every
+    page its parameters, buffers and tensor attributes view (a GGUF weight in blocks: each of
+    its pieces and parts). Returns the bytes released."""
+    import torch
+
+    from rtpcore.checkpoint.gguf.blocks import GGUFBlocks
+
+    live: list[torch.Tensor] = []
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    for module in modules:
+        found = [*module.parameters(recurse=False), *module.buffers(recurse=False),
+                 *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+        for t in found:
+            if isinstance(t, GGUFBlocks):
+                live.extend(t.storage_views())
+            elif t is not None:
+                live.append(t)
+    released = release_unviewed_pages(live)
+    if released:
+        logger.debug("released %.1f MB of GGUF file pages only copied weights read", released / 1e6)
+    return released
 
 
 def _check_shapes(

@@ -358,6 +358,8 @@ def _load(
 ) -> LoadedModel:
     """Shard, check the KV layout, read only the tensors the model names, build it."""
     from rtpcore.checkpoint import load_checkpoint
+    from rtpcore.checkpoint.gguf import is_gguf
+    from rtpcore.checkpoint.gguf.weights import release_unread_pages
     from rtpcore.checkpoint.request import WeightRequest
     from rtpcore.kv.specs import kv_cache_specs
 
@@ -403,6 +405,8 @@ def _load(
             plugin_code(registry, model_type, plugin, "build_model", checkpoint):
         model = plugin.build_model(local_config, weights, **options)
     del weights
+    if is_gguf(checkpoint):
+        release_unread_pages(model)  # the file pages only its fused and permuted copies read
     if isinstance(model, torch.nn.Module):
         model.eval()
     return LoadedModel(model_type, plugin, hf_config, model_config, local_config, specs, model, bytes_read, backends)
