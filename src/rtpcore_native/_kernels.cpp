@@ -248,7 +248,7 @@ struct Kernels {
     void (*rope)(float*, int64_t, int64_t, const float*, const float*);
     // attention over float32 / bfloat16 pools
     void (*attend[2])(const float*, int64_t, int64_t, const void*, const void*, int64_t, int64_t, const int64_t*,
-                      int64_t, int64_t, int64_t, float, float*, float*);
+                      int64_t, int64_t, int64_t, float, float*, const void**, float*);
     // the activation quantizer, dequantizer and int8 product beside the quantized products
     const gguf::QKernels* q;
     // attention of a span of new tokens over float32 / bfloat16 pools (attend_span)
@@ -843,11 +843,13 @@ void attend_rows(const Kernels& k, int64_t B, int64_t H, int64_t Hkv, int64_t D,
     const int64_t G = H / Hkv;
     pool().run(B * Hkv, [&](int64_t task) {
         thread_local std::vector<float> scores;
+        thread_local std::vector<const void*> rows;  // each position's key and value rows
         const int64_t b = task / Hkv, kvh = task % Hkv;
         const int64_t start = (window > 0 && ctx[b] > window) ? ctx[b] - window : 0;
         if (static_cast<int64_t>(scores.size()) < G * longest) scores.resize(G * longest);
+        if (static_cast<int64_t>(rows.size()) < 2 * longest) rows.resize(2 * longest);
         k.attend[bf16](q + b * q_ld + kvh * G * D, G, D, k_pool, v_pool, kvh, Hkv, tables + b * width, tpb, start,
-                       ctx[b], scale, scores.data(), out + b * out_ld + kvh * G * D);
+                       ctx[b], scale, scores.data(), rows.data(), out + b * out_ld + kvh * G * D);
     });
 }
 

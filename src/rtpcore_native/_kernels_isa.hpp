@@ -394,71 +394,109 @@ static void rope(float* x, int64_t heads, int64_t D, const float* cos, const flo
 
 // Attention of the G query heads of one KV head of one sequence over its context positions
 // [start, ctx), read in place from the pools (slot rows of Hkv x D) through its block table.
-// q (G, D) -> out (G, D); scores: scratch of G * (ctx - start) floats.
+// q (G, D) -> out (G, D); scores: scratch of G * (ctx - start) floats; rows: scratch of
+// 2 * (ctx - start) row pointers. The scores of kAttendKeys keys at a time per query head (as
+// many independent sums as keys: each key's is one accumulator over D, summed across its lanes,
+// then the tail), the output per query head and run of 4 vectors of D held in registers across
+// the keys.
+constexpr int kAttendKeys = 8;
+
 template <typename T>
 static void attend_one(const float* q, int64_t G, int64_t D, const T* kc, const T* vc, int64_t kvh,
                        int64_t Hkv, const int64_t* table, int64_t tpb, int64_t start, int64_t ctx, float scale,
-                       float* scores, float* out) {
+                       float* scores, const void** rows, float* out) {
     const int64_t L = ctx - start;
+    const T** krows = reinterpret_cast<const T**>(rows);
+    const T** vrows = krows + L;
     for (int64_t t = 0; t < L; ++t) {
-        int64_t pos = start + t;
-        int64_t slot = table[pos / tpb] * tpb + pos % tpb;
-        const T* krow = kc + (slot * Hkv + kvh) * D;
+        const int64_t pos = start + t, slot = table[pos / tpb] * tpb + pos % tpb;
+        krows[t] = kc + (slot * Hkv + kvh) * D;
+        vrows[t] = vc + (slot * Hkv + kvh) * D;
+    }
+    const int64_t dv = D - D % kLanes;  // the head dimension in whole vectors
+    int64_t t = 0;
+    for (; t + kAttendKeys <= L; t += kAttendKeys) {
+        const T* const* kr = krows + t;
+        for (int64_t g = 0; g < G; ++g) {
+            const float* qg = q + g * D;
+            V acc[kAttendKeys];
+            for (int j = 0; j < kAttendKeys; ++j) acc[j] = V{};
+            for (int64_t k = 0; k < dv; k += kLanes) {
+                const V qv = load(qg + k);
+                for (int j = 0; j < kAttendKeys; ++j) acc[j] += qv * load(kr[j] + k);
+            }
+            for (int j = 0; j < kAttendKeys; ++j) {
+                float s = hsum(acc[j]);
+                for (int64_t k = dv; k < D; ++k) s += qg[k] * to_f32(kr[j][k]);
+                scores[g * L + t + j] = s * scale;
+            }
+        }
+    }
+    for (; t < L; ++t)
         for (int64_t g = 0; g < G; ++g) {
             const float* qg = q + g * D;
             V acc = V{};
-            int64_t k = 0;
-            for (; k + kLanes <= D; k += kLanes) acc += load(qg + k) * load(krow + k);
+            for (int64_t k = 0; k < dv; k += kLanes) acc += load(qg + k) * load(krows[t] + k);
             float s = hsum(acc);
-            for (; k < D; ++k) s += qg[k] * to_f32(krow[k]);
+            for (int64_t k = dv; k < D; ++k) s += qg[k] * to_f32(krows[t][k]);
             scores[g * L + t] = s * scale;
         }
-    }
     for (int64_t g = 0; g < G; ++g) {
         float* sg = scores + g * L;
         float mx = -__builtin_inff();
-        for (int64_t t = 0; t < L; ++t) mx = sg[t] > mx ? sg[t] : mx;
+        for (int64_t i = 0; i < L; ++i) mx = sg[i] > mx ? sg[i] : mx;
         float sum = 0.0f;
-        int64_t t = 0;
-        for (; t + kLanes <= L; t += kLanes) {
-            V e = vexp(load(sg + t) - mx);
-            store(sg + t, e);
+        int64_t i = 0;
+        for (; i + kLanes <= L; i += kLanes) {
+            V e = vexp(load(sg + i) - mx);
+            store(sg + i, e);
             sum += hsum(e);
         }
-        for (; t < L; ++t) {
-            sg[t] = sexp(sg[t] - mx);
-            sum += sg[t];
+        for (; i < L; ++i) {
+            sg[i] = sexp(sg[i] - mx);
+            sum += sg[i];
         }
         float inv = 1.0f / sum;
-        for (t = 0; t < L; ++t) sg[t] *= inv;
-        std::memset(out + g * D, 0, sizeof(float) * D);
+        for (i = 0; i < L; ++i) sg[i] *= inv;
     }
-    for (int64_t t = 0; t < L; ++t) {
-        int64_t pos = start + t;
-        int64_t slot = table[pos / tpb] * tpb + pos % tpb;
-        const T* vrow = vc + (slot * Hkv + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-            float p = scores[g * L + t];
-            float* og = out + g * D;
-            int64_t k = 0;
-            for (; k + kLanes <= D; k += kLanes) store(og + k, load(og + k) + load(vrow + k) * p);
-            for (; k < D; ++k) og[k] += to_f32(vrow[k]) * p;
+    // out (G, D) = p (G, L) @ v (L, D), each output run in registers across the keys
+    for (int64_t g = 0; g < G; ++g) {
+        const float* pg = scores + g * L;
+        float* og = out + g * D;
+        int64_t d0 = 0;
+        for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) {
+            V a[4] = {V{}, V{}, V{}, V{}};
+            for (int64_t i = 0; i < L; ++i) {
+                const V p = splat(pg[i]);
+                for (int c = 0; c < 4; ++c) a[c] += p * load(vrows[i] + d0 + c * kLanes);
+            }
+            for (int c = 0; c < 4; ++c) store(og + d0 + c * kLanes, a[c]);
+        }
+        for (; d0 + kLanes <= D; d0 += kLanes) {
+            V a = V{};
+            for (int64_t i = 0; i < L; ++i) a += splat(pg[i]) * load(vrows[i] + d0);
+            store(og + d0, a);
+        }
+        for (; d0 < D; ++d0) {
+            float a = 0.0f;
+            for (int64_t i = 0; i < L; ++i) a += pg[i] * to_f32(vrows[i][d0]);
+            og[d0] = a;
         }
     }
 }
 
 static void attend_f32(const float* q, int64_t G, int64_t D, const void* kc, const void* vc, int64_t kvh, int64_t Hkv,
                        const int64_t* table, int64_t tpb, int64_t start, int64_t ctx, float scale, float* scores,
-                       float* out) {
+                       const void** rows, float* out) {
     attend_one(q, G, D, static_cast<const float*>(kc), static_cast<const float*>(vc), kvh, Hkv, table, tpb, start, ctx,
-               scale, scores, out);
+               scale, scores, rows, out);
 }
 
 static void attend_bf16(const float* q, int64_t G, int64_t D, const void* kc, const void* vc, int64_t kvh, int64_t Hkv,
                         const int64_t* table, int64_t tpb, int64_t start, int64_t ctx, float scale, float* scores,
-                        float* out) {
+                        const void** rows, float* out) {
     attend_one(q, G, D, static_cast<const uint16_t*>(kc), static_cast<const uint16_t*>(vc), kvh, Hkv, table, tpb,
-               start, ctx, scale, scores, out);
+               start, ctx, scale, scores, rows, out);
 }
 
 // ---- attention of a span of new tokens (a prompt chunk, a speculative verification)
