@@ -208,6 +208,8 @@ _HANDED: list[tuple[Any, Any, int, int]] = []
 
 
 def _handed_out(view: Any, mapping: Any) -> Any:
+    if len(_HANDED) >= 4096:  # loads without a release after them: forget the unmapped files' views
+        _HANDED[:] = [entry for entry in _HANDED if entry[1]() is not None]
     _HANDED.append((weakref.ref(view), weakref.ref(mapping), view.data_ptr(), view.numel() * view.element_size()))
     return view
 
@@ -227,9 +229,10 @@ def release_unviewed_pages(live: Iterable[Any]) -> int:
     """Give back the pages of GGUF file mappings that no weight views any more (a weight copied
     into a fused or permuted buffer read them once), unmapping them (``madvise(MADV_DONTNEED)``);
     returns the bytes released. Only mappings a view was handed out of, and still mapped, are
-    touched (a gone mapping's addresses may hold other memory by now), and only after such a
-    view is gone; every page a view still alive, or one of the ``live`` tensors (a model's
-    parameters and buffers, and the views GGUF weights are made of), lies in is kept. A released
+    touched (a gone mapping's addresses may hold other memory by now), only those one of the
+    ``live`` tensors (a model's parameters and buffers, and the views GGUF weights are made of)
+    lies in (another model's mappings are left to its own call), and only after such a view is
+    gone; every page a view still alive, or a ``live`` tensor, lies in is kept. A released
     page is the file's again: read later, it is mapped back from the file (never zeros); a write
     made to a copy-on-write page through a view now gone is lost with it, which no one can see.
     Linux (``madvise``); elsewhere, or without libc, nothing."""
@@ -262,12 +265,13 @@ def release_unviewed_pages(live: Iterable[Any]) -> int:
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     released = 0
     for mapping, kept, gone in by_mapping.values():
-        if not gone:
-            continue
         lo = mapping.ctypes.data
         hi = lo + mapping.nbytes
+        viewed = [(s, e) for s, e in extents if s < hi and e > lo]
+        if not gone or not viewed:
+            continue
         first, last = -(-lo // page), hi // page  # whole pages of the mapping
-        keep = [(max(s, lo) // page, (min(e, hi) - 1) // page) for s, e in (*kept, *extents) if s < hi and e > lo]
+        keep = [(max(s, lo) // page, (min(e, hi) - 1) // page) for s, e in (*kept, *viewed) if s < hi and e > lo]
         at = first  # the first page not known to be kept
         for a, b in [*sorted(keep), (last, last)]:
             end = min(a, last)

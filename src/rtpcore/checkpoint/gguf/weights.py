@@ -234,7 +234,7 @@ def release_unread_pages(model: Any) -> int:
         for t in found:
             if isinstance(t, GGUFBlocks):
                 live.extend(t.storage_views())
-            elif t is not None:
+            else:
                 live.append(t)
     released = release_unviewed_pages(live)
     if released:
