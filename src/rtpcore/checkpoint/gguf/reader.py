@@ -271,7 +271,7 @@ def release_unviewed_pages(live: Iterable[Any]) -> int:
         if not gone or not viewed:
             continue
         first, last = -(-lo // page), hi // page  # whole pages of the mapping
-        keep = [(max(s, lo) // page, (min(e, hi) - 1) // page) for s, e in (*kept, *viewed) if s < hi and e > lo]
+        keep = [(max(s, lo) // page, (min(e, hi) - 1) // page) for s, e in (*kept, *viewed)]
         at = first  # the first page not known to be kept
         for a, b in [*sorted(keep), (last, last)]:
             end = min(a, last)

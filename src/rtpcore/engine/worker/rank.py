@@ -358,7 +358,6 @@ def _load(
 ) -> LoadedModel:
     """Shard, check the KV layout, read only the tensors the model names, build it."""
     from rtpcore.checkpoint import load_checkpoint
-    from rtpcore.checkpoint.gguf import is_gguf
     from rtpcore.checkpoint.gguf.weights import release_unread_pages
     from rtpcore.checkpoint.request import WeightRequest
     from rtpcore.kv.specs import kv_cache_specs
@@ -383,6 +382,7 @@ def _load(
         model_type=model_type,
     )
     backends = attention_backends(config, registry, specs, ctx.device)  # before the weights too
+    gguf_names = _gguf_names(plugin, checkpoint, hf_config)  # None: not a GGUF checkpoint
     weights = load_checkpoint(
         checkpoint,
         request.patterns,
@@ -392,7 +392,7 @@ def _load(
         slices=slices,
         dtypes=call_optional(plugin, "weight_dtypes", model_config),
         quantization=request.quantization,
-        tensor_names=_gguf_names(plugin, checkpoint, hf_config),
+        tensor_names=gguf_names,
     )
     bytes_read = weights.stats.tensor_bytes_read
     options: dict[str, Any] = {"dtype": config.torch_dtype, "device": ctx.device}
@@ -405,7 +405,7 @@ def _load(
             plugin_code(registry, model_type, plugin, "build_model", checkpoint):
         model = plugin.build_model(local_config, weights, **options)
     del weights
-    if is_gguf(checkpoint):
+    if gguf_names is not None:
         release_unread_pages(model)  # the file pages only its fused and permuted copies read
     if isinstance(model, torch.nn.Module):
         model.eval()
