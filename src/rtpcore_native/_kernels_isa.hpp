@@ -459,11 +459,12 @@ static void attend_one(const float* q, int64_t G, int64_t D, const T* kc, const 
         float inv = 1.0f / sum;
         for (i = 0; i < L; ++i) sg[i] *= inv;
     }
-    // out (G, D) = p (G, L) @ v (L, D), each output run in registers across the keys
-    for (int64_t g = 0; g < G; ++g) {
+    // out (G, D) = p (G, L) @ v (L, D), each output run in registers across the keys; two query
+    // heads at a time share each value row loaded (one pass over the values for both). Every
+    // output element sums over the keys in order, whichever way it is reached.
+    auto runs = [&](int64_t g, int64_t d0) {  // head g's outputs from d0 on, one head at a time
         const float* pg = scores + g * L;
         float* og = out + g * D;
-        int64_t d0 = 0;
         for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) {
             V a[4] = {V{}, V{}, V{}, V{}};
             for (int64_t i = 0; i < L; ++i) {
@@ -482,7 +483,33 @@ static void attend_one(const float* q, int64_t G, int64_t D, const T* kc, const 
             for (int64_t i = 0; i < L; ++i) a += pg[i] * to_f32(vrows[i][d0]);
             og[d0] = a;
         }
+    };
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+        const float *p0 = scores + g * L, *p1 = p0 + L;
+        float *o0 = out + g * D, *o1 = o0 + D;
+        int64_t d0 = 0;
+        for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) {
+            V a[4] = {V{}, V{}, V{}, V{}}, b[4] = {V{}, V{}, V{}, V{}};
+            for (int64_t i = 0; i < L; ++i) {
+                const V s0 = splat(p0[i]), s1 = splat(p1[i]);
+                for (int c = 0; c < 4; ++c) {
+                    const V v = load(vrows[i] + d0 + c * kLanes);
+                    a[c] += s0 * v;
+                    b[c] += s1 * v;
+                }
+            }
+            for (int c = 0; c < 4; ++c) {
+                store(o0 + d0 + c * kLanes, a[c]);
+                store(o1 + d0 + c * kLanes, b[c]);
+            }
+        }
+        if (d0 < D) {
+            runs(g, d0);
+            runs(g + 1, d0);
+        }
     }
+    for (; g < G; ++g) runs(g, 0);
 }
 
 static void attend_f32(const float* q, int64_t G, int64_t D, const void* kc, const void* vc, int64_t kvh, int64_t Hkv,
