@@ -82,7 +82,7 @@ when given). Per type: the steady table's columns, ratios rtpcore/llama-server, 
 counted the same prompt tokens, and the targets (tokens/s >= 1.2x, p50 TTFT and p50 time
 between tokens <= 1.0x llama-server's).
 
-``--profile DIR`` (steady, llamacpp) samples each rtpcore server with py-spy through its timed
+``--profile DIR`` (steady, load, llamacpp) samples each rtpcore server with py-spy through its timed
 rounds and prints where its threads spent their samples (innermost frames, rtpcore functions):
 the measurement to read before changing the serving loop.
 
@@ -682,6 +682,7 @@ def bench_load(server: Server, plan: LoadPlan, args: argparse.Namespace) -> Load
             raise errors[0]
         with profiled(server, args):
             t0, end, got = asyncio.run(load_run(server, plan, args.round_timeout))
+        engine_note = engine_counters(server)
     done = [(i, g) for i, g in enumerate(got) if isinstance(g, Sample)]
     errors = [g for g in got if not isinstance(g, Sample)]
     first_error = f"{type(errors[0]).__name__}: {errors[0]}".splitlines()[0][:200] if errors else ""
@@ -694,6 +695,9 @@ def bench_load(server: Server, plan: LoadPlan, args: argparse.Namespace) -> Load
     ttfts = [s.ttft for s in samples]
     print(f"  {server.name}: {len(samples)}/{n} requests completed in {wall:.2f} s (last arrival at "
           f"{plan.arrivals[-1]:.2f} s: arrivals span {plan.arrivals[-1] / wall:.0%} of the run)", flush=True)
+    if engine_note:
+        planned = sum(plan.prompt_tokens) + sum(plan.max_tokens)
+        print(f"  {server.name}: {engine_note} (the timed run plans {planned} tokens: prompts + max_tokens)", flush=True)
     return LoadResult(
         tok_s=sum(s.tokens for s in samples) / wall,
         ttft_p50=percentile(ttfts, 0.5),
@@ -708,6 +712,30 @@ def bench_load(server: Server, plan: LoadPlan, args: argparse.Namespace) -> Load
         prompts_as_planned=all(s.prompt_tokens == plan.prompt_tokens[i] for i, s in done),
         first_error=first_error,
     )
+
+
+def engine_counters(server: Server) -> str:
+    """What an rtpcore server's ``/metrics`` say about the work it did since it started (the
+    warm-up included): engine steps, tokens scheduled (prompt chunks, decodes, recomputation
+    after preemption), preemptions. Empty for another server or when the page cannot be read."""
+    if not server.name.startswith("rtpcore"):
+        return ""
+    import httpx
+
+    try:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return ""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("rtpcore_iteration_tokens_count", "rtpcore_iteration_tokens_sum", "rtpcore_preemptions_total"):
+            values[name] = float(value)
+    if len(values) < 3:
+        return ""
+    return (f"{values['rtpcore_iteration_tokens_count']:.0f} engine steps, "
+            f"{values['rtpcore_iteration_tokens_sum']:.0f} tokens scheduled, "
+            f"{values['rtpcore_preemptions_total']:.0f} preemptions")
 
 
 def target_line(what: str, value: float | None, ok: bool) -> str:
