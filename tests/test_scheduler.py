@@ -196,6 +196,32 @@ def test_prompt_chunks_holding_every_block_never_deadlock_the_newest_is_preempte
     assert list(s.waiting) == [b] and b.blocks == [] and len(a.blocks) == 3
 
 
+def test_a_new_request_waits_while_the_running_ones_need_the_free_blocks_to_grow() -> None:
+    """100 blocks of 4: a 360-token prompt holds 90 and, decoding, 91. Its next 64 tokens need 16
+    more, of which the headroom keeps at most a tenth of the pool (10) free: a one-block prompt
+    arriving now waits (the 1% watermark alone would have admitted it, and the newcomer would be
+    preempted a few steps later). When the running request is about to reach its max_tokens, it
+    needs no more blocks and the newcomer is admitted at once."""
+    for max_tokens, admitted in ((100, False), (3, True)):
+        s = Scheduler(KVManager(BlockAllocator(100), 4), max_batch_size=8, max_num_batched_tokens=512)
+        a = request("a", 360, max_tokens=max_tokens)
+        s.waiting.append(a)
+        run(s)
+        assert len(a.blocks) == 90 and s.kv.num_free == 10
+        b = request("b", 4)
+        s.waiting.append(b)
+        plan = run(s)
+        assert len(a.blocks) == 91 and s.kv.num_free == (8 if admitted else 9)
+        assert (plan.admitted == (b,)) is admitted and (list(s.waiting) == [b]) is not admitted
+        assert not plan.preempted
+    # the headroom is what the running requests lack, a partly prefilled prompt's rest included
+    s = Scheduler(KVManager(BlockAllocator(100), 4), max_batch_size=8, max_num_batched_tokens=8)
+    c = request("c", 40, max_tokens=1)
+    s.waiting.append(c)
+    run(s)  # 8 of its 40 prompt tokens: 2 blocks held, 8 more for the rest, +1 for its one new token
+    assert s._growth(c) == 9
+
+
 def test_twelve_requests_arriving_together_on_a_96_block_pool_all_run_then_the_newest_are_preempted() -> None:
     """The shape test_serve_load.py serves (12 prompts of 20 tokens, 700 new each, 96 blocks of 16,
     budget 256), here with all 12 queued before the first step: every one is admitted at once and

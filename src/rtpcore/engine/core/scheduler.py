@@ -16,6 +16,17 @@ Policy, one :meth:`Scheduler.schedule` per step, within a budget of
    a batch slot is free. First come, first served: a waiting request that cannot start
    blocks the ones behind it, so a long prompt is never starved by short ones.
 
+   **Admission headroom.** While others run, a waiting request is admitted only if its chunk
+   leaves free the blocks the running requests need for their next :data:`HEADROOM_TOKENS`
+   tokens each (the rest of a partly prefilled prompt included; never past a request's
+   ``max_tokens``), at most a tenth of the pool and at least :attr:`Scheduler.watermark`.
+   Admitting into the last free blocks preempts a running request within a few steps, and a
+   preemption recomputes everything it held: on the load scenario of benchmarks/bench_serve.py
+   (64 requests on a pool a quarter of their worst case) a 1% watermark alone preempted 54-58
+   times and recomputed 31% more tokens than the requests needed; this headroom, replayed over
+   the same arrivals, preempts 13 times (docs/benchmarks.md). Nothing is reserved: blocks are
+   still taken on demand, and a small pool (under ten blocks) admits as before.
+
 The block accounting is the KV manager's (``rtpcore.engine.core.kv_manager``): a request is
 given the blocks of its prompt chunks as they are scheduled and one more block each time its
 last one fills: nothing is reserved for ``max_tokens``.
@@ -50,10 +61,14 @@ from __future__ import annotations
 
 from collections import deque
 
+from rtpcore.engine.core.block_pool import blocks_for
 from rtpcore.engine.core.kv_manager import KVManager
 from rtpcore.engine.core.request import Request, RequestStatus, ScheduledSeq, StepPlan
 
-__all__ = ["Scheduler"]
+__all__ = ["HEADROOM_TOKENS", "Scheduler"]
+
+# Tokens of growth per running request a new admission leaves blocks for (the module docstring).
+HEADROOM_TOKENS = 64
 
 
 class Scheduler:
@@ -78,6 +93,7 @@ class Scheduler:
         # Blocks a new request leaves free when admitted, for the running ones to grow into
         # (admitting into the last block would preempt the newcomer at the next step).
         self.watermark = max(1, kv.num_blocks // 100)
+        self.headroom_cap = kv.num_blocks // 10  # the most blocks the admission headroom keeps free
         self.max_running = max(1, min(max_batch_size, max_num_batched_tokens // (1 + num_speculative_tokens)))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
@@ -121,6 +137,7 @@ class Scheduler:
                 budget -= n
         admitted: list[Request] = []
         skipped = 0  # paused requests at the head of the queue, passed over
+        growth = sum(self._growth(r) for r in self.running) if self.waiting and budget > 0 else 0
         while len(self.waiting) > skipped and budget > 0 and len(self.running) < self.max_running:  # 3. waiting
             r = self.waiting[skipped]
             if r.paused:
@@ -129,7 +146,8 @@ class Scheduler:
             if r in preempted:
                 break
             hit = self.kv.admit(r)
-            if (n := self._chunk(r, budget, reserve=self.watermark if self.running else 0)) == 0:
+            reserve = max(self.watermark, min(growth, self.headroom_cap)) if self.running else 0
+            if (n := self._chunk(r, budget, reserve=reserve)) == 0:
                 self.kv.release(r)  # it waits; what it found cached stays cached
                 break
             self.kv.count_hit(r, hit)
@@ -142,6 +160,7 @@ class Scheduler:
             admitted.append(r)
             seqs.append(ScheduledSeq(r, r.num_cached, n, r.num_cached + n == len(r.tokens)))
             budget -= n
+            growth += self._growth(r)
         return StepPlan(tuple(seqs), tuple(admitted), tuple(preempted))
 
     def proposals_for(self, r: Request) -> int:
@@ -155,6 +174,12 @@ class Scheduler:
         if self.draft_max_positions is not None:
             k = min(k, self.draft_max_positions - len(r.tokens) + 1)
         return max(k, 0)
+
+    def _growth(self, r: Request) -> int:
+        """Blocks running ``r`` still lacks for its next :data:`HEADROOM_TOKENS` tokens (its
+        prompt's rest included), never past its ``max_tokens``."""
+        tokens = min(len(r.tokens) + HEADROOM_TOKENS, r.prompt_len + r.params.max_tokens)
+        return max(0, blocks_for(tokens, self.tpb) - len(r.blocks))
 
     def _chunk(self, r: Request, budget: int, reserve: int = 0) -> int:
         """How many of ``r``'s uncached tokens to prefill now: within ``budget`` and the blocks
