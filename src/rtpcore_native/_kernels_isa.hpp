@@ -12,7 +12,13 @@
 typedef float V __attribute__((vector_size(RTPCORE_VBYTES)));
 typedef int32_t I __attribute__((vector_size(RTPCORE_VBYTES)));
 constexpr int kLanes = RTPCORE_VBYTES / 4;
-constexpr int kNT = 4;  // weight rows per tile
+// The dot-product tile: kMT activation rows x kNT weight rows, kMT * kNT accumulators + kNT weight
+// vectors + one activation vector, so that the register file holds them (16 vector registers
+// before AVX-512: 4 x 3, 32 with it: 4 x 4). AMD EPYC (AVX2), one thread, GFLOP/s over 512-wide
+// weights streamed from memory at 16 / 32 rows: 2 x 4 (the tile before) 35.7 / 40.1, 4 x 3 48.8
+// / 57.4, 3 x 4 40.2 / 54.3, 6 x 2 30.4 / 43.8.
+constexpr int kNT = RTPCORE_VBYTES == 64 ? 4 : 3;
+constexpr int kMT = 4;
 
 static inline V load(const float* p) {
     V v;
@@ -146,18 +152,18 @@ static inline float sexp(float x) {
     return vexp(v)[0];
 }
 
-// out[i][j] = dot(x row i, w row j) for MT x NT rows (NT <= kNT), K inputs. `next`: the next
-// kNT weight rows, fetched into the cache alongside (null: none).
+// out[i][j] = dot(x row i, w row j) for MT x NT rows, K inputs. `next`: the next NT weight
+// rows, fetched into the cache alongside (null: none).
 template <int MT, int NT, typename W>
 static inline __attribute__((always_inline)) void dot_tile(
-    const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float (&out)[MT][kNT], const W* next = nullptr) {
+    const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t K, float (&out)[MT][NT], const W* next = nullptr) {
     V acc[MT][NT];
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < NT; ++j) acc[i][j] = V{};
     int64_t k = 0;
     for (; k + kLanes <= K; k += kLanes) {
         if (next)
-            for (int j = 0; j < kNT; ++j) __builtin_prefetch(next + j * ldw + k);
+            for (int j = 0; j < NT; ++j) __builtin_prefetch(next + j * ldw + k);
         V wv[NT];
         for (int j = 0; j < NT; ++j) wv[j] = load(w + j * ldw + k);
         for (int i = 0; i < MT; ++i) {
@@ -177,7 +183,7 @@ template <int MT, int NT, typename W>
 static inline __attribute__((always_inline)) void tile_rows(
     const float* x, int64_t K, const W* w, const float* scale, const float* bias, float* y, int64_t N,
     bool accumulate, int64_t n, int64_t m, const W* next = nullptr) {
-    float out[MT][kNT];
+    float out[MT][NT];
     dot_tile<MT, NT>(x + m * K, K, w + n * K, K, K, out, next);
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < NT; ++j) {
@@ -222,9 +228,14 @@ constexpr int64_t kGemmKC = 256;  // inputs per block: a block of the panel, 16 
 // From this many activation rows on, products over float32 / bf16 / half / int8 weights take the
 // GEMM: packing costs one pass over the weight range per call, which fewer rows do not repay.
 // AMD EPYC (AVX2), 2 threads, GFLOP/s tiles / GEMM / torch's float32 GEMM over SmolLM2's and
-// Llama-1024x16's shapes: 32 rows 65-73 / 41-70 / 56-78, 48 rows 71-78 / 53-93 / 62-94, 64 rows
-// 73-78 / 67-102 / 68-90, 128 rows 77-86 / 86-127 / 87-114, 256 rows 70-88 / 95-125 / 88-115.
-constexpr int64_t kGemmRows = 64;
+// Llama-1024x16's shapes, with the 2 x 4 tile and the panel packed element by element: 32 rows
+// 65-73 / 41-70 / 56-78, 48 rows 71-78 / 53-93 / 62-94, 64 rows 73-78 / 67-102 / 68-90, 128 rows
+// 77-86 / 86-127 / 87-114, 256 rows 70-88 / 95-125 / 88-115. With the 4 x 3 tile and the packing
+// in 8 x 8 transposes (AVX2 and AVX-512), the float32 products of a decode step of a 56M Llama (8
+// layers of 512 x 1376, a 32000-row head; benchmarks/bench_linear.py), five runs alternated, best
+// ms tiles / GEMM: 24 rows 20.6 / 21.8, 32 rows 27.3 / 24.8-27.4, 40 rows 35.0 / 28.3, 48 rows
+// 35.0 / 29.9.
+constexpr int64_t kGemmRows = RTPCORE_VBYTES == 32 ? 40 : 64;
 
 // out (MR, kGemmNR) (+)= x (MR rows of ldx, kc inputs) @ pk (kc, kGemmNR)
 template <int MR>
@@ -257,6 +268,45 @@ static void gemm_rows_tile(const float* x, int64_t K, const float* pk, float* ou
     }
 }
 
+#if RTPCORE_VBYTES >= 32
+// 8 inputs of a weight row widened to float32
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+static inline __m256 load8(const gguf::f16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m256 load8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// pk[c * ld + j] = rows[j][k + c] for 8 weight rows j and 8 inputs c: an 8 x 8 transpose in
+// registers (the element-by-element packing cost as much as the products below 64 rows).
+template <typename W>
+static inline void pack8x8(const W* const* rows, int64_t k, float* pk, int64_t ld) {
+    const __m256 r0 = load8(rows[0] + k), r1 = load8(rows[1] + k), r2 = load8(rows[2] + k), r3 = load8(rows[3] + k);
+    const __m256 r4 = load8(rows[4] + k), r5 = load8(rows[5] + k), r6 = load8(rows[6] + k), r7 = load8(rows[7] + k);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    _mm256_storeu_ps(pk + 0 * ld, _mm256_permute2f128_ps(s0, s4, 0x20));
+    _mm256_storeu_ps(pk + 1 * ld, _mm256_permute2f128_ps(s1, s5, 0x20));
+    _mm256_storeu_ps(pk + 2 * ld, _mm256_permute2f128_ps(s2, s6, 0x20));
+    _mm256_storeu_ps(pk + 3 * ld, _mm256_permute2f128_ps(s3, s7, 0x20));
+    _mm256_storeu_ps(pk + 4 * ld, _mm256_permute2f128_ps(s0, s4, 0x31));
+    _mm256_storeu_ps(pk + 5 * ld, _mm256_permute2f128_ps(s1, s5, 0x31));
+    _mm256_storeu_ps(pk + 6 * ld, _mm256_permute2f128_ps(s2, s6, 0x31));
+    _mm256_storeu_ps(pk + 7 * ld, _mm256_permute2f128_ps(s3, s7, 0x31));
+}
+#endif
+
 template <typename W>
 static void gemm_range(const float* x, int64_t M, int64_t K, const W* w, const float* scale, const float* bias,
                        float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
@@ -268,8 +318,13 @@ static void gemm_range(const float* x, int64_t M, int64_t K, const W* w, const f
         const int64_t nr = n1 - n < kGemmNR ? n1 - n : kGemmNR;
         const W* rows[kGemmNR];
         for (int64_t j = 0; j < kGemmNR; ++j) rows[j] = w + (n + (j < nr ? j : 0)) * K;
-        for (int64_t k = 0; k < K; ++k)
-            for (int64_t j = 0; j < kGemmNR; ++j) pk[k * kGemmNR + j] = j < nr ? to_f32(rows[j][k]) : 0.0f;
+        int64_t k = 0;  // (the panel's columns past nr hold copies of row n: never stored)
+#if RTPCORE_VBYTES >= 32
+        for (; k + 8 <= K; k += 8)
+            for (int j = 0; j < kGemmNR; j += 8) pack8x8(rows + j, k, pk + k * kGemmNR + j, kGemmNR);
+#endif
+        for (; k < K; ++k)
+            for (int64_t j = 0; j < kGemmNR; ++j) pk[k * kGemmNR + j] = to_f32(rows[j][k]);
         for (int64_t m = 0; m < M; m += kGemmMR) {
             const int64_t mr = M - m < kGemmMR ? M - m : kGemmMR;
             const float* xm = x + m * K;
@@ -301,6 +356,41 @@ static void gemm_range(const float* x, int64_t M, int64_t K, const W* w, const f
     }
 }
 
+// Weight rows [n, n + NT) against every activation row, kMT rows at a time; `next` (the next
+// tile's weight rows, or null) is fetched alongside the first.
+template <int NT, typename W>
+static inline void tile_columns(const float* x, int64_t M, int64_t K, const W* w, const float* scale,
+                                const float* bias, float* y, int64_t N, bool accumulate, int64_t n,
+                                const W* next = nullptr) {
+    int64_t m = 0;
+    for (; m + kMT <= M; m += kMT)
+        tile_rows<kMT, NT>(x, K, w, scale, bias, y, N, accumulate, n, m, m == 0 ? next : nullptr);
+    for (; m + 2 <= M; m += 2) tile_rows<2, NT>(x, K, w, scale, bias, y, N, accumulate, n, m, m == 0 ? next : nullptr);
+    for (; m < M; ++m) tile_rows<1, NT>(x, K, w, scale, bias, y, N, accumulate, n, m);
+}
+
+// Weight rows [n0, n1) in tiles of NT (the last of fewer), against every activation row.
+template <int NT, typename W>
+static void tiles_range(const float* x, int64_t M, int64_t K, const W* w, const float* scale, const float* bias,
+                        float* y, int64_t N, bool accumulate, int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + NT <= n1; n += NT) {
+        // With more than one tile of rows, the first tile's weight loads no longer stream from
+        // memory as fast as they would alone (each waits behind its products): the next tile's
+        // weight rows are fetched while it runs. SmolLM2's float32 decode at batch 8, 2 threads,
+        // Intel Xeon (AVX-512): 133-139 -> 173-196 tok/s (weights read at 9 -> 12-13 GB/s); two
+        // tiles ahead measured no better.
+        const W* next = M > 2 && n + 2 * NT <= n1 ? w + (n + NT) * K : nullptr;
+        tile_columns<NT>(x, M, K, w, scale, bias, y, N, accumulate, n, next);
+    }
+    switch (n1 - n) {  // the last weight rows, fewer than a tile
+        case 3: if constexpr (NT > 3) tile_columns<3>(x, M, K, w, scale, bias, y, N, accumulate, n); break;
+        case 2: if constexpr (NT > 2) tile_columns<2>(x, M, K, w, scale, bias, y, N, accumulate, n); break;
+        case 1: tile_columns<1>(x, M, K, w, scale, bias, y, N, accumulate, n); break;
+        default: break;
+    }
+}
+
 // y[:, n0:n1] (+)= x @ w[n0:n1].T * scale + bias; x (M, K), y (M, N).
 template <typename W>
 static void linear_range(const float* x, int64_t M, int64_t K, const W* w, const float* scale, const float* bias,
@@ -323,24 +413,12 @@ static void linear_range(const float* x, int64_t M, int64_t K, const W* w, const
         gemm_range(x, M, K, w, scale, bias, y, N, accumulate, n0, n1);
         return;
     }
-    int64_t n = n0;
-    for (; n + kNT <= n1; n += kNT) {
-        int64_t m = 0;
-        // With more than one tile of rows, the first tile's weight loads no longer stream from
-        // memory as fast as they would alone (each waits behind its products): the next tile's
-        // weight rows are fetched while it runs. SmolLM2's float32 decode at batch 8, 2 threads,
-        // Intel Xeon (AVX-512): 133-139 -> 173-196 tok/s (weights read at 9 -> 12-13 GB/s); two
-        // tiles ahead measured no better.
-        const W* next = M > (RTPCORE_MT >= 4 ? 4 : 2) && n + 2 * kNT <= n1 ? w + (n + kNT) * K : nullptr;
-        if constexpr (RTPCORE_MT >= 4)
-            for (; m + 4 <= M; m += 4)
-                tile_rows<4, kNT>(x, K, w, scale, bias, y, N, accumulate, n, m, m == 0 ? next : nullptr);
-        for (; m + 2 <= M; m += 2)
-            tile_rows<2, kNT>(x, K, w, scale, bias, y, N, accumulate, n, m, m == 0 ? next : nullptr);
-        for (; m < M; ++m) tile_rows<1, kNT>(x, K, w, scale, bias, y, N, accumulate, n, m);
-    }
-    for (; n < n1; ++n)
-        for (int64_t m = 0; m < M; ++m) tile_rows<1, 1>(x, K, w, scale, bias, y, N, accumulate, n, m);
+    // Fewer rows than a tile of kMT: two rows x 4 weight rows (the 4 x 3 tile's columns of two rows
+    // measured 4% slower at 2 rows, as fast at 3).
+    if (M < kMT)
+        tiles_range<4>(x, M, K, w, scale, bias, y, N, accumulate, n0, n1);
+    else
+        tiles_range<kNT>(x, M, K, w, scale, bias, y, N, accumulate, n0, n1);
 }
 
 static void linear_f32(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y,
