@@ -247,8 +247,8 @@ struct Kernels {
     void (*silu_mul)(const float*, const float*, float*, int64_t);
     void (*rope)(float*, int64_t, int64_t, const float*, const float*);
     // attention over float32 / bfloat16 pools
-    void (*attend[2])(const float*, int64_t, int64_t, const void*, const void*, int64_t, int64_t, const int64_t*,
-                      int64_t, int64_t, int64_t, float, float*, const void**, float*);
+    void (*attend[2])(const float*, int64_t, int64_t, const void*, const void*, int64_t, int64_t, int64_t,
+                      const int64_t*, int64_t, int64_t, int64_t, float, float*, const void**, float*);
     // the activation quantizer, dequantizer and int8 product beside the quantized products
     const gguf::QKernels* q;
     // attention of a span of new tokens over float32 / bfloat16 pools (attend_span)
@@ -836,20 +836,27 @@ void check_context(int64_t b, const int64_t* ctx, const int64_t* tables, int64_t
 
 // out row b (heads of D, row stride out_ld) = attention of q row b (stride q_ld) over its
 // sequence's ctx[b] cached positions (the last `window` when window > 0), read in place from the
-// pools; over the pool, one task per (row, KV head). `longest`: the largest ctx[b].
+// pools; over the pool, one task per row and group of KV heads: all of a row's KV heads together
+// (attend_heads reads a position's rows of all of them at once), split into groups only while the
+// rows alone would leave threads idle. `longest`: the largest ctx[b].
 void attend_rows(const Kernels& k, int64_t B, int64_t H, int64_t Hkv, int64_t D, const float* q, int64_t q_ld,
                  const void* k_pool, const void* v_pool, bool bf16, const int64_t* tables, int64_t width, int64_t tpb,
                  const int64_t* ctx, int64_t longest, int64_t window, float scale, float* out, int64_t out_ld) {
     const int64_t G = H / Hkv;
-    pool().run(B * Hkv, [&](int64_t task) {
+    const int64_t want = 2 * static_cast<int64_t>(pool().threads());  // tasks: enough to even out the threads
+    const int64_t groups = B >= want ? 1 : std::min<int64_t>(Hkv, (want + B - 1) / B);
+    const int64_t per = (Hkv + groups - 1) / groups;  // KV heads per task
+    const int64_t tasks_per_row = (Hkv + per - 1) / per;
+    pool().run(B * tasks_per_row, [&](int64_t task) {
         thread_local std::vector<float> scores;
         thread_local std::vector<const void*> rows;  // each position's key and value rows
-        const int64_t b = task / Hkv, kvh = task % Hkv;
+        const int64_t b = task / tasks_per_row, h0 = task % tasks_per_row * per;
+        const int64_t h1 = h0 + per < Hkv ? h0 + per : Hkv;
         const int64_t start = (window > 0 && ctx[b] > window) ? ctx[b] - window : 0;
-        if (static_cast<int64_t>(scores.size()) < G * longest) scores.resize(G * longest);
+        if (static_cast<int64_t>(scores.size()) < per * G * longest) scores.resize(per * G * longest);
         if (static_cast<int64_t>(rows.size()) < 2 * longest) rows.resize(2 * longest);
-        k.attend[bf16](q + b * q_ld + kvh * G * D, G, D, k_pool, v_pool, kvh, Hkv, tables + b * width, tpb, start,
-                       ctx[b], scale, scores.data(), rows.data(), out + b * out_ld + kvh * G * D);
+        k.attend[bf16](q + b * q_ld + h0 * G * D, G, D, k_pool, v_pool, h0, h1, Hkv, tables + b * width, tpb, start,
+                       ctx[b], scale, scores.data(), rows.data(), out + b * out_ld + h0 * G * D);
     });
 }
 
