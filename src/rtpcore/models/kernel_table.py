@@ -10,7 +10,8 @@ step's row count. The labels:
   weights with float32 inputs, bf16 weights in the blocked layout (``Linear``'s ``native-bf16``:
   vdpbf16ps, AMX tiles), GGUF blocks below ``GEMM_ROWS`` rows
   (``rtpcore.checkpoint.gguf.linear``), float32 weights in the float32 steps of a Llama-family
-  model whose ``native_decode`` is on (``RowOps.linear``: the tile kernel, the GEMM from 64 rows);
+  model whose ``native_decode`` is on (``RowOps.linear``: the tile kernel, the GEMM from 40 rows
+  with AVX2, from 64 otherwise);
 * ``torch (oneDNN)`` -- ``Linear``'s ``packed`` kernel (oneDNN's prepacked bf16 / fp16 GEMM,
   AMX or AVX512-BF16 where the CPU has them), and ``packed+fp32`` for one row;
 * ``torch (float32 GEMM)`` -- torch's float32 GEMM: float32 weights otherwise, the float32 copy of
