@@ -836,17 +836,20 @@ void check_context(int64_t b, const int64_t* ctx, const int64_t* tables, int64_t
 
 // out row b (heads of D, row stride out_ld) = attention of q row b (stride q_ld) over its
 // sequence's ctx[b] cached positions (the last `window` when window > 0), read in place from the
-// pools; over the pool, one task per row and group of KV heads: all of a row's KV heads together
-// (attend_heads reads a position's rows of all of them at once), split into groups only while the
-// rows alone would leave threads idle. `longest`: the largest ctx[b].
+// pools; over the pool, one task per row with all its KV heads (attend_heads reads a position's
+// rows of all of them at once), or one per (row, KV head) where whole rows would leave threads
+// idle: fewer than two rows per thread, or a row holding more than a thread's share of the
+// positions (a task runs on one thread). `longest`: the largest ctx[b].
 void attend_rows(const Kernels& k, int64_t B, int64_t H, int64_t Hkv, int64_t D, const float* q, int64_t q_ld,
                  const void* k_pool, const void* v_pool, bool bf16, const int64_t* tables, int64_t width, int64_t tpb,
                  const int64_t* ctx, int64_t longest, int64_t window, float scale, float* out, int64_t out_ld) {
     const int64_t G = H / Hkv;
-    const int64_t want = 2 * static_cast<int64_t>(pool().threads());  // tasks: enough to even out the threads
-    const int64_t groups = B >= want ? 1 : std::min<int64_t>(Hkv, (want + B - 1) / B);
-    const int64_t per = (Hkv + groups - 1) / groups;  // KV heads per task
-    const int64_t tasks_per_row = (Hkv + per - 1) / per;
+    const int64_t threads = pool().threads();
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b) total += ctx[b];
+    const bool whole = B >= 2 * threads && longest * threads <= total;
+    const int64_t per = whole ? Hkv : 1;  // KV heads per task
+    const int64_t tasks_per_row = Hkv / per;
     pool().run(B * tasks_per_row, [&](int64_t task) {
         thread_local std::vector<float> scores;
         thread_local std::vector<const void*> rows;  // each position's key and value rows
