@@ -20,21 +20,12 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from bench_decode import cpu_line
 
 from rtpcore_native import _kernels as kernels
 
 # (hidden, intermediate, kv width, layers, vocab): the bars' 56M Llama and SmolLM2-135M
 MODELS = {"56m": (512, 1376, 256, 8, 32000), "smollm2": (576, 1536, 192, 30, 49152)}
-
-
-def cpu_line() -> str:
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"CPU: {model}; rtpcore kernels {kernels.isa()}; {kernels.num_threads()} threads; torch {torch.__version__}"
 
 
 def step_shapes(model: str) -> list[tuple[int, int]]:
@@ -64,6 +55,7 @@ def main() -> None:
     kernels.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     print(cpu_line(), flush=True)
+    print(f"{kernels.num_threads()} threads, torch {torch.__version__}", flush=True)
     gen = torch.Generator().manual_seed(0)
     shapes = step_shapes(args.model)
     weights = [torch.randn(n, k, generator=gen) * 0.05 for n, k in shapes]
