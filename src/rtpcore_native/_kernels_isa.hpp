@@ -147,6 +147,32 @@ static inline V vexp(V x) {
     return out;
 }
 
+// exp(x) for lanes x <= 0 (or -inf, which gives 0): vexp's reduction and polynomial without its
+// upper clamp and sign test, for an online softmax's exp(s - max), whose argument is never
+// positive. Prompt attention (attend_span), one thread, AMD EPYC (Zen 4, AVX-512), 256 new
+// tokens after 768 / 1792 cached, SmolLM2's heads: 7.4 / 16.3 -> 6.7 / 14.7 ms with the rescale
+// below skipped where a query's max did not grow.
+static inline V vexp_nonpos(V x) {
+    const V lo = splat(-87.3365478515625f);
+    V n = x * 1.44269504088896341f - 0.5f;  // n <= 0: rounds to nearest as vexp does
+    I ni = __builtin_convertvector(n, I);
+    V nf = __builtin_convertvector(ni, V);
+    V r = x - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    V p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    I bits = (ni + 127) << 23;
+    V scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    V out = p * scale;
+    return x < lo ? splat(0.0f) : out;
+}
+
 static inline float sexp(float x) {
     V v = splat(x);
     return vexp(v)[0];
@@ -777,11 +803,12 @@ static void attend_span(const float* q, int64_t q_ld, int64_t n, int64_t G, int6
                 continue;
             }
             const float m_new = m > mx[r] ? m : mx[r];
-            const float corr = sexp(mx[r] - m_new);  // 0 for the first visible block
+            // 0 for the first visible block; exactly 1 (exp(0)) when the max did not grow
+            const float corr = m_new == mx[r] ? 1.0f : sexp(mx[r] - m_new);
             mx[r] = m_new;
             V tot = V{};
             for (int v = 0; v < kSpanNV; ++v) {
-                const V e = vexp(load(s + v * kLanes) - m_new);  // -inf: 0
+                const V e = vexp_nonpos(load(s + v * kLanes) - m_new);  // -inf: 0
                 store(s + v * kLanes, e);
                 tot += e;
             }
