@@ -119,42 +119,10 @@ static inline float hmax(V v) {
 #endif
 }
 
-// exp(x) for float32 lanes: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for
-// e^r, n added to the exponent. Relative error under 2e-7 on [-87, 88]; below -87 it
-// returns 0, above 88 +inf (as expf does).
-static inline V vexp(V x) {
-    const V hi = splat(88.3762626647949f), lo = splat(-87.3365478515625f);
-    x = x > hi ? hi + 1.0f : x;
-    V n = x * 1.44269504088896341f;
-    n = n + (n >= 0 ? splat(0.5f) : splat(-0.5f));
-    I ni = __builtin_convertvector(n, I);  // rounds toward zero after the +-0.5: nearest
-    V nf = __builtin_convertvector(ni, V);
-    V r = x - nf * 0.693359375f;
-    r = r - nf * -2.12194440e-4f;
-    V p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    I bits = (ni + 127) << 23;
-    V scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    V out = p * scale;
-    out = x > hi ? splat(__builtin_inff()) : out;
-    out = x < lo ? splat(0.0f) : out;
-    return out;
-}
-
-// exp(x) for lanes x <= 0 (or -inf, which gives 0): vexp's reduction and polynomial without its
-// upper clamp and sign test, for an online softmax's exp(s - max), whose argument is never
-// positive. Prompt attention (attend_span), one thread, AMD EPYC (Zen 4, AVX-512), 256 new
-// tokens after 768 / 1792 cached, SmolLM2's heads: 7.4 / 16.3 -> 6.7 / 14.7 ms with the rescale
-// below skipped where a query's max did not grow.
-static inline V vexp_nonpos(V x) {
-    const V lo = splat(-87.3365478515625f);
-    V n = x * 1.44269504088896341f - 0.5f;  // n <= 0: rounds to nearest as vexp does
+// e^x = 2^n e^r for float32 lanes, n the nearest integer to x / ln2 (passed as `n` with the +-0.5
+// already added: truncation rounds it), r = x - n ln2, |r| <= ln2 / 2: a degree-6 polynomial for
+// e^r, n added to the exponent. No clamping: the callers know their ranges.
+static inline V exp_reduced(V x, V n) {
     I ni = __builtin_convertvector(n, I);
     V nf = __builtin_convertvector(ni, V);
     V r = x - nf * 0.693359375f;
@@ -169,8 +137,30 @@ static inline V vexp_nonpos(V x) {
     I bits = (ni + 127) << 23;
     V scale;
     std::memcpy(&scale, &bits, sizeof scale);
-    V out = p * scale;
-    return x < lo ? splat(0.0f) : out;
+    return p * scale;
+}
+
+// exp(x) for float32 lanes. Relative error under 2e-7 on [-87, 88]; below -87 it returns 0,
+// above 88 +inf (as expf does).
+static inline V vexp(V x) {
+    const V hi = splat(88.3762626647949f), lo = splat(-87.3365478515625f);
+    x = x > hi ? hi + 1.0f : x;
+    V n = x * 1.44269504088896341f;
+    n = n + (n >= 0 ? splat(0.5f) : splat(-0.5f));
+    V out = exp_reduced(x, n);
+    out = x > hi ? splat(__builtin_inff()) : out;
+    out = x < lo ? splat(0.0f) : out;
+    return out;
+}
+
+// exp(x) for lanes x <= 0 (or -inf, which gives 0): vexp without its upper clamp and sign test,
+// for an online softmax's exp(s - max), whose argument is never positive. Prompt attention
+// (attend_span), one thread, AMD EPYC (Zen 4, AVX-512), 256 new tokens after 768 / 1792 cached,
+// SmolLM2's heads: 7.4 / 16.3 -> 6.7 / 14.7 ms with the rescale below skipped where a query's
+// max did not grow.
+static inline V vexp_nonpos(V x) {
+    const V out = exp_reduced(x, x * 1.44269504088896341f - 0.5f);
+    return x < splat(-87.3365478515625f) ? splat(0.0f) : out;
 }
 
 static inline float sexp(float x) {
