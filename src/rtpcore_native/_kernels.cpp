@@ -886,7 +886,7 @@ void attend_spans(const Kernels& k, int64_t S, const int64_t* starts, const int6
     std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
         return ctx[a.s] - counts[a.s] + a.r0 > ctx[b.s] - counts[b.s] + b.r0;
     });
-    // the largest of the sets' scratch (their blocks of keys differ: 64 with AVX-512, 32 below)
+    // the largest of the sets' scratch: each set sizes its own blocks of keys and rows
     const int64_t scratch = std::max({isa_avx512::span_scratch(G, D), isa_avx2::span_scratch(G, D),
                                       isa_base::span_scratch(G, D)});
     pool().run(static_cast<int64_t>(tasks.size()), [&](int64_t i) {

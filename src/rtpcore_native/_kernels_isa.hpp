@@ -155,9 +155,9 @@ static inline V vexp(V x) {
 
 // exp(x) for lanes x <= 0 (or -inf, which gives 0): vexp without its upper clamp and sign test,
 // for an online softmax's exp(s - max), whose argument is never positive. Prompt attention
-// (attend_span), one thread, AMD EPYC (Zen 4, AVX-512), 256 new tokens after 768 / 1792 cached,
-// SmolLM2's heads: 7.4 / 16.3 -> 6.7 / 14.7 ms with the rescale below skipped where a query's
-// max did not grow.
+// (attend_span) in the setup of benchmarks/bench_prompt_attention.py (one thread, AMD EPYC Zen 4,
+// AVX-512, 256 new tokens after 768 / 1792 cached): 7.4 / 16.3 -> 6.7 / 14.7 ms, with the
+// rescale skipped where a query's max did not grow.
 static inline V vexp_nonpos(V x) {
     const V out = exp_reduced(x, x * 1.44269504088896341f - 0.5f);
     return x < splat(-87.3365478515625f) ? splat(0.0f) : out;
@@ -755,10 +755,10 @@ static void attend_span(const float* q, int64_t q_ld, int64_t n, int64_t G, int6
 #if RTPCORE_VBYTES >= 32
         // A whole block: the keys transposed 8 x 8 in registers (they were copied element by
         // element: a third of the kernel's own time outside the two products, by perf, with
-        // AVX2), the values copied a row at a time. One thread, AMD EPYC (Zen 4), 256 new tokens
-        // after 768 / 1792 cached, SmolLM2's heads, three runs alternated: AVX-512 6.7-6.8 /
-        // 13.9-15.1 -> 6.4 / 13.6-13.8 ms; AVX2 within this host's noise at 768, 25.4 -> 23.4-23.7
-        // ms at 1792.
+        // AVX2), the values copied a row at a time. The setup of benchmarks/bench_prompt_attention.py
+        // (one thread, AMD EPYC Zen 4, 256 new tokens after 768 / 1792 cached), three runs
+        // alternated with the exp change below in both: AVX-512 6.7-6.8 / 13.9-15.1 -> 6.4 /
+        // 13.6-13.8 ms; AVX2 within this host's noise at 768, 25.4 -> 23.4-23.7 ms at 1792.
         if (nk == kSpanKeys && D % 8 == 0) {
             const T* krows[kSpanKeys];
             for (int64_t j = 0; j < kSpanKeys; ++j) {
