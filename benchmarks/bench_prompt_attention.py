@@ -98,5 +98,6 @@ def main() -> None:
     for L in (int(x) for x in args.contexts.split(",")):
         print(row(L), flush=True)
 
+
 if __name__ == "__main__":
     main()

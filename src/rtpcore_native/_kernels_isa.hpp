@@ -751,35 +751,23 @@ static void attend_span(const float* q, int64_t q_ld, int64_t n, int64_t G, int6
     const int64_t lo = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0, hi = pos0 + n;
     for (int64_t kb = lo - lo % kSpanKeys; kb < hi; kb += kSpanKeys) {
         const int64_t nk = hi - kb < kSpanKeys ? hi - kb : kSpanKeys;
-        int64_t j0 = 0;  // keys [0, j0) already gathered
-#if RTPCORE_VBYTES >= 32
-        // A whole block: the keys transposed 8 x 8 in registers (they were copied element by
-        // element: a third of the kernel's own time outside the two products, by perf, with
-        // AVX2), the values copied a row at a time. The setup of benchmarks/bench_prompt_attention.py
-        // (one thread, AMD EPYC Zen 4, 256 new tokens after 768 / 1792 cached), three runs
-        // alternated with the exp change below in both: AVX-512 6.7-6.8 / 13.9-15.1 -> 6.4 /
-        // 13.6-13.8 ms; AVX2 within this host's noise at 768, 25.4 -> 23.4-23.7 ms at 1792.
-        if (nk == kSpanKeys && D % 8 == 0) {
-            const T* krows[kSpanKeys];
-            for (int64_t j = 0; j < kSpanKeys; ++j) {
-                const int64_t pos = kb + j, slot = table[pos / tpb] * tpb + pos % tpb;
-                krows[j] = kc + (slot * Hkv + kvh) * D;
-                const T* vrow = vc + (slot * Hkv + kvh) * D;
-                int64_t d = 0;
-                for (; d + kLanes <= D; d += kLanes) store(vb + j * D + d, load(vrow + d));
-                for (; d < D; ++d) vb[j * D + d] = to_f32(vrow[d]);
-            }
-            for (int64_t d = 0; d < D; d += 8)
-                for (int64_t j = 0; j < kSpanKeys; j += 8) pack8x8(krows + j, d, kt + d * kSpanKeys + j, kSpanKeys);
-            j0 = kSpanKeys;
-        }
-#endif
-        for (int64_t j = j0; j < kSpanKeys; ++j) {
+        // A whole block's keys are transposed 8 x 8 in registers below (they were copied element
+        // by element: a third of the kernel's own time outside the two products, by perf, with
+        // AVX2); the values are copied a row at a time. The setup of
+        // benchmarks/bench_prompt_attention.py (one thread, AMD EPYC Zen 4, 256 new tokens after
+        // 768 / 1792 cached), three runs alternated with the exp change below in both: AVX-512
+        // 6.7-6.8 / 13.9-15.1 -> 6.4 / 13.6-13.8 ms; AVX2 within this host's noise at 768, 25.4
+        // -> 23.4-23.7 ms at 1792.
+        const bool packed = RTPCORE_VBYTES >= 32 && nk == kSpanKeys && D % 8 == 0;
+        [[maybe_unused]] const T* krows[kSpanKeys];  // read by the 8 x 8 transposes only
+        for (int64_t j = 0; j < kSpanKeys; ++j) {
             if (j < nk) {
                 const int64_t pos = kb + j, slot = table[pos / tpb] * tpb + pos % tpb;
                 const T* krow = kc + (slot * Hkv + kvh) * D;
                 const T* vrow = vc + (slot * Hkv + kvh) * D;
-                for (int64_t d = 0; d < D; ++d) kt[d * kSpanKeys + j] = to_f32(krow[d]);
+                krows[j] = krow;
+                if (!packed)
+                    for (int64_t d = 0; d < D; ++d) kt[d * kSpanKeys + j] = to_f32(krow[d]);
                 int64_t d = 0;
                 for (; d + kLanes <= D; d += kLanes) store(vb + j * D + d, load(vrow + d));
                 for (; d < D; ++d) vb[j * D + d] = to_f32(vrow[d]);
@@ -787,6 +775,11 @@ static void attend_span(const float* q, int64_t q_ld, int64_t n, int64_t G, int6
                 for (int64_t d = 0; d < D; ++d) kt[d * kSpanKeys + j] = vb[j * D + d] = 0.0f;
             }
         }
+#if RTPCORE_VBYTES >= 32
+        if (packed)
+            for (int64_t d = 0; d < D; d += 8)
+                for (int64_t j = 0; j < kSpanKeys; j += 8) pack8x8(krows + j, d, kt + d * kSpanKeys + j, kSpanKeys);
+#endif
         // every query of the span sees every key of this block: no rule to apply
         const int64_t last = pos0 + n - 1;
         const bool whole = nk == kSpanKeys && kb + nk - 1 <= pos0 && (window <= 0 || kb >= last + 1 - window);
