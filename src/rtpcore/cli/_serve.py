@@ -203,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     from rtpcore.serving.server import Server, protocol_class
     from rtpcore.serving.state import RequestLimits
 
+    if engine_options.get("kv_cache_prefault") is None:  # a server commits its KV pool at start
+        engine_options["kv_cache_prefault"] = True
     engine = AsyncEngine.from_pretrained(
         path,
         max_waiting=args.max_waiting,

@@ -113,6 +113,13 @@ class EngineOptions:
         "byte layout of the fp8 MLA KV-cache layers: padded, compact, or one a loaded plugin registers "
         "(default: the one the model's plugin chooses)", metavar="NAME"))
     tokens_per_block: int = option(16, "tokens per KV block")
+    kv_cache_prefault: bool | None = option(
+        None, "commit the CPU KV pools' memory when the engine is built, not page by page as steps first write "
+        "it (rtpcore.kv.pools.commit_pages); None: on for rtpcore serve, off for the Python API and rtpcore "
+        "generate", CliFlag(
+            "leave the KV pool's pages to be committed as steps first write them (default: rtpcore serve commits "
+            "the whole pool at start, so a pool the machine cannot hold fails there and no step waits on page "
+            "faults)", negative=True, commands=("serve",)))
     kv_cache_memory: int | None = option(None, "bytes of KV cache per rank", CliFlag(
         "bytes of KV cache per rank, e.g. 2GiB (default: on a GPU, what --gpu-memory-utilization leaves after "
         "the weights and one step; on the CPU, --max-batch-size sequences of --max-model-len tokens, at most a "
@@ -313,6 +320,7 @@ class EngineConfig(EngineOptions):
             raise RtpcoreError(f"attention_backend must be None or a backend's name, got {o.attention_backend!r}")
         processors = _names("logits_processors", o.logits_processors)
         _tristate("async_scheduling", o.async_scheduling)
+        _tristate("kv_cache_prefault", o.kv_cache_prefault)
         if o.async_scheduling and o.tensor_parallel_size > 1:
             raise RtpcoreError(
                 f"async_scheduling=True needs tensor_parallel_size=1, got {o.tensor_parallel_size}: the next step's "

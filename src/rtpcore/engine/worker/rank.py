@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -121,7 +122,7 @@ class EngineShard:
     def allocate(self, num_blocks: int) -> None:
         """Preallocate ``num_blocks`` KV blocks per layer (rank 0 decides the number), for
         the draft's layers too."""
-        from rtpcore.kv.pools import GatherWorkspace, allocate_kv_caches
+        from rtpcore.kv.pools import GatherWorkspace, allocate_kv_caches, commit_pages
 
         self.kv_caches, self.draft_kv_caches = [], []  # free the old pools first
         self.graphs = self.draft_graphs = None
@@ -139,6 +140,12 @@ class EngineShard:
                 self.draft.kv_cache_specs, pool_blocks, workspace=GatherWorkspace(),
                 attention_backends=self.draft.attention_backends, **options,
             )
+        if self.config.kv_cache_prefault:
+            start = time.perf_counter()
+            committed = commit_pages([*self.kv_caches, *self.draft_kv_caches])
+            if committed:
+                logger.info("KV cache: committed %.2f GiB of pool memory in %.1f s (kv_cache_prefault)",
+                            committed / (1 << 30), time.perf_counter() - start)
         if graphs:
             from rtpcore.engine.worker.graphs import in_place_problem
 
