@@ -2,7 +2,7 @@
 --continuous-batching`` on the same checkpoint, driven by the real ``openai`` client.
 
     python benchmarks/bench_serve.py [--scenario steady|load|both|multiturn|llamacpp] [--quick]
-        [--clients N] [--skip-transformers]
+        [--clients N] [--skip-transformers] [--rtpcore-arg=--FLAG ...]
       steady:    [--tokens 64] [--rounds 3] [--max-batch-size 16]
       load:      [--prompt-tokens 64:768] [--output-tokens 256:512] [--arrival-rate 4]
                  [--kv-fraction 0.25] [--max-batch-size N] [--max-num-batched-tokens N] [--seed 0]
@@ -251,6 +251,9 @@ class Server:
             return "(no log)"
 
 
+RTPCORE_ARGS: list[str] = []  # --rtpcore-arg: appended to every rtpcore serve command line
+
+
 def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: list[str] | None = None, *,
                    dtype: str, name: str = "rtpcore") -> Server:
     """``rtpcore serve``; ``--max-batch-size`` only when given, then ``extra`` options; ``name``
@@ -261,7 +264,7 @@ def rtpcore_server(ckpt: Path, tmp: Path, max_batch_size: int | None, extra: lis
             "--enable-prompt-tokens-details"]  # the cached fraction is read from usage
     if max_batch_size is not None:
         argv += ["--max-batch-size", str(max_batch_size)]
-    argv += extra or []
+    argv += [*(extra or []), *RTPCORE_ARGS]
     return Server(name, argv, port, tmp / f"{name}.log", model="bench")
 
 
@@ -940,12 +943,14 @@ def run_llamacpp(tmp: Path, args: argparse.Namespace) -> tuple[str, bool]:
     print(f"llamacpp: {args.clients} concurrent streaming completions x {args.tokens} tokens, prompts of "
           f"{args.prompt_words[0]}-{args.prompt_words[1]} words, 1 warm-up + {args.rounds} timed rounds; "
           f"llama-server -t 2 -tb 2 --parallel {args.clients} -c {args.clients * LLAMACPP_SLOT_TOKENS} --cont-batching; "
-          f"rtpcore serve --dtype float32 {' '.join(extra) or '(its defaults)'}", flush=True)
+          f"rtpcore serve --dtype float32 {' '.join([*extra, *RTPCORE_ARGS]) or '(its defaults)'}", flush=True)
     results: dict[str, Result | str] = {}
     counted: dict[str, list[int]] = {}
     for t, gguf in files.items():
-        for server in (rtpcore_server(gguf, tmp, None, extra, dtype="float32", name=f"rtpcore[{t}]"),
-                       llama_server(args.llamacpp, gguf, tmp, args.clients, f"llama-server[{t}]")):
+        servers = [rtpcore_server(gguf, tmp, None, extra, dtype="float32", name=f"rtpcore[{t}]")]
+        if not args.skip_transformers:
+            servers.append(llama_server(args.llamacpp, gguf, tmp, args.clients, f"llama-server[{t}]"))
+        for server in servers:
             try:
                 results[server.name], counted[server.name] = bench_completions(server, rounds, args)
             except ServerFailed as exc:
@@ -1229,12 +1234,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="both servers' --dtype (default float32)")
-    parser.add_argument("--skip-transformers", action="store_true", help="benchmark rtpcore serve alone")
+    parser.add_argument("--skip-transformers", action="store_true",
+                        help="benchmark rtpcore serve alone (no transformers; in the llamacpp scenario no llama-server)")
+    parser.add_argument("--rtpcore-arg", action="append", default=[], metavar="ARG",
+                        help="one more argument to every rtpcore serve (repeatable; --rtpcore-arg=--no-kv-cache-prefault), "
+                        "for A/B runs of an option")
     parser.add_argument("--start-timeout", type=float, default=180, help="seconds for a server to answer /health")
     parser.add_argument("--round-timeout", type=float, default=None,
                         help="seconds a round (steady, default 600) or a request of the load or multiturn run "
                         "(default 1800) may take")
     args = parser.parse_args(argv)
+    RTPCORE_ARGS[:] = args.rtpcore_arg
     quick = args.quick
 
     def pick(value: Any, full: Any, fast: Any) -> Any:
