@@ -84,7 +84,9 @@ between tokens <= 1.0x llama-server's).
 
 ``--profile DIR`` (steady, load, llamacpp) samples each rtpcore server with py-spy through its timed
 rounds and prints where its threads spent their samples (innermost frames, rtpcore functions):
-the measurement to read before changing the serving loop.
+the measurement to read before changing the serving loop. ``--rtpcore-arg ARG`` (repeatable) appends
+ARG to every rtpcore serve command line, for A/B runs of one option; ``--skip-transformers`` runs
+rtpcore alone (no transformers, and no llama-server in the llamacpp scenario).
 
 ``--quick`` shrinks everything (a handful of clients, short prompts and completions; multiturn:
 3 conversations x 2 turns of 8 tokens over a 200-token system prompt) to check that the script
