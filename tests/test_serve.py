@@ -318,10 +318,15 @@ def test_clients_that_disconnect_leave_no_kv_block_held(server: Server) -> None:
                 if n >= i % 4:
                     break
     for _ in range(3):
-        with pytest.raises(httpx.TimeoutException):
-            # 240 tokens, one step each: far more than any machine computes within the client's 0.05 s
-            httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 240,
-                                                             "ignore_eos": True}, timeout=0.05)
+        # 240 tokens, one step each: usually more than the client's 0.05 s, after which it hangs up;
+        # a fast machine may answer first (the tiny model takes 60-100 ms on a 2-vCPU EPYC), and
+        # then the answer is whole. Either way nothing stays held (below): no test here waits on speed.
+        try:
+            r = httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 240,
+                                                                 "ignore_eos": True}, timeout=0.05)
+        except httpx.TimeoutException:
+            continue
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 240, r.text
     m = server.wait_idle()
     assert m["rtpcore_kv_blocks_free"] == m["rtpcore_kv_blocks_total"] > 0
     assert m["rtpcore_requests_running"] == 0 and m["rtpcore_requests_waiting"] == 0
