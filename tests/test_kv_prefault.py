@@ -81,3 +81,13 @@ def test_serve_commits_its_pool_at_start_unless_told_not_to(ckpt: Path) -> None:
         code, out = server.stop()
         assert code == 0, out
         assert ("KV cache: committed" in out) == committed, out
+
+
+def test_a_pool_larger_than_the_memory_available_is_refused_before_anything_is_allocated(ckpt: Path) -> None:
+    from rtpcore.errors import KVCacheCapacityError
+    from rtpcore.platforms import available_memory
+
+    too_big = available_memory() + (1 << 30)
+    with pytest.raises(KVCacheCapacityError, match="--no-kv-cache-prefault") as info:
+        Engine.from_pretrained(ckpt, kv_cache_memory=too_big, kv_cache_prefault=True)
+    assert "cannot be committed" in str(info.value) and "--kv-cache-memory" in str(info.value)

@@ -97,8 +97,9 @@ def commit_pages(caches: Sequence[Any]) -> int:
     a float32 SmolLM2-135M pool cost 0.68 ms per layer and 256-token chunk against 0.07 ms
     into committed pages: 2.3 of 43.6 s of 32 prompts of 1,000 tokens, 128 new each
     (docs/benchmarks.md). A server commits its pool at start (``kv_cache_prefault``), as
-    llama.cpp clears its cache at start: a pool larger than the machine can hold fails (or is
-    refused by the OS) there, not in the middle of serving."""
+    llama.cpp clears its cache at start: memory the host cannot give fails there, not in the
+    middle of serving (the engine refuses a pool larger than the available memory first:
+    ``rtpcore.engine.worker.rank``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     parts = [t for cache in caches

@@ -119,6 +119,26 @@ class EngineShard:
         self._step_linear = representative_linear(self.model)
         self._draft_calls = _per_name(self.draft.attention_backends) if self.draft is not None else {}
 
+    def _check_committable(self, pool_blocks: int) -> None:
+        """Refuse, before anything is allocated, pools that ``kv_cache_prefault`` could not commit:
+        more bytes than the host has available (``rtpcore.platforms.available_memory``). Writing
+        them would have the OS kill the process instead of an error naming the flags."""
+        from rtpcore.errors import KVCacheCapacityError
+        from rtpcore.platforms import available_memory
+
+        specs = [*self.kv_cache_specs, *(self.draft.kv_cache_specs if self.draft is not None else ())]
+        need = pool_blocks * sum(s.block_bytes for s in specs)
+        free = available_memory()
+        if need > free:
+            raise KVCacheCapacityError(
+                f"kv_cache_prefault: the KV cache's {pool_blocks} blocks ({need} bytes, {need / (1 << 30):.2f} GiB) "
+                f"cannot be committed: this host has {free} bytes ({free / (1 << 30):.2f} GiB) available "
+                "(MemAvailable, at most the memory limit); lower --kv-cache-memory (kv_cache_memory=), or "
+                "--max-batch-size / --max-model-len for the default size, or pass --no-kv-cache-prefault "
+                "(kv_cache_prefault=False) to commit pages as steps first write them",
+                blocks_available=pool_blocks,
+            )
+
     def allocate(self, num_blocks: int) -> None:
         """Preallocate ``num_blocks`` KV blocks per layer (rank 0 decides the number), for
         the draft's layers too."""
@@ -130,6 +150,8 @@ class EngineShard:
         graphs = self.uses_cuda_graphs
         # With graphs, one more block than the engine hands out: the padding rows' scratch block.
         pool_blocks = num_blocks + 1 if graphs else num_blocks
+        if self.config.kv_cache_prefault and torch.device(self.ctx.device).type == "cpu":
+            self._check_committable(pool_blocks)
         # Each model's layers share their gather buffers; the draft's forward never overlaps the target's.
         self.kv_caches = allocate_kv_caches(
             self.kv_cache_specs, pool_blocks, workspace=GatherWorkspace(),
