@@ -91,3 +91,18 @@ def test_a_pool_larger_than_the_memory_available_is_refused_before_anything_is_a
     with pytest.raises(KVCacheCapacityError, match="--no-kv-cache-prefault") as info:
         Engine.from_pretrained(ckpt, kv_cache_memory=too_big, kv_cache_prefault=True)
     assert "cannot be committed" in str(info.value) and "--kv-cache-memory" in str(info.value)
+
+
+def test_tensor_parallel_ranks_count_every_ranks_pool_against_the_hosts_memory(ckpt: Path) -> None:
+    """Each CPU rank commits a pool of its own on this host: a per-rank pool that fits alone but
+    not twice is refused, with the ranks' error type, and a small one serves as one rank does."""
+    from rtpcore.errors import KVCacheCapacityError
+    from rtpcore.platforms import available_memory
+
+    with Engine.from_pretrained(ckpt, kv_cache_memory=16 << 20) as one:
+        want = one.generate([[1, 2, 3, 4]], max_new_tokens=6)
+    with Engine.from_pretrained(ckpt, kv_cache_memory=16 << 20, tensor_parallel_size=2, kv_cache_prefault=True) as two:
+        assert two.generate([[1, 2, 3, 4]], max_new_tokens=6) == want
+    per_rank = available_memory() // 2 + (1 << 30)
+    with pytest.raises(KVCacheCapacityError, match="2 ranks' pools"):
+        Engine.from_pretrained(ckpt, kv_cache_memory=per_rank, tensor_parallel_size=2, kv_cache_prefault=True)

@@ -127,12 +127,15 @@ class EngineShard:
         from rtpcore.platforms import available_memory
 
         specs = [*self.kv_cache_specs, *(self.draft.kv_cache_specs if self.draft is not None else ())]
-        need = pool_blocks * sum(s.block_bytes for s in specs)
+        ranks = self.config.tensor_parallel_size  # CPU ranks share this host's memory, each its own pool
+        need = pool_blocks * sum(s.block_bytes for s in specs) * ranks
         free = available_memory()
         if need > free:
+            per = f" ({ranks} ranks' pools)" if ranks > 1 else ""
             raise KVCacheCapacityError(
-                f"kv_cache_prefault: the KV cache's {pool_blocks} blocks ({need} bytes, {need / (1 << 30):.2f} GiB) "
-                f"cannot be committed: this host has {free} bytes ({free / (1 << 30):.2f} GiB) available "
+                f"kv_cache_prefault: the KV cache's {pool_blocks} blocks per rank ({need} bytes{per}, "
+                f"{need / (1 << 30):.2f} GiB) cannot be committed: this host has {free} bytes "
+                f"({free / (1 << 30):.2f} GiB) available "
                 "(MemAvailable, at most the memory limit); lower --kv-cache-memory (kv_cache_memory=), or "
                 "--max-batch-size / --max-model-len for the default size, or pass --no-kv-cache-prefault "
                 "(kv_cache_prefault=False) to commit pages as steps first write them",
