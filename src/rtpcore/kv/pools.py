@@ -93,10 +93,10 @@ def commit_pages(caches: Sequence[Any]) -> int:
 
     Why: a pool left to fault in page by page costs the step that first writes each page its
     fault, and with prefix caching every block of a pool is written once before a cached one is
-    evicted for reuse (``rtpcore.engine.core.block_pool``: empty blocks first). On a 2-vCPU virtual machine (AMD EPYC) the first writes of
-    a float32 SmolLM2-135M pool cost 0.68 ms per layer and 256-token chunk against 0.07 ms
-    into committed pages: 2.3 of 43.6 s of 32 prompts of 1,000 tokens, 128 new each
-    (docs/benchmarks.md). A server commits its pool at start (``kv_cache_prefault``), as
+    evicted for reuse (``rtpcore.engine.core.block_pool``: empty blocks first). On a 2-vCPU
+    virtual machine (AMD EPYC) the first writes of a float32 SmolLM2-135M pool cost 0.68 ms per
+    layer and 256-token chunk against 0.07 ms into committed pages: 2.3 of 43.6 s of 32 prompts
+    of 1,000 tokens, 128 new each (docs/benchmarks.md). A server commits its pool at start (``kv_cache_prefault``), as
     llama.cpp clears its cache at start: memory the host cannot give fails there, not in the
     middle of serving (the engine refuses a pool larger than the available memory first:
     ``rtpcore.engine.worker.rank``)."""
